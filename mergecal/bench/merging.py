@@ -1,0 +1,140 @@
+"""Benchmark every merge method on ViT-B/32-shaped task vectors.
+
+12 blocks x {attn.in_proj_weight 2304x768, attn.out_proj.weight 768x768, mlp.c_fc.weight 3072x768,
+mlp.c_proj.weight 768x3072} plus their 1-D biases and LayerNorm parameters, K = 8 tasks. Each task
+matrix is low rank plus noise (a decaying spectrum over 32 directions and 5% isotropic noise), like
+real task vectors. The merge streams key by key; each merged key is consumed and dropped, so the
+memory column is the method's working memory above the task vectors already in memory.
+
+Printed per method: seconds, ratio to task arithmetic (same process, same data), peak extra memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from ..merge import iter_merge
+from ..methods import get_merge_method
+from ..task_vectors import TaskVectorSet
+from .memory import peak_memory
+
+WIDTH = 768
+
+# (label, method name, params): every method at its defaults, plus the variants worth comparing
+VARIANTS: list[tuple[str, str, dict]] = [
+    ("weight_averaging", "weight_averaging", {}),
+    ("task_arithmetic", "task_arithmetic", {}),
+    ("ties (global trim)", "ties", {}),
+    ("ties (per-tensor trim)", "ties", {"trim_scope": "per_tensor"}),
+    ("dare (on TA)", "dare", {}),
+    ("dare (on TIES)", "dare", {"base": "ties"}),
+    ("consensus", "consensus", {}),
+    ("tsv_m", "tsv_m", {}),
+    ("iso_c", "iso_c", {}),
+    ("iso_cts", "iso_cts", {}),
+]
+
+
+def vit_b32_shapes(blocks: int, width: int = WIDTH) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for b in range(blocks):
+        p = f"visual.transformer.resblocks.{b}."
+        shapes.update({
+            p + "ln_1.weight": (width,), p + "ln_1.bias": (width,),
+            p + "attn.in_proj_weight": (3 * width, width), p + "attn.in_proj_bias": (3 * width,),
+            p + "attn.out_proj.weight": (width, width), p + "attn.out_proj.bias": (width,),
+            p + "ln_2.weight": (width,), p + "ln_2.bias": (width,),
+            p + "mlp.c_fc.weight": (4 * width, width), p + "mlp.c_fc.bias": (4 * width,),
+            p + "mlp.c_proj.weight": (width, 4 * width), p + "mlp.c_proj.bias": (width,),
+        })
+    return shapes
+
+
+def synthetic_task_vectors(shapes: dict[str, tuple[int, ...]], K: int, seed: int = 0, rank: int = 32,
+                           noise: float = 0.05) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    decay = torch.linspace(1.0, 0.05, rank)
+    task_vectors = []
+    for _ in range(K):
+        tau = {}
+        for key, shape in shapes.items():
+            if len(shape) == 2:
+                m, n = shape
+                U = torch.randn(m, rank, generator=g) * decay
+                low_rank = U @ torch.randn(rank, n, generator=g) / (rank * n) ** 0.5
+                tau[key] = 1e-3 * (low_rank + noise * torch.randn(m, n, generator=g) / n**0.5)
+            else:
+                tau[key] = 1e-4 * torch.randn(shape, generator=g)
+        task_vectors.append(tau)
+    return task_vectors
+
+
+def run_one(tvs: TaskVectorSet, name: str, params: dict) -> dict:
+    method = get_merge_method(name, **params)
+    checksum = 0.0
+    with peak_memory() as mem:
+        start = time.perf_counter()
+        for _, merged in iter_merge(tvs, method):
+            checksum += float(merged.norm()) ** 2
+        seconds = time.perf_counter() - start
+    return {"method": method.id, "seconds": seconds, "peak_extra_mb": mem.extra_mb, "memory_probe": mem.method,
+            "merged_norm": checksum**0.5}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--blocks", type=int, default=12, help="transformer blocks (ViT-B/32: 12)")
+    parser.add_argument("--tasks", type=int, default=8, help="K, the number of task vectors (default 8)")
+    parser.add_argument("--width", type=int, default=WIDTH, help="model width (ViT-B/32: 768)")
+    parser.add_argument("--quick", action="store_true", help="a small setting for smoke tests: 2 blocks, width 96, K=4")
+    parser.add_argument("--only", nargs="*", help="run only these variant labels (substring match)")
+    parser.add_argument("--output", help="also write the table as Markdown here and a .json beside it")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def format_table(rows: list[dict], header: str) -> str:
+    base = next((r["seconds"] for r in rows if r["label"] == "task_arithmetic"), None)
+    lines = [header, "", "| method | seconds | x task_arithmetic | peak extra memory (MiB) |", "|---|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{r['seconds'] / base:.1f}" if base else "-"
+        lines.append(f"| {r['label']} | {r['seconds']:.2f} | {ratio} | {r['peak_extra_mb']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.blocks, args.width, args.tasks = 2, 96, 4
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = vit_b32_shapes(args.blocks, args.width)
+    n_params = sum(torch.Size(s).numel() for s in shapes.values())
+    start = time.perf_counter()
+    task_vectors = synthetic_task_vectors(shapes, args.tasks)
+    tvs = TaskVectorSet.from_task_vectors(task_vectors)
+    print(f"built {args.tasks} task vectors x {n_params / 1e6:.1f} M parameters in {time.perf_counter() - start:.1f} s",
+          flush=True)
+    rows = []
+    for label, name, params in VARIANTS:
+        if args.only and not any(o in label for o in args.only):
+            continue
+        row = {"label": label, **run_one(tvs, name, params)}
+        rows.append(row)
+        print(f"  {label:24s} {row['seconds']:8.2f} s  peak +{row['peak_extra_mb']:7.0f} MiB", flush=True)
+    header = (f"Merge benchmark: {args.blocks} blocks x width {args.width} ({n_params / 1e6:.1f} M params per task "
+              f"vector), K = {args.tasks}, {torch.get_num_threads()} torch threads, {platform.processor() or platform.machine()}, "
+              f"torch {torch.__version__}")
+    table = format_table(rows, header)
+    print()
+    print(table)
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table + "\n")
+        out.with_suffix(".json").write_text(json.dumps({"setting": vars(args), "rows": rows}, indent=2, default=str))
+        print(f"\nwritten to {out}")
+    return 0

@@ -1,0 +1,292 @@
+"""safetensors checkpoints: lazy reading (single file or sharded ``*.index.json``) and atomic writing.
+
+A ``TensorSource`` exposes key names, shapes and dtypes from metadata and loads one tensor at a
+time, so a merge can walk a 7B-class model key by key without holding whole models in memory.
+Nothing here unpickles: safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import CheckpointError
+
+# safetensors dtype codes -> torch dtypes (what safe_open's get_slice().get_dtype() reports)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+INDEX_SUFFIX = ".index.json"
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """Read-only, key-by-key access to a state dict."""
+
+    name: str
+
+    def keys(self) -> list[str]: ...
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def dtype(self, key: str) -> torch.dtype: ...
+
+    def get(self, key: str) -> torch.Tensor: ...
+
+
+class DictSource:
+    """A ``TensorSource`` over an in-memory ``{name: tensor}`` mapping (never modified)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], name: str = "state_dict"):
+        for key, value in tensors.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"{name}: key {key!r} holds {type(value).__name__}, expected a torch.Tensor")
+        self._tensors = tensors
+        self.name = name
+
+    def keys(self) -> list[str]:
+        return list(self._tensors.keys())
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._tensors[key].shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._tensors[key].dtype
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+
+class SafetensorsSource:
+    """A lazy ``TensorSource`` over a ``.safetensors`` file, a sharded ``*.index.json``, or a directory
+    holding either (``model.safetensors`` / ``model.safetensors.index.json``, as HF writes them)."""
+
+    def __init__(self, path: str | os.PathLike, name: str | None = None):
+        self.path = Path(path)
+        self.name = name or str(self.path)
+        self._key_to_file = self._resolve(self.path)
+        self._handles: dict[Path, object] = {}
+        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for file in dict.fromkeys(self._key_to_file.values()):
+            handle = self._open(file)
+            present = set(handle.keys())
+            for key in (k for k, f in self._key_to_file.items() if f == file):
+                if key not in present:
+                    raise CheckpointError(f"{file}: key {key!r} is listed in the index but missing from the shard")
+                tensor_slice = handle.get_slice(key)
+                code = tensor_slice.get_dtype()
+                if code not in _SAFETENSORS_DTYPES:
+                    raise CheckpointError(f"{file}: key {key!r} has unsupported dtype {code}")
+                self._meta[key] = (tuple(tensor_slice.get_shape()), _SAFETENSORS_DTYPES[code])
+
+    @staticmethod
+    def _resolve(path: Path) -> dict[str, Path]:
+        if path.is_dir():
+            candidates = [path / "model.safetensors", path / f"model.safetensors{INDEX_SUFFIX}"]
+            found = [c for c in candidates if c.exists()]
+            if not found:
+                singles = sorted(path.glob("*.safetensors"))
+                indexes = sorted(path.glob(f"*{INDEX_SUFFIX}"))
+                found = indexes or singles
+            if len(found) != 1:
+                raise CheckpointError(
+                    f"{path}: expected exactly one *.safetensors file or *{INDEX_SUFFIX} in the directory, "
+                    f"found {len(found)}"
+                )
+            path = found[0]
+        if not path.exists():
+            raise CheckpointError(f"{path}: checkpoint not found")
+        if path.name.endswith(INDEX_SUFFIX):
+            try:
+                index = json.loads(path.read_text())
+                weight_map = index["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{path}: not a safetensors index (expected a JSON object with 'weight_map'): {err}") from None
+            files = {}
+            for key, shard in weight_map.items():
+                shard_path = path.parent / shard
+                if not shard_path.exists():
+                    raise CheckpointError(f"{path}: shard {shard!r} for key {key!r} not found at {shard_path}")
+                files[key] = shard_path
+            return files
+        if path.suffix != ".safetensors":
+            raise CheckpointError(
+                f"{path}: expected a .safetensors file or a *{INDEX_SUFFIX} (pickled checkpoints are not read here)"
+            )
+        handle = SafetensorsSource._open_file(path)
+        return {key: path for key in handle.keys()}
+
+    @staticmethod
+    def _open_file(path: Path):
+        try:
+            return safe_open(str(path), framework="pt", device="cpu")
+        except Exception as err:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from None
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = self._open_file(path)
+        return self._handles[path]
+
+    def keys(self) -> list[str]:
+        return list(self._key_to_file)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._meta[key][0]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._meta[key][1]
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._open(self._key_to_file[key]).get_tensor(key)
+
+    def metadata(self) -> dict[str, str]:
+        """The ``__metadata__`` of the first file (for a sharded checkpoint, of the first shard)."""
+        first = next(iter(self._key_to_file.values()), None)
+        return (self._open(first).metadata() or {}) if first else {}
+
+
+def as_source(obj: TensorSource | Mapping[str, torch.Tensor] | str | os.PathLike, name: str | None = None) -> TensorSource:
+    """Wrap a mapping or a path as a ``TensorSource`` (sources pass through)."""
+    if isinstance(obj, (str, os.PathLike)):
+        return SafetensorsSource(obj, name=f"{name} ({obj})" if name else None)
+    if isinstance(obj, Mapping):
+        return DictSource(obj, name=name or "state_dict")
+    if isinstance(obj, TensorSource):
+        return obj
+    raise CheckpointError(f"{name or 'input'}: expected a state dict, a TensorSource or a path, got {type(obj).__name__}")
+
+
+def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load a whole safetensors checkpoint (single or sharded) into memory."""
+    source = SafetensorsSource(path)
+    return {key: source.get(key) for key in source.keys()}
+
+
+def _contiguous_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu").contiguous()
+
+
+def save_state_dict(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
+    """Write one ``.safetensors`` file atomically (temporary file in the same directory, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: _contiguous_cpu(v) for k, v in tensors.items()}, tmp, metadata=dict(metadata or {}))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+class ShardedCheckpointWriter:
+    """Write a checkpoint directory tensor by tensor, in shards of at most ``max_shard_bytes``.
+
+    Tensors are buffered until a shard is full, so memory stays bounded by one shard. Output goes to a
+    staging directory beside ``out_dir`` that replaces ``out_dir`` only in ``close()``: an interrupted
+    write leaves no half-written checkpoint at ``out_dir``. One shard is written as ``model.safetensors``;
+    more as ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (HF's layout).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3, metadata: Mapping[str, str] | None = None):
+        if max_shard_bytes <= 0:
+            raise CheckpointError(f"max_shard_bytes: expected a positive number of bytes, got {max_shard_bytes}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = dict(metadata or {})
+        self._staging = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.", suffix=".staging", dir=self.out_dir.parent))
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._shards: list[tuple[str, list[str]]] = []
+        self._total_bytes = 0
+        self._closed = False
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buffer[key] = _contiguous_cpu(tensor)
+        self._buffer_bytes += nbytes
+        self._total_bytes += nbytes
+
+    def _flush(self) -> None:
+        name = f"shard-{len(self._shards):05d}.safetensors"
+        save_file(self._buffer, str(self._staging / name), metadata=self.metadata)
+        self._shards.append((name, list(self._buffer)))
+        self._buffer, self._buffer_bytes = {}, 0
+
+    def close(self) -> Path:
+        if self._buffer or not self._shards:
+            self._flush()
+        n = len(self._shards)
+        if n == 1:
+            os.replace(self._staging / self._shards[0][0], self._staging / "model.safetensors")
+        else:
+            weight_map = {}
+            for i, (name, keys) in enumerate(self._shards, start=1):
+                final = f"model-{i:05d}-of-{n:05d}.safetensors"
+                os.replace(self._staging / name, self._staging / final)
+                weight_map.update(dict.fromkeys(keys, final))
+            index = {"metadata": {"total_size": self._total_bytes, **self.metadata}, "weight_map": weight_map}
+            (self._staging / f"model.safetensors{INDEX_SUFFIX}").write_text(json.dumps(index, indent=2))
+        _replace_dir(self._staging, self.out_dir)
+        self._closed = True
+        return self.out_dir
+
+    def abort(self) -> None:
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+    def __enter__(self) -> "ShardedCheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move ``new`` into place at ``target``; an existing ``target`` is swapped out first, then removed."""
+    if target.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        os.replace(target, trash / "old")
+        os.replace(new, target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(new, target)
+
+
+def save_checkpoint(items: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], out_dir: str | os.PathLike,
+                    max_shard_bytes: int = 2 * 1024**3, metadata: Mapping[str, str] | None = None) -> Path:
+    """Write ``(key, tensor)`` pairs (e.g. a streaming merge) as a (possibly sharded) checkpoint directory."""
+    pairs = items.items() if isinstance(items, Mapping) else items
+    with ShardedCheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, metadata=metadata) as writer:
+        for key, tensor in pairs:
+            writer.add(key, tensor)
+    return Path(out_dir)

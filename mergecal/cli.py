@@ -1,0 +1,101 @@
+"""The ``mergecal`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import yaml
+
+from .errors import MergecalError, ParameterError
+
+
+def parse_assignments(pairs: list[str]) -> dict[str, Any]:
+    """``["top_k=0.2", "mask_lambda=[0.2, 0.3]"]`` -> typed values (YAML scalars and lists)."""
+    params = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ParameterError(f"--set {pair!r}: expected NAME=VALUE")
+        params[name.strip()] = yaml.safe_load(value)
+    return params
+
+
+def parse_size(text: str) -> int:
+    units = {"kb": 1024, "mb": 1024**2, "gb": 1024**3, "b": 1}
+    lowered = text.strip().lower()
+    for unit, factor in units.items():
+        if lowered.endswith(unit):
+            number = lowered[: -len(unit)]
+            break
+    else:
+        number, factor = lowered, 1
+    try:
+        return int(float(number) * factor)
+    except ValueError:
+        raise ParameterError(f"--max-shard-size {text!r}: expected a size such as 2GB or 500MB") from None
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from .methods import MERGE_METHODS
+
+    for name, cls in sorted(MERGE_METHODS.items()):
+        defaults = ", ".join(f"{field}={info.default!r}" for field, info in cls.Params.model_fields.items())
+        print(f"{name:18s} {cls.summary}\n{'':18s} keys: {cls.key_rule}; params: {defaults}")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from .merge import merge_checkpoints, parse_dtype
+
+    params = parse_assignments(args.set)
+    out = merge_checkpoints(args.pretrained, args.finetuned, args.method, args.out, out_dtype=parse_dtype(args.dtype),
+                            device=args.device, max_shard_bytes=parse_size(args.max_shard_size), progress=True, **params)
+    print(f"merged checkpoint written to {out}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.merging import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mergecal", description="Merge fine-tuned models and calibrate the merge.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("methods", help="list merge methods with their hyperparameters and defaults")
+    p.set_defaults(func=cmd_methods)
+
+    p = sub.add_parser("merge", help="merge safetensors checkpoints (single files, directories or sharded indexes)")
+    p.add_argument("--pretrained", required=True, help="the pretrained checkpoint theta_0")
+    p.add_argument("--finetuned", required=True, nargs="+", help="the K fine-tuned checkpoints")
+    p.add_argument("--method", required=True, help="merge method name (see `mergecal methods`)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a hyperparameter (repeatable)")
+    p.add_argument("--out", required=True, help="output checkpoint directory (written atomically)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], help="output dtype of float keys")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--max-shard-size", default="2GB", help="shard size of the output (default 2GB)")
+    p.set_defaults(func=cmd_merge)
+
+    from .bench.merging import add_arguments
+
+    p = sub.add_parser("bench", help="time every merge method on ViT-B/32-shaped task vectors")
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MergecalError as err:
+        print(f"mergecal: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The merge-method interface, typed hyperparameters and the registry.
+
+A method turns K task vectors into one merged task vector, key by key:
+
+    merged_tau[key] = params.scaling * method.combine(key, [tau_1[key], ..., tau_K[key]])
+
+``scaling`` is the paper's lambda (TA, TIES, DARE, Consensus) or alpha (TSV-M, Iso-C, Iso-CTS), and
+this line in ``mergecal.merge`` is the one place it is applied. Calibrations wrap the result, so
+they work with any method. Methods that need a statistic over the whole model (TIES' global top-k)
+compute it in ``fit``, a streaming pass over the keys, before ``combine`` is called.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import ParameterError, UnknownNameError
+
+if TYPE_CHECKING:
+    from ..task_vectors import TaskVectorSet
+
+
+class MergeParams(BaseModel):
+    """Hyperparameters of a merge method. Unknown names are rejected; values are validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scaling: float = 1.0
+
+
+def format_params(params: BaseModel) -> str:
+    """Stable ``k=v,k=v`` form (sorted names, repr of values) used in method IDs."""
+    items = []
+    for field, value in sorted(params.model_dump().items()):
+        if isinstance(value, (list, tuple)):
+            value = "[" + ",".join(repr(v) for v in value) + "]"
+        else:
+            value = repr(value)
+        items.append(f"{field}={value}")
+    return ",".join(items)
+
+
+def build_params(params_cls: type[BaseModel], owner: str, values: dict[str, Any]) -> BaseModel:
+    """Validate ``values`` into ``params_cls`` with a one-line error naming the parameter."""
+    try:
+        return params_cls(**values)
+    except ValidationError as err:
+        first = err.errors()[0]
+        name = ".".join(str(p) for p in first["loc"]) or "?"
+        allowed = ", ".join(params_cls.model_fields)
+        if first["type"] == "extra_forbidden":
+            raise ParameterError(f"{owner}: unknown parameter {name!r}; allowed: {allowed}") from None
+        raise ParameterError(f"{owner}: parameter {name!r}: {first['msg']} (got {first.get('input')!r})") from None
+
+
+class MergeMethod(ABC):
+    """Base class: subclasses set ``name``, ``Params``, ``key_rule`` and implement ``combine``."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[MergeParams]] = MergeParams
+    #: which keys get the method's specific treatment (see mergecal.keys); the others are stated per method
+    key_rule: ClassVar[str] = "all_float"
+    summary: ClassVar[str] = ""
+
+    def __init__(self, params: MergeParams | None = None, **values: Any):
+        if params is not None and values:
+            raise ParameterError(f"{self.name}: pass either a Params object or keyword parameters, not both")
+        self.params = params if params is not None else build_params(self.Params, self.name, values)
+
+    def fit(self, task_vectors: "TaskVectorSet", keys: Sequence[str]) -> None:
+        """Streaming statistics pass over ``keys`` (default: nothing to compute)."""
+
+    @abstractmethod
+    def combine(self, key: str, taus: list[torch.Tensor]) -> torch.Tensor:
+        """The unscaled merged task vector for one key, from its K task-vector slices (float32).
+
+        ``taus`` may share memory with the caller's inputs: never modify them in place.
+        """
+
+    @property
+    def id(self) -> str:
+        """Stable string form ``name(param=value,...)``, usable as an identifier."""
+        return f"{self.name}({format_params(self.params)})"
+
+    def __repr__(self) -> str:
+        return self.id
+
+
+MERGE_METHODS: dict[str, type[MergeMethod]] = {}
+
+
+def register(cls: type[MergeMethod]) -> type[MergeMethod]:
+    if cls.name in MERGE_METHODS:
+        raise ValueError(f"merge method {cls.name!r} registered twice")
+    MERGE_METHODS[cls.name] = cls
+    return cls
+
+
+def get_merge_method(name: str | MergeMethod, **params: Any) -> MergeMethod:
+    """A configured method by registry name (a ``MergeMethod`` instance passes through)."""
+    if isinstance(name, MergeMethod):
+        if params:
+            raise ParameterError(f"{name.name}: parameters given twice (instance and keywords)")
+        return name
+    try:
+        cls = MERGE_METHODS[name]
+    except KeyError:
+        raise UnknownNameError(
+            f"unknown merge method {name!r}; choose one of: {', '.join(sorted(MERGE_METHODS))}"
+        ) from None
+    return cls(**params)
+
+
+def sum_of(taus: list[torch.Tensor]) -> torch.Tensor:
+    """sum_t tau_t without stacking (one output buffer instead of K + 1)."""
+    total = taus[0].clone()
+    for tau in taus[1:]:
+        total.add_(tau)
+    return total
+
+
+def mean_of(taus: list[torch.Tensor]) -> torch.Tensor:
+    return sum_of(taus).div_(len(taus))

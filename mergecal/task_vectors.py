@@ -1,0 +1,177 @@
+"""Task vectors tau_t = theta_t - theta_0, validated and loaded key by key.
+
+``TaskVectorSet`` is what every merge method consumes: K task vectors over a common set of
+floating-point keys, each loaded on demand in float32 on the chosen device. Integer buffers are not
+part of a task vector; a merged model takes them from the pretrained checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .checkpoint import TensorSource, as_source
+from .errors import CheckpointError, IncompatibleModelsError, NonFiniteError, ParameterError
+
+COMPUTE_DTYPE = torch.float32
+
+SourceLike = TensorSource | Mapping[str, torch.Tensor] | str | os.PathLike
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """CPU by default; CUDA only when asked for, with a clear error when it is not available."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ParameterError(f"device={device}: CUDA was requested but torch.cuda.is_available() is False")
+    return device
+
+
+def validate_compatible(sources: Sequence[TensorSource]) -> list[str]:
+    """Check that all sources have the same keys, shapes and dtypes; return the common key order.
+
+    The first source (normally the pretrained model) defines the key order. The error names the key
+    and the two models that disagree.
+    """
+    if not sources:
+        raise IncompatibleModelsError("no models given")
+    reference = sources[0]
+    keys = reference.keys()
+    key_set = set(keys)
+    for other in sources[1:]:
+        other_keys = set(other.keys())
+        missing = [k for k in keys if k not in other_keys]
+        extra = sorted(other_keys - key_set)
+        if missing:
+            raise IncompatibleModelsError(
+                f"key {missing[0]!r} is in {reference.name} but missing from {other.name}"
+                + (f" ({len(missing)} keys missing in all)" if len(missing) > 1 else "")
+            )
+        if extra:
+            raise IncompatibleModelsError(
+                f"key {extra[0]!r} is in {other.name} but missing from {reference.name}"
+                + (f" ({len(extra)} extra keys in all)" if len(extra) > 1 else "")
+            )
+        for key in keys:
+            if tuple(other.shape(key)) != tuple(reference.shape(key)):
+                raise IncompatibleModelsError(
+                    f"key {key!r}: shape {tuple(reference.shape(key))} in {reference.name} "
+                    f"but {tuple(other.shape(key))} in {other.name}"
+                )
+            if other.dtype(key) != reference.dtype(key):
+                raise IncompatibleModelsError(
+                    f"key {key!r}: dtype {reference.dtype(key)} in {reference.name} "
+                    f"but {other.dtype(key)} in {other.name}"
+                )
+    return keys
+
+
+def check_finite(tensor: torch.Tensor, key: str, model: str) -> None:
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
+        raise NonFiniteError(f"key {key!r} in {model} contains {bad}")
+
+
+class TaskVectorSet:
+    """K task vectors over common floating-point keys, loaded one key at a time in float32.
+
+    Build it from fine-tuned models and their pretrained model (``from_models``) or from task vectors
+    directly (``from_task_vectors``). Inputs are never modified; a loaded slice may share memory with a
+    float32 input, so consumers must not modify it in place.
+    """
+
+    def __init__(self, finetuned: Sequence[TensorSource], pretrained: TensorSource | None, *,
+                 names: Sequence[str] | None = None, device: str | torch.device | None = None,
+                 check_finite: bool = True):
+        if len(finetuned) == 0:
+            raise ParameterError("finetuned: at least one model (task vector) is required")
+        self.device = resolve_device(device)
+        self.pretrained = pretrained
+        self.sources = list(finetuned)
+        self.names = list(names) if names is not None else [s.name for s in self.sources]
+        if len(self.names) != len(self.sources):
+            raise ParameterError(f"names: expected {len(self.sources)} names, got {len(self.names)}")
+        all_sources = ([pretrained] if pretrained is not None else []) + self.sources
+        self.all_keys = validate_compatible(all_sources)
+        reference = all_sources[0]
+        self.keys = [k for k in self.all_keys if reference.dtype(k).is_floating_point]
+        self._shapes = {k: tuple(reference.shape(k)) for k in self.all_keys}
+        self._dtypes = {k: reference.dtype(k) for k in self.all_keys}
+        self.check_finite = check_finite
+        self._checked: set[tuple[int, str]] = set()  # (source, key) pairs already checked for NaN/Inf
+
+    @classmethod
+    def from_models(cls, pretrained: SourceLike, finetuned: Sequence[SourceLike], **kwargs) -> "TaskVectorSet":
+        pre = as_source(pretrained, name="pretrained")
+        fts = [as_source(ft, name=f"finetuned[{i}]") for i, ft in enumerate(finetuned)]
+        return cls(fts, pre, **kwargs)
+
+    @classmethod
+    def from_task_vectors(cls, task_vectors: Sequence[SourceLike], **kwargs) -> "TaskVectorSet":
+        tvs = [as_source(tv, name=f"task_vector[{i}]") for i, tv in enumerate(task_vectors)]
+        return cls(tvs, None, **kwargs)
+
+    @property
+    def K(self) -> int:
+        return len(self.sources)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shapes[key]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._dtypes[key]
+
+    def _fetch(self, source: TensorSource, key: str) -> torch.Tensor:
+        tensor = source.get(key)
+        if self.check_finite and (id(source), key) not in self._checked:
+            check_finite(tensor, key, source.name)
+            self._checked.add((id(source), key))
+        # No copy when the input is already float32 on the device: methods never modify what they are
+        # given (the contract of MergeMethod.combine), and multi-pass methods reload keys repeatedly.
+        return tensor.to(device=self.device, dtype=COMPUTE_DTYPE)
+
+    def load(self, key: str) -> list[torch.Tensor]:
+        """The K task-vector slices for ``key``, float32, on ``self.device``."""
+        if key not in self._dtypes or not self._dtypes[key].is_floating_point:
+            raise CheckpointError(f"key {key!r} is not a floating-point key of these models")
+        if self.pretrained is None:
+            return [self._fetch(s, key) for s in self.sources]
+        base = self._fetch(self.pretrained, key)
+        return [self._fetch(s, key) - base for s in self.sources]
+
+    def load_pretrained(self, key: str) -> torch.Tensor:
+        if self.pretrained is None:
+            raise ParameterError("this TaskVectorSet was built from task vectors; it has no pretrained model")
+        return self._fetch(self.pretrained, key)
+
+
+def task_vector(finetuned: SourceLike, pretrained: SourceLike) -> dict[str, torch.Tensor]:
+    """tau = theta_ft - theta_0 over the floating-point keys, in float32."""
+    tvs = TaskVectorSet.from_models(pretrained, [finetuned])
+    return {key: tvs.load(key)[0] for key in tvs.keys}
+
+
+def apply_task_vector(pretrained: SourceLike, tau: Mapping[str, torch.Tensor], scaling: float = 1.0,
+                      out_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """theta = theta_0 + scaling * tau, cast back to each key's dtype (or ``out_dtype`` for float keys).
+
+    Keys absent from ``tau`` (integer buffers, untouched keys) are copied from the pretrained model.
+    """
+    pre = as_source(pretrained, name="pretrained")
+    unknown = [k for k in tau if k not in set(pre.keys())]
+    if unknown:
+        raise IncompatibleModelsError(f"key {unknown[0]!r} is in the task vector but not in {pre.name}")
+    out = {}
+    for key in pre.keys():
+        base = pre.get(key)
+        if key in tau:
+            if tuple(tau[key].shape) != tuple(base.shape):
+                raise IncompatibleModelsError(
+                    f"key {key!r}: shape {tuple(tau[key].shape)} in the task vector but {tuple(base.shape)} in {pre.name}"
+                )
+            merged = base.to(COMPUTE_DTYPE) + scaling * tau[key].to(device=base.device, dtype=COMPUTE_DTYPE)
+            out[key] = merged.to(out_dtype or base.dtype)
+        else:
+            out[key] = base.clone()
+    return out
