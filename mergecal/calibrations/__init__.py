@@ -1,0 +1,1 @@
+"""Calibrations of a merge: SVC, MAGIC (probing, WSC, FSC, DSC) and DisTaC."""

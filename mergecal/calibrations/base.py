@@ -1,0 +1,63 @@
+"""Weight-space calibrations: data-free corrections of a merged task vector, applied key by key.
+
+A ``WeightCalibration`` sees, for one key, the merged update (lambda already applied) and the K task
+vectors, and returns the calibrated update plus diagnostics for reports. ``iter_calibrated`` chains
+one or more of them after any merge method while streaming key by key, like ``mergecal.merge``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from pydantic import BaseModel, ConfigDict
+
+from ..methods.base import build_params, format_params
+
+
+class CalibrationParams(BaseModel):
+    """Calibration hyperparameters. Unknown names are rejected; values are validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WeightCalibration(ABC):
+    name: ClassVar[str]
+    Params: ClassVar[type[CalibrationParams]]
+
+    def __init__(self, params: CalibrationParams | None = None, **values: Any):
+        self.params = params if params is not None else build_params(self.Params, self.name, values)
+
+    @abstractmethod
+    def covers(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether this calibration changes ``key`` (others pass through unchanged)."""
+
+    @abstractmethod
+    def calibrate(self, key: str, merged: torch.Tensor, taus: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """Calibrated update and diagnostics for one covered key. Never modify the inputs in place."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}({format_params(self.params)})"
+
+
+def iter_calibrated(merged: Iterable[tuple[str, torch.Tensor]], task_vectors, calibrations: Sequence[WeightCalibration],
+                    diagnostics: dict[str, dict] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Apply ``calibrations`` in order to a stream of ``(key, merged update)`` pairs.
+
+    ``task_vectors`` is the ``TaskVectorSet`` the merge was computed from. Per-key diagnostics are
+    stored in ``diagnostics[calibration.name][key]`` when a dict is given.
+    """
+    for key, update in merged:
+        shape, dtype = tuple(update.shape), update.dtype
+        covering = [c for c in calibrations if c.covers(key, shape, dtype)]
+        if covering:
+            taus = task_vectors.load(key)
+            for calibration in covering:
+                update, info = calibration.calibrate(key, update, taus)
+                if diagnostics is not None:
+                    diagnostics.setdefault(calibration.name, {})[key] = info
+        yield key, update

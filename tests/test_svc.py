@@ -1,0 +1,148 @@
+"""SVC: hand-checkable spectra and an independent float64 loop over ranks and tasks."""
+
+import numpy as np
+import pytest
+import torch
+
+from mergecal import TaskVectorSet, merge_task_vectors
+from mergecal.calibrations.base import iter_calibrated
+from mergecal.calibrations.svc import Svc
+from mergecal.errors import ParameterError
+from mergecal.merge import iter_merge
+from mergecal.methods import get_merge_method
+
+
+def reference_gamma(merged, taus, alpha, targeted=None):
+    """Algorithm 1 of the SVC paper, written as loops in float64 numpy."""
+    M = merged.double().numpy()
+    U, S, Vt = np.linalg.svd(M, full_matrices=False)
+    K, R = len(taus), len(S)
+    s = np.zeros((K, R))
+    for r in range(R):
+        a_m = U[:, r] @ M
+        for i, tau in enumerate(taus):
+            a_i = U[:, r] @ tau.double().numpy()
+            s[i, r] = a_m @ a_i / max(a_i @ a_i, 1e-12)
+    if targeted is None:
+        gamma = K / np.maximum(alpha, s).sum(0)
+    else:
+        gamma = np.where(s[targeted] > 0, 1.0 / np.maximum(alpha, s[targeted]), 1.0)
+    return U, S, Vt, s, gamma
+
+
+def random_taus(K=3, m=20, n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(m, 3, generator=g) @ torch.randn(3, n, generator=g)
+    return [shared + 0.5 * torch.randn(m, n, generator=g) for _ in range(K)]
+
+
+def test_identical_tasks_summed_are_undone_exactly():
+    g = torch.Generator().manual_seed(1)
+    tau = torch.randn(10, 6, generator=g)
+    K = 4
+    calibrated, info = Svc().calibrate("w", K * tau, [tau] * K)
+    torch.testing.assert_close(info["gamma"], torch.full((6,), 1.0 / K), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(calibrated, tau, rtol=1e-4, atol=1e-5)
+
+
+def test_orthogonal_supports_gamma_is_one_when_suppression_only_and_closed_form_otherwise():
+    Q, _ = torch.linalg.qr(torch.randn(12, 12, generator=torch.Generator().manual_seed(2)))
+    P, _ = torch.linalg.qr(torch.randn(9, 9, generator=torch.Generator().manual_seed(3)))
+    K = 3
+    taus = [Q[:, 3 * t:3 * t + 3] @ torch.diag(torch.tensor([3.0, 2.0, 1.0]) + 0.3 * t) @ P[:, 3 * t:3 * t + 3].T for t in range(K)]
+    merged = sum(taus)
+    calibrated, info = Svc(alpha=1.0).calibrate("w", merged, taus)
+    torch.testing.assert_close(info["gamma"], torch.ones(9), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(calibrated, merged, rtol=1e-4, atol=1e-5)
+    # with the default alpha = 1/K the absent tasks each contribute alpha: gamma = K / (1 + (K-1)/K)
+    _, info = Svc().calibrate("w", merged, taus)
+    torch.testing.assert_close(info["gamma"], torch.full((9,), K / (1 + (K - 1) / K)), rtol=1e-5, atol=1e-5)
+    # without the round-off guard (the authors' code), float32 round-off in the absent tasks' responses
+    # meets the 1e-12 floor and gives wild coefficients
+    _, info = Svc(alpha=1.0, roundoff_guard=False).calibrate("w", merged, taus)
+    assert float(info["s"].abs().max()) > 100
+
+
+@pytest.mark.parametrize("alpha", [None, 0.5, 1.0])
+def test_matches_an_independent_loop_implementation(alpha):
+    taus = random_taus()
+    merged = 0.7 * sum(taus)
+    calibrated, info = Svc(alpha=alpha).calibrate("w", merged, taus)
+    a = alpha if alpha is not None else 1 / 3
+    U, S, Vt, s, gamma = reference_gamma(merged, taus, a)
+    np.testing.assert_allclose(info["s"].numpy(), s, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(info["gamma"].numpy(), gamma, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(calibrated.numpy(), (U * (gamma * S)) @ Vt, rtol=1e-3, atol=1e-4)
+    # diagnostics are consistent with the output
+    torch.testing.assert_close(info["sigma"], torch.linalg.svdvals(merged), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(info["sigma_calibrated"], info["gamma"] * info["sigma"])
+    torch.testing.assert_close(torch.linalg.svdvals(calibrated), info["sigma_calibrated"].sort(descending=True).values,
+                               rtol=1e-3, atol=1e-4)
+
+
+def test_alpha_one_only_suppresses_and_the_floor_bounds_gamma():
+    taus = random_taus(K=4, seed=5)
+    merged = sum(taus) - 2.5 * taus[0]  # some s_i^r negative or small
+    _, info = Svc(alpha=1.0).calibrate("w", merged, taus)
+    assert bool((info["gamma"] <= 1 + 1e-6).all())
+    _, info = Svc(alpha=0.25).calibrate("w", merged, taus)
+    assert bool((info["gamma"] <= 4 / (4 * 0.25) + 1e-6).all()) and bool((info["gamma"] > 0).all())
+    assert bool((info["s"] < 0.25).any())  # the floor was exercised
+
+
+def test_targeted_calibration_for_one_task():
+    taus = random_taus(K=3, seed=7)
+    merged = sum(taus)
+    _, info = Svc(targeted_task=1, alpha=0.2).calibrate("w", merged, taus)
+    _, _, _, _, gamma = reference_gamma(merged, taus, 0.2, targeted=1)
+    np.testing.assert_allclose(info["gamma"].numpy(), gamma, rtol=1e-3, atol=1e-4)
+    with pytest.raises(ParameterError, match="'targeted_task'=5 but there are only 3 tasks"):
+        Svc(targeted_task=5).calibrate("w", merged, taus)
+
+
+def test_row_space_ablation_uses_right_singular_vectors():
+    taus = random_taus(K=2, seed=9)
+    merged = sum(taus)
+    _, info = Svc(space="row").calibrate("w", merged, taus)
+    _, S, Vt = np.linalg.svd(merged.double().numpy(), full_matrices=False)
+    s = np.array([[(merged.double().numpy() @ Vt[r]) @ (t.double().numpy() @ Vt[r]) / np.sum((t.double().numpy() @ Vt[r]) ** 2)
+                   for r in range(len(S))] for t in taus])
+    np.testing.assert_allclose(info["s"].numpy(), s, rtol=1e-3, atol=1e-4)
+
+
+def test_vector_form_for_one_dimensional_updates():
+    svc = Svc(calibrate_vectors=True, alpha=0.5)
+    out, info = svc.calibrate("bias", torch.tensor([2.0, 4.0]), [torch.tensor([1.0, 2.0])] * 2)  # s = 2, 2
+    torch.testing.assert_close(out, torch.tensor([1.0, 2.0]))
+    out, _ = svc.calibrate("bias", torch.tensor([1.0, 1.0]), [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])])
+    torch.testing.assert_close(out, torch.tensor([1.0, 1.0]))  # s = 1, 1 -> gamma = 1
+    t1, t2, m = torch.tensor([1.0, 2.0, 0.0]), torch.tensor([0.0, 1.0, 3.0]), torch.tensor([0.5, 2.0, 2.0])
+    s = [float(m @ t1 / (t1 @ t1)), float(m @ t2 / (t2 @ t2))]
+    out, _ = svc.calibrate("bias", m, [t1, t2])
+    torch.testing.assert_close(out, m * 2 / sum(max(0.5, v) for v in s))
+    assert not Svc().covers("bias", (3,), torch.float32) and svc.covers("bias", (3,), torch.float32)
+
+
+def test_key_rules_authors_versus_every_matrix(task_vectors):
+    authors, every = Svc(), Svc(key_rule="matrices")
+    assert authors.covers("visual.blocks.0.attn.in_proj_weight", (24, 8), torch.float32)
+    assert not authors.covers("visual.positional_embedding", (5, 8), torch.float32)
+    assert not authors.covers("text_projection", (8, 6), torch.float32)
+    assert not authors.covers("visual.conv1.weight", (8, 3, 2, 2), torch.float32)
+    assert every.covers("visual.positional_embedding", (5, 8), torch.float32)
+    # as a stream after TA: uncovered keys pass through unchanged, diagnostics recorded per covered key
+    tvs = TaskVectorSet.from_task_vectors(task_vectors)
+    diagnostics = {}
+    out = dict(iter_calibrated(iter_merge(tvs, get_merge_method("task_arithmetic")), tvs, [authors], diagnostics))
+    plain = merge_task_vectors(task_vectors, "task_arithmetic")
+    assert torch.equal(out["visual.positional_embedding"], plain["visual.positional_embedding"])
+    assert not torch.allclose(out["visual.blocks.0.mlp.c_fc.weight"], plain["visual.blocks.0.mlp.c_fc.weight"])
+    assert set(diagnostics["svc"]) == {"visual.blocks.0.attn.in_proj_weight", "visual.blocks.0.mlp.c_fc.weight",
+                                       "visual.blocks.0.mlp.c_proj.weight"}
+
+
+def test_float64_option_agrees_with_float32():
+    taus = random_taus(seed=11)
+    a, _ = Svc().calibrate("w", sum(taus), taus)
+    b, _ = Svc(float64=True).calibrate("w", sum(taus), taus)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
