@@ -290,3 +290,18 @@ def save_checkpoint(items: Iterable[tuple[str, torch.Tensor]] | Mapping[str, tor
         for key, tensor in pairs:
             writer.add(key, tensor)
     return Path(out_dir)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write a text file atomically (temporary file in the same directory, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,249 @@
+"""Recipes: a merge method with its calibrations, as one small config object with a stable string form.
+
+A recipe is a chain of steps in four phases, in this order:
+
+    pre-merge (distac)*  ->  merge method (exactly one)  ->  weight space (svc | wsc)*  ->  feature space (fsc)?
+
+``dsc`` is MAGIC's dual-space calibration and expands to ``wsc -> fsc``; ``dsc_a`` to ``wsc -> fsc`` on
+task-agnostic data. The written form, e.g. ``distac→tsv_m→svc→dsc``, is kept as ``label``; ``id`` is the
+canonical form with every hyperparameter filled in, e.g.
+``distac(...)→tsv_m(float64=False,...)→svc(alpha=None,...)→wsc(...)→fsc(...)``. ``Recipe.parse(recipe.id)``
+gives the same recipe back, and equal computations have equal ids (used as cache keys and run names).
+Steps accept ``→``, ``->`` or ``>`` as separators; parameters are YAML values: ``svc(alpha=1.0)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from .errors import ParameterError, UnknownNameError
+from .methods import MERGE_METHODS
+from .methods.base import build_params, format_params
+
+ARROW = "→"
+PHASES = ("pre", "merge", "weight", "feature")
+MACROS = {"dsc": [("wsc", {}), ("fsc", {})], "dsc_a": [("wsc", {}), ("fsc", {"data": "task_agnostic"})]}
+
+
+def _calibration_params(name: str) -> type[BaseModel]:
+    # imported lazily: feature-space and distillation steps pull in heavier modules
+    if name == "svc":
+        from .calibrations.svc import SvcParams
+        return SvcParams
+    if name == "wsc":
+        from .calibrations.wsc import WscParams
+        return WscParams
+    if name == "fsc":
+        from .calibrations.fsc import FscParams
+        return FscParams
+    if name == "distac":
+        from .calibrations.distac import DistacStepParams
+        return DistacStepParams
+    raise KeyError(name)
+
+
+def step_phase(name: str) -> str:
+    if name == "distac":
+        return "pre"
+    if name in MERGE_METHODS:
+        return "merge"
+    if name in ("svc", "wsc"):
+        return "weight"
+    if name == "fsc":
+        return "feature"
+    allowed = sorted([*MERGE_METHODS, "distac", "svc", "wsc", "fsc", *MACROS])
+    raise UnknownNameError(f"unknown recipe step {name!r}; choose one of: {', '.join(allowed)}")
+
+
+class Step:
+    """One validated step: a name and its full, typed parameters."""
+
+    def __init__(self, name: str, values: Mapping[str, Any] | None = None):
+        self.name = name
+        self.phase = step_phase(name)
+        params_cls = MERGE_METHODS[name].Params if self.phase == "merge" else _calibration_params(name)
+        self.params = build_params(params_cls, name, dict(values or {}))
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}({format_params(self.params)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Step) and self.id == other.id
+
+    def __repr__(self) -> str:
+        return self.id
+
+
+def _split_top_level(text: str, separators: Sequence[str]) -> list[str]:
+    """Split on any separator outside brackets, parentheses and quotes."""
+    parts, depth, quote, current, i = [], 0, None, "", 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0:
+            sep = next((s for s in separators if text.startswith(s, i)), None)
+            if sep:
+                parts.append(current)
+                current, i = "", i + len(sep)
+                continue
+        current += ch
+        i += 1
+    parts.append(current)
+    return [p.strip() for p in parts]
+
+
+def _parse_value(text: str) -> Any:
+    if text == "None":
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ParameterError(f"recipe: cannot read value {text!r}: {err}") from None
+
+
+def _parse_step(text: str) -> tuple[str, dict[str, Any]]:
+    if "(" not in text:
+        return text, {}
+    if not text.endswith(")"):
+        raise ParameterError(f"recipe: step {text!r} should look like name(param=value,...)")
+    name, args = text[: text.index("(")].strip(), text[text.index("(") + 1:-1]
+    values = {}
+    for arg in _split_top_level(args, [","]):
+        if not arg:
+            continue
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ParameterError(f"recipe: in step {name!r}, {arg!r} should be param=value")
+        values[key.strip()] = _parse_value(value.strip())
+    return name, values
+
+
+class Recipe:
+    """A validated chain of steps (see the module docstring)."""
+
+    def __init__(self, steps: Sequence[tuple[str, Mapping[str, Any]]], label: str | None = None):
+        expanded: list[Step] = []
+        for name, values in steps:
+            if name in MACROS:
+                for sub_name, sub_values in MACROS[name]:
+                    expanded.append(Step(sub_name, {**sub_values, **self._macro_part(name, sub_name, values)}))
+            else:
+                expanded.append(Step(name, values))
+        self.steps = expanded
+        self._validate()
+        self.label = label or ARROW.join(name for name, _ in steps)
+
+    @staticmethod
+    def _macro_part(macro: str, sub_name: str, values: Mapping[str, Any]) -> dict[str, Any]:
+        """``dsc(wsc={...}, fsc={...})`` passes each part its own parameters."""
+        unknown = set(values) - {"wsc", "fsc"}
+        if unknown:
+            raise ParameterError(f"recipe: {macro} takes 'wsc' and 'fsc' parameter groups, not {sorted(unknown)[0]!r}")
+        part = values.get(sub_name, {}) or {}
+        if not isinstance(part, Mapping):
+            raise ParameterError(f"recipe: {macro}: '{sub_name}' must be a mapping of parameters")
+        return dict(part)
+
+    def _validate(self) -> None:
+        merges = [s for s in self.steps if s.phase == "merge"]
+        if len(merges) != 1:
+            raise ParameterError(f"recipe: exactly one merge method is required, found {len(merges)}"
+                                 + (f" ({', '.join(s.name for s in merges)})" if merges else ""))
+        order = [PHASES.index(s.phase) for s in self.steps]
+        for previous, step, rank in zip(self.steps, self.steps[1:], order[1:]):
+            if rank < PHASES.index(previous.phase):
+                raise ParameterError(f"recipe: step {step.name!r} ({step.phase}) cannot follow {previous.name!r} "
+                                     f"({previous.phase}); order: pre-merge, merge, weight space, feature space")
+        if sum(s.phase == "feature" for s in self.steps) > 1:
+            raise ParameterError("recipe: at most one feature-space step (fsc / dsc) is allowed")
+
+    @classmethod
+    def parse(cls, text: str) -> "Recipe":
+        normalised = text.replace("->", ARROW).replace(">", ARROW)
+        parts = _split_top_level(normalised, [ARROW])
+        if any(not p for p in parts):
+            raise ParameterError(f"recipe: empty step in {text!r}")
+        return cls([_parse_step(p) for p in parts], label=ARROW.join(_parse_step(p)[0] for p in parts))
+
+    @classmethod
+    def from_config(cls, config: str | Sequence[str | Mapping[str, Any]]) -> "Recipe":
+        """From params.yaml: a string, or a list of step names / ``{name: ..., <params>}`` mappings."""
+        if isinstance(config, str):
+            return cls.parse(config)
+        steps = []
+        for item in config:
+            if isinstance(item, str):
+                steps.append(_parse_step(item))
+            elif isinstance(item, Mapping) and "name" in item:
+                steps.append((item["name"], {k: v for k, v in item.items() if k != "name"}))
+            else:
+                raise ParameterError(f"recipe: each step must be a name or a mapping with 'name', got {item!r}")
+        return cls(steps)
+
+    @property
+    def id(self) -> str:
+        return ARROW.join(step.id for step in self.steps)
+
+    @property
+    def digest(self) -> str:
+        """A short hash of ``id``, for file names."""
+        return hashlib.sha256(self.id.encode()).hexdigest()[:16]
+
+    def phase(self, name: str) -> list[Step]:
+        return [s for s in self.steps if s.phase == name]
+
+    @property
+    def merge(self) -> Step:
+        return self.phase("merge")[0]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Recipe) and self.id == other.id
+
+    def __repr__(self) -> str:
+        return f"Recipe({self.label!r})"
+
+
+def weight_calibrations(recipe: Recipe, sensitive: Sequence[str] | None = None) -> list:
+    """The recipe's weight-space calibrations, in order. A WSC step without its own ``sensitive`` list
+    takes the probed magnitude-sensitive keys given here (None: no conservative rule)."""
+    from .calibrations.svc import Svc
+    from .calibrations.wsc import Wsc
+
+    out = []
+    for step in recipe.phase("weight"):
+        if step.name == "svc":
+            out.append(Svc(step.params))
+        else:
+            params = step.params
+            if params.sensitive is None and sensitive is not None:
+                params = params.model_copy(update={"sensitive": list(sensitive)})
+            out.append(Wsc(params))
+    return out
+
+
+def iter_weight_space(recipe: Recipe, task_vectors, *, sensitive: Sequence[str] | None = None,
+                      diagnostics: dict | None = None, progress: bool = False):
+    """Stream ``(key, update)``: the recipe's merge method followed by its weight-space calibrations.
+
+    Pre-merge (DisTaC) and feature-space (FSC) steps need models and data; they are run by the caller
+    around this (``task_vectors`` should already hold the conditioned task vectors).
+    """
+    from .calibrations.base import iter_calibrated
+    from .merge import iter_merge
+
+    method = MERGE_METHODS[recipe.merge.name](recipe.merge.params)
+    merged = iter_merge(task_vectors, method, progress=progress)
+    return iter_calibrated(merged, task_vectors, weight_calibrations(recipe, sensitive), diagnostics)

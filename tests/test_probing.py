@@ -1,0 +1,107 @@
+"""MAGIC sensitivity probing: deterministic ranking, exact restoration, the sensitive set, the cache file."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mergecal.calibrations.probing import SensitivityRanking, make_accuracy_probe, probe_sensitivity
+from mergecal.errors import CheckpointError, ParameterError
+
+
+def toy_setup(seed=0):
+    """A 3-layer MLP classifier, its 'pretrained' weights, and a fixed probe set labelled by the model itself
+    (so the averaged model is at 100% and any perturbation can only lower accuracy)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    pretrained = {k: v - 0.3 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(400, 6, generator=g)
+    with torch.no_grad():
+        y = model(x).argmax(-1)
+    batches = [(x[i:i + 100], y[i:i + 100]) for i in range(0, 400, 100)]
+    return model, pretrained, batches
+
+
+def test_probe_is_deterministic_and_restores_weights_bit_for_bit():
+    model, pretrained, batches = toy_setup()
+    before = copy.deepcopy(model.state_dict())
+    evaluate = make_accuracy_probe(batches)
+    first = probe_sensitivity(model, pretrained, evaluate, scale=3.0, top=2, progress=False)
+    second = probe_sensitivity(model, pretrained, evaluate, scale=3.0, top=2, progress=False)
+    assert first.scores == second.scores
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
+    assert first.baseline == 1.0
+    assert [s for _, s in first.scores] == sorted(s for _, s in first.scores)
+    assert len(first.sensitive) == 2 and first.sensitive == [k for k, _ in first.scores[:2]]
+
+
+def test_scores_equal_an_independent_evaluation_of_each_perturbed_model():
+    model, pretrained, batches = toy_setup(1)
+    evaluate = make_accuracy_probe(batches)
+    ranking = probe_sensitivity(model, pretrained, evaluate, scale=2.0, progress=False)
+    for key, score in ranking.scores:
+        clone = copy.deepcopy(model)
+        sd = clone.state_dict()
+        sd[key] = pretrained[key] + 2.0 * (sd[key] - pretrained[key])
+        clone.load_state_dict(sd)
+        assert evaluate(clone) == score, key
+
+
+def test_an_amplified_sensitive_key_is_ranked_first():
+    model, pretrained, batches = toy_setup(2)
+    # zero task vector everywhere but one key: amplifying any other key changes nothing
+    pretrained = {k: v.clone() for k, v in model.state_dict().items()}
+    pretrained["2.weight"] = pretrained["2.weight"] + torch.randn(16, 16, generator=torch.Generator().manual_seed(9))
+    ranking = probe_sensitivity(model, pretrained, make_accuracy_probe(batches), scale=1.5, top=1, progress=False)
+    assert ranking.sensitive == ["2.weight"]
+    assert ranking.scores[0][1] < 1.0 and all(score == 1.0 for _, score in ranking.scores[1:])
+
+
+def test_ties_are_broken_by_model_order():
+    model, pretrained, batches = toy_setup(3)
+    ranking = probe_sensitivity(model, pretrained, lambda m: 0.5, progress=False)  # every key ties
+    assert [k for k, _ in ranking.scores] == list(model.state_dict())
+
+
+def test_key_subset_pattern_and_budget():
+    model, pretrained, batches = toy_setup(4)
+    calls = []
+
+    def evaluate(m):
+        calls.append(1)
+        return make_accuracy_probe(batches, max_samples=150)(m)
+
+    ranking = probe_sensitivity(model, pretrained, evaluate, key_pattern=r"weight$", progress=False)
+    assert [k for k, _ in ranking.scores] and all(k.endswith("weight") for k, _ in ranking.scores)
+    assert len(calls) == 1 + 3  # baseline + three weight matrices
+    ranking = probe_sensitivity(model, pretrained, evaluate, keys=["0.bias", "2.weight"], progress=False)
+    assert sorted(k for k, _ in ranking.scores) == ["0.bias", "2.weight"]
+    with pytest.raises(ParameterError, match="'keys' names 'nope'"):
+        probe_sensitivity(model, pretrained, evaluate, keys=["nope"], progress=False)
+    with pytest.raises(ParameterError, match="no parameter key matches"):
+        probe_sensitivity(model, pretrained, evaluate, key_pattern="^zzz", progress=False)
+    # the budget: 150 samples means the 4th batch is never touched and the 2nd is cut at 50
+    seen = []
+    probe = make_accuracy_probe([(x, y) for x, y in batches], max_samples=150)
+
+    class Spy(nn.Module):
+        def forward(self, x):
+            seen.append(len(x))
+            return torch.zeros(len(x), 4)
+
+    probe(Spy())
+    assert seen == [100, 50]
+
+
+def test_ranking_file_round_trip_and_errors(tmp_path):
+    ranking = SensitivityRanking(baseline=0.5, scores=[("a", 0.1), ("b", 0.2)], top=1, metadata={"backbone": "tiny"})
+    path = ranking.save(tmp_path / "ranking.json")
+    loaded = SensitivityRanking.load(path)
+    assert loaded == ranking and loaded.sensitive == ["a"]
+    with pytest.raises(CheckpointError, match="not found"):
+        SensitivityRanking.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="not a sensitivity ranking"):
+        SensitivityRanking.load(tmp_path / "bad.json")
