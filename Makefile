@@ -31,9 +31,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip check
 	touch $(STAMP)
 
-# The main job. For now: the merge benchmark on ViT-B/32-shaped task vectors (every method).
+# The main job. For now: the merge benchmark on ViT-B/32-shaped task vectors (every method and the
+# weight-space calibrations).
 run: $(STAMP)
-	$(BIN)/mergecal bench --output reports/bench/merging.md
+	$(BIN)/mergecal bench --calibrations --output reports/bench/merging.md
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

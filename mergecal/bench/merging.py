@@ -7,6 +7,8 @@ real task vectors. The merge streams key by key; each merged key is consumed and
 memory column is the method's working memory above the task vectors already in memory.
 
 Printed per method: seconds, ratio to task arithmetic (same process, same data), peak extra memory.
+With ``--calibrations``, a second table times the weight-space calibrations (SVC, WSC) applied to the
+task-arithmetic merge (lambda = 1), excluding the merge itself.
 """
 
 from __future__ import annotations
@@ -75,6 +77,31 @@ def synthetic_task_vectors(shapes: dict[str, tuple[int, ...]], K: int, seed: int
     return task_vectors
 
 
+CALIBRATIONS: list[tuple[str, str, dict]] = [
+    ("svc (alpha=1/K)", "svc", {}),
+    ("svc (alpha=1, float64)", "svc", {"alpha": 1.0, "float64": True}),
+    ("svc (every 2-D key + 1-D form)", "svc", {"key_rule": "matrices", "calibrate_vectors": True}),
+    ("wsc (authors' projection)", "wsc", {}),
+    ("wsc (least squares)", "wsc", {"projection": "least_squares"}),
+]
+
+
+def run_calibration(tvs: TaskVectorSet, merged: dict, name: str, params: dict) -> dict:
+    from ..calibrations.base import iter_calibrated
+    from ..calibrations.svc import Svc
+    from ..calibrations.wsc import Wsc
+
+    calibration = (Svc if name == "svc" else Wsc)(**params)
+    checksum = 0.0
+    with peak_memory() as mem:
+        start = time.perf_counter()
+        for _, update in iter_calibrated(merged.items(), tvs, [calibration]):
+            checksum += float(update.norm()) ** 2
+        seconds = time.perf_counter() - start
+    return {"method": calibration.id, "seconds": seconds, "peak_extra_mb": mem.extra_mb, "memory_probe": mem.method,
+            "merged_norm": checksum**0.5}
+
+
 def run_one(tvs: TaskVectorSet, name: str, params: dict) -> dict:
     method = get_merge_method(name, **params)
     checksum = 0.0
@@ -95,11 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", nargs="*", help="run only these variant labels (substring match)")
     parser.add_argument("--output", help="also write the table as Markdown here and a .json beside it")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--calibrations", action="store_true", help="also time SVC and WSC after task arithmetic")
+    parser.add_argument("--no-merges", action="store_true", help="skip the merge-method table")
 
 
-def format_table(rows: list[dict], header: str) -> str:
-    base = next((r["seconds"] for r in rows if r["label"] == "task_arithmetic"), None)
-    lines = [header, "", "| method | seconds | x task_arithmetic | peak extra memory (MiB) |", "|---|---:|---:|---:|"]
+def format_table(rows: list[dict], header: str, what: str = "method", base_label: str = "task_arithmetic") -> str:
+    base = next((r["seconds"] for r in rows if r["label"] == base_label), None)
+    lines = [header, "", f"| {what} | seconds | x {base_label} | peak extra memory (MiB) |", "|---|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['seconds'] / base:.1f}" if base else "-"
         lines.append(f"| {r['label']} | {r['seconds']:.2f} | {ratio} | {r['peak_extra_mb']:.0f} |")
@@ -118,17 +147,30 @@ def main(args: argparse.Namespace) -> int:
     tvs = TaskVectorSet.from_task_vectors(task_vectors)
     print(f"built {args.tasks} task vectors x {n_params / 1e6:.1f} M parameters in {time.perf_counter() - start:.1f} s",
           flush=True)
+    run_one(tvs, "task_arithmetic", {})  # warm-up: the first pass pays the allocator's page faults
     rows = []
-    for label, name, params in VARIANTS:
+    for label, name, params in [] if args.no_merges else VARIANTS:
         if args.only and not any(o in label for o in args.only):
             continue
         row = {"label": label, **run_one(tvs, name, params)}
         rows.append(row)
-        print(f"  {label:24s} {row['seconds']:8.2f} s  peak +{row['peak_extra_mb']:7.0f} MiB", flush=True)
-    header = (f"Merge benchmark: {args.blocks} blocks x width {args.width} ({n_params / 1e6:.1f} M params per task "
-              f"vector), K = {args.tasks}, {torch.get_num_threads()} torch threads, {platform.processor() or platform.machine()}, "
-              f"torch {torch.__version__}")
-    table = format_table(rows, header)
+        print(f"  {label:32s} {row['seconds']:8.2f} s  peak +{row['peak_extra_mb']:7.0f} MiB", flush=True)
+    setting = (f"{args.blocks} blocks x width {args.width} ({n_params / 1e6:.1f} M params per task vector), K = {args.tasks}, "
+               f"{torch.get_num_threads()} torch threads, {platform.processor() or platform.machine()}, torch {torch.__version__}")
+    tables = [format_table(rows, f"Merge benchmark: {setting}")] if rows else []
+    if args.calibrations:
+        merged = {k: v.clone() for k, v in iter_merge(tvs, get_merge_method("task_arithmetic", scaling=1.0))}
+        calibration_rows = []
+        for label, name, params in CALIBRATIONS:
+            if args.only and not any(o in label for o in args.only):
+                continue
+            row = {"label": label, **run_calibration(tvs, merged, name, params)}
+            calibration_rows.append(row)
+            rows.append(row)
+            print(f"  {label:32s} {row['seconds']:8.2f} s  peak +{row['peak_extra_mb']:7.0f} MiB", flush=True)
+        tables.append(format_table(calibration_rows, f"Calibration benchmark (after task arithmetic, lambda = 1): {setting}",
+                                   what="calibration", base_label=CALIBRATIONS[0][0]))
+    table = "\n\n".join(tables)
     print()
     print(table)
     if args.output:
