@@ -287,8 +287,12 @@ def test_iso_c_spectrum_is_flat_with_the_sum_mean(task_vectors):
 
 
 def test_iso_cts_rank_bookkeeping():
-    assert iso_cts_ranks(768, 8, 0.8) == (616, 19)  # round(0.2*768)=154 -> 152 = 8*19; 768-152 = 616
-    assert iso_cts_ranks(8, 3, 0.8) == (8, 0)  # round(1.6)=2 -> 0 after making it divisible by 3
+    # the authors' rule: k0 = int(f r); task total = round((r - k0) / K) * K; common = r - task total
+    assert iso_cts_ranks(768, 8, 0.8) == (616, 19)  # k0 = 614, round(154 / 8) = 19 -> 152
+    assert iso_cts_ranks(768, 20, 0.8) == (608, 8)  # round(154 / 20) = 8 -> 160
+    assert iso_cts_ranks(1024, 8, 0.8) == (816, 26)  # ViT-L: k0 = 819, round(205 / 8) = 26 -> 208
+    assert iso_cts_ranks(8, 3, 0.8) == (5, 1)  # k0 = 6, round(2 / 3) = 1 -> 3
+    assert iso_cts_ranks(8, 3, 0.0) == (2, 2)  # round(8 / 3) * 3 = 9 > 8: one K taken off
     assert iso_cts_ranks(20, 2, 0.5) == (10, 5)
     for r, K, f in [(768, 8, 0.8), (50, 7, 0.6), (10, 3, 0.0)]:
         common, per_task = iso_cts_ranks(r, K, f)

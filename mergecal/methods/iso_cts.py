@@ -1,8 +1,8 @@
 """Iso-CTS, isotropic merging in common and task-specific subspaces (Marczak et al., 2025).
 
 Per 2-D key (rule ``matrices_except_text_projection``), with r = min(m, n):
-  * task-specific total rank r_ts = round((1 - f) r) reduced to a multiple of K, so each task gets
-    r_ts / K directions; the common space keeps k_c = r - r_ts (f = common_space_fraction = 0.8);
+  * the common space keeps k_c = r - r_ts directions and each task r_ts / K, where the task-specific
+    total r_ts = round((r - int(f r)) / K) * K, as in the authors' code (f = common_space_fraction = 0.8);
   * common space: the top k_c singular triplets of sum_t tau_t;
   * task t contributes the top r_ts/K triplets of its residual tau_t - U_c U_c^T tau_t;
   * concatenate U's and V's, replace each by its orthogonal polar factor, set every singular value to
@@ -30,9 +30,13 @@ class IsoCtsParams(MergeParams):
 
 
 def iso_cts_ranks(r: int, K: int, common_space_fraction: float) -> tuple[int, int]:
-    """(common rank k_c, per-task rank) with k_c + K * per_task = r."""
-    task_total = round((1.0 - common_space_fraction) * r)
-    task_total -= task_total % K
+    """(common rank k_c, per-task rank) with k_c + K * per_task = r, by the authors' rule:
+    k_c0 = int(f r); task total = round((r - k_c0) / K) * K; k_c = r - task total.
+    (When rounding up would exceed r, which the original does not guard, one K is taken off.)"""
+    common = int(r * common_space_fraction)
+    task_total = round((r - common) / K) * K
+    if task_total > r:
+        task_total -= K
     return r - task_total, task_total // K
 
 

@@ -8,7 +8,9 @@
    ``kthvalue`` comparison keeps one entry more).
 2. Elect: per coordinate the sign of the total mass sum_t trimmed_t (``sign_vote="mass"``, the paper);
    ``"count"`` takes the sign of the sum of signs (MergeKit's ``count``). A zero vote takes the
-   majority elected sign over the trim scope, as the original code does.
+   majority elected sign over the trim scope, as the original code does. Where that majority is itself 0,
+   nothing is kept at the coordinate (the original's ``where(sign > 0, T > 0, T < 0)`` keeps the negative
+   entries there, an artefact of its comparison; it needs exactly balanced votes over the whole scope).
 3. Disjoint merge: mean of the entries that agree with the elected sign (``disjoint="mean"``, the
    paper; ``"sum"`` as in FusionBench's config; ``"max"`` keeps the largest agreeing magnitude).
 Then theta = theta_0 + lambda * merged, lambda = 1 by default (chosen on validation in the paper).

@@ -126,9 +126,18 @@ def elect_sign(trimmed: np.ndarray, sign_vote: str = "mass") -> np.ndarray:
     return np.where(elected == 0, majority, elected)
 
 
-def disjoint_aggregate(trimmed: np.ndarray, signs: np.ndarray, how: str = "mean") -> np.ndarray:
-    """The original's selection: where the elected sign is > 0 keep positive entries, else negative ones."""
+def disjoint_aggregate(trimmed: np.ndarray, signs: np.ndarray, how: str = "mean",
+                       unsigned: str = "negative") -> np.ndarray:
+    """Keep the entries that agree with the elected sign, then aggregate.
+
+    A coordinate can still have sign 0 after zero-vote resolution when the majority itself is 0.
+    ``unsigned="negative"``: the original's ``torch.where(sign > 0, T > 0, T < 0)`` then keeps the
+    negative entries there; ``"none"``: keep nothing there (mergecal)."""
     agree = np.where(signs[None, :] > 0, trimmed > 0, trimmed < 0)
+    if unsigned == "none":
+        agree &= signs[None, :] != 0
+    elif unsigned != "negative":
+        raise ValueError(unsigned)
     picked = np.where(agree, trimmed, 0.0)
     if how == "mean":
         count = (picked != 0).sum(axis=0)
@@ -141,25 +150,27 @@ def disjoint_aggregate(trimmed: np.ndarray, signs: np.ndarray, how: str = "mean"
 
 
 def ties_rows(rows: np.ndarray, top_k: float = 0.2, sign_vote: str = "mass", disjoint: str = "mean",
-              trim_rule: str = "exact") -> np.ndarray:
+              trim_rule: str = "exact", unsigned: str = "negative") -> np.ndarray:
     """TIES over one [K, D] block of flattened task vectors (unscaled)."""
     trimmed = magnitude_trim(rows, top_k, trim_rule)
-    return disjoint_aggregate(trimmed, elect_sign(trimmed, sign_vote), disjoint)
+    return disjoint_aggregate(trimmed, elect_sign(trimmed, sign_vote), disjoint, unsigned)
 
 
 def ties(models: Sequence[Model], scaling: float = 1.0, top_k: float = 0.2, trim_scope: str = "global",
-         sign_vote: str = "mass", disjoint: str = "mean", trim_rule: str = "exact") -> dict[str, np.ndarray]:
+         sign_vote: str = "mass", disjoint: str = "mean", trim_rule: str = "exact",
+         unsigned: str = "negative") -> dict[str, np.ndarray]:
     """TIES-Merging. ``trim_scope="global"``: one flattened vector per task, as the original;
     ``"per_tensor"``: the same pipeline run separately on each key's slice (MergeKit/PEFT-style trim;
-    the zero-vote majority is then also per tensor). ``trim_rule`` -- see ``kept_per_row``."""
+    the zero-vote majority is then also per tensor). ``trim_rule`` -- see ``kept_per_row``;
+    ``unsigned`` -- see ``disjoint_aggregate``."""
     flat, rows = _rows(models)
     if trim_scope == "global":
-        merged = ties_rows(rows, top_k, sign_vote, disjoint, trim_rule)
+        merged = ties_rows(rows, top_k, sign_vote, disjoint, trim_rule, unsigned)
     elif trim_scope == "per_tensor":
         merged = np.zeros(flat.size)
         for k in flat.keys:
             s = flat.slices[k]
-            merged[s] = ties_rows(rows[:, s], top_k, sign_vote, disjoint, trim_rule)
+            merged[s] = ties_rows(rows[:, s], top_k, sign_vote, disjoint, trim_rule, unsigned)
     else:
         raise ValueError(trim_scope)
     return flat.unflatten(scaling * merged)
@@ -218,12 +229,16 @@ def consensus(models: Sequence[Model], scaling: float = 0.3, mask_lambda: float 
 
 
 def consensus_margin(models: Sequence[Model], mask_lambda: float | Sequence[float]) -> dict[str, np.ndarray]:
-    """min_t | |tau_t| - lambda_t |tau_MTL - tau_t| |: how far each coordinate is from flipping a TALL mask."""
+    """Relative distance of each coordinate from flipping one of its TALL masks:
+    min_t |a_t - b_t| / (a_t + b_t) with a_t = |tau_t|, b_t = lambda_t |tau_MTL - tau_t| (1 where both are 0)."""
     flat, rows = _rows(models)
     K = rows.shape[0]
     lambdas = np.full(K, float(mask_lambda)) if np.isscalar(mask_lambda) else np.asarray(mask_lambda, float)
-    gap = np.abs(np.abs(rows) - lambdas[:, None] * np.abs(rows.sum(axis=0)[None, :] - rows)).min(axis=0)
-    return flat.unflatten(gap)
+    a = np.abs(rows)
+    b = lambdas[:, None] * np.abs(rows.sum(axis=0)[None, :] - rows)
+    denom = a + b
+    rel = np.where(denom > 0, np.abs(a - b) / np.where(denom > 0, denom, 1.0), 1.0)
+    return flat.unflatten(rel.min(axis=0))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,7 +309,7 @@ def iso_cts_ranks(r: int, K: int, common_space_fraction: float, rule: str = "ori
 
     ``"original"`` (iso-merging): common = int(r f); task total = round((r - common) / K) * K (Python's
     round, half to even); common = r - task total.
-    ``"floor_multiple"`` (mergecal's docstring): task total = round((1 - f) r), lowered to a multiple of K.
+    ``"floor_multiple"`` (an earlier mergecal rule): task total = round((1 - f) r), lowered to a multiple of K.
     """
     if rule == "original":
         common = int(r * common_space_fraction)
