@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 # The main job. For now: the merge benchmark on ViT-B/32-shaped task vectors (every method and the
 # weight-space calibrations).
 run: $(STAMP)
-	$(BIN)/mergecal bench --calibrations --output reports/bench/merging.md
+	$(BIN)/mergecal bench --calibrations --streaming --output reports/bench/merging.md
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

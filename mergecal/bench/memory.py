@@ -66,3 +66,32 @@ def peak_memory(sample_interval: float = 0.002):
         stop.set()
         thread.join()
         result.peak_mb = max(peak[0], process.memory_info().rss / 2**20)
+
+
+def _rss_anon_mb() -> float:
+    return _status_kb("RssAnon") / 1024
+
+
+@contextmanager
+def peak_anonymous_memory(sample_interval: float = 0.005):
+    """Peak anonymous resident memory (heap; excludes file-backed pages such as mmap'd checkpoints,
+    which the kernel can drop), sampled. ``extra_mb`` is the peak above the value at entry."""
+    result = PeakMemory()
+    result.method = "RssAnon sampled"
+    result.baseline_mb = _rss_anon_mb()
+    stop = threading.Event()
+    peak = [result.baseline_mb]
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_anon_mb())
+            time.sleep(sample_interval)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        result.peak_mb = max(peak[0], _rss_anon_mb())

@@ -8,7 +8,9 @@ memory column is the method's working memory above the task vectors already in m
 
 Printed per method: seconds, ratio to task arithmetic (same process, same data), peak extra memory.
 With ``--calibrations``, a second table times the weight-space calibrations (SVC, WSC) applied to the
-task-arithmetic merge (lambda = 1), excluding the merge itself.
+task-arithmetic merge (lambda = 1), excluding the merge itself. With ``--streaming``, a third merges K + 1
+sharded safetensors checkpoints from disk into a sharded output with ``merge_checkpoints`` and reports
+peak anonymous memory against the total size of the inputs.
 """
 
 from __future__ import annotations
@@ -102,6 +104,37 @@ def run_calibration(tvs: TaskVectorSet, merged: dict, name: str, params: dict) -
             "merged_norm": checksum**0.5}
 
 
+STREAMING = [("task_arithmetic", {}), ("ties (global trim)", {"trim_scope": "global"}), ("tsv_m", {})]
+
+
+def run_streaming(task_vectors: list[dict], workdir: Path, shard_mb: int = 64) -> list[dict]:
+    """Write theta_0 and K fine-tuned checkpoints as sharded safetensors, then merge from disk."""
+    from ..checkpoint import save_checkpoint
+    from ..merge import merge_checkpoints
+    from .memory import peak_anonymous_memory
+
+    g = torch.Generator().manual_seed(1)
+    pretrained = {k: 0.02 * torch.randn(v.shape, generator=g) for k, v in task_vectors[0].items()}
+    shard = shard_mb * 2**20
+    pre_dir = save_checkpoint(pretrained, workdir / "pretrained", max_shard_bytes=shard)
+    ft_dirs = [save_checkpoint({k: pretrained[k] + tau[k] for k in tau}, workdir / f"finetuned_{t}", max_shard_bytes=shard)
+               for t, tau in enumerate(task_vectors)]
+    input_mb = (len(task_vectors) + 1) * sum(v.numel() * 4 for v in pretrained.values()) / 2**20
+    del pretrained
+    rows = []
+    for label, params in STREAMING:
+        name = label.split(" ")[0]
+        with peak_anonymous_memory() as mem:
+            start = time.perf_counter()
+            merge_checkpoints(pre_dir, ft_dirs, name, workdir / "merged", max_shard_bytes=shard, **params)
+            seconds = time.perf_counter() - start
+        rows.append({"label": f"{label} from disk", "method": label, "seconds": seconds, "peak_extra_mb": mem.extra_mb,
+                     "memory_probe": mem.method, "input_mb": input_mb})
+        print(f"  {label + ' from disk':32s} {seconds:8.2f} s  peak +{mem.extra_mb:7.0f} MiB anonymous "
+              f"(inputs {input_mb:.0f} MiB)", flush=True)
+    return rows
+
+
 def run_one(tvs: TaskVectorSet, name: str, params: dict) -> dict:
     method = get_merge_method(name, **params)
     checksum = 0.0
@@ -124,6 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--calibrations", action="store_true", help="also time SVC and WSC after task arithmetic")
     parser.add_argument("--no-merges", action="store_true", help="skip the merge-method table")
+    parser.add_argument("--streaming", action="store_true",
+                        help="also merge sharded checkpoints from disk and report peak memory against input size")
 
 
 def format_table(rows: list[dict], header: str, what: str = "method", base_label: str = "task_arithmetic") -> str:
@@ -170,6 +205,16 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {label:32s} {row['seconds']:8.2f} s  peak +{row['peak_extra_mb']:7.0f} MiB", flush=True)
         tables.append(format_table(calibration_rows, f"Calibration benchmark (after task arithmetic, lambda = 1): {setting}",
                                    what="calibration", base_label=CALIBRATIONS[0][0]))
+    if args.streaming:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="mergecal-bench-") as tmp:
+            streaming_rows = run_streaming(task_vectors, Path(tmp))
+        rows.extend(streaming_rows)
+        lines = [f"Streaming merge from sharded safetensors on disk (64 MiB shards): {setting}", "",
+                 "| method | seconds | peak extra anonymous memory (MiB) | inputs on disk (MiB) |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['method']} | {r['seconds']:.2f} | {r['peak_extra_mb']:.0f} | {r['input_mb']:.0f} |" for r in streaming_rows]
+        tables.append("\n".join(lines))
     table = "\n\n".join(tables)
     print()
     print(table)
