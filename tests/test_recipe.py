@@ -63,3 +63,18 @@ def test_weight_space_chain_equals_the_calibrations_applied_by_hand(task_vectors
     assert diagnostics["wsc"]["visual.blocks.0.mlp.c_fc.weight"]["sensitive"] is True
     assert diagnostics["wsc"]["visual.blocks.0.attn.in_proj_weight"]["sensitive"] is False
     assert "visual.conv1.weight" in diagnostics["wsc"] and "visual.conv1.weight" not in diagnostics["svc"]
+
+
+def test_distac_presets_resolve_to_explicit_values_in_the_id():
+    recipe = Recipe.parse("distac(preset=norm_mismatch)->tsv_m->svc(alpha=1.0)->dsc")
+    assert recipe.label == "distac→tsv_m→svc→dsc"
+    distac = recipe.steps[0].params
+    assert (distac.t_teacher, distac.t_student, distac.kappa, distac.apply_to) == (10.0, 10.0, None, "largest_norm")
+    assert "preset" not in recipe.id and "apply_to='largest_norm'" in recipe.id
+    assert Recipe.parse(recipe.id) == recipe
+    low = Recipe.parse("distac(preset=low_confidence, steps=50)->ties").steps[0].params
+    assert (low.kappa, low.t_teacher, low.t_student, low.steps, low.apply_to) == (1.0, 1.0, 10.0, 50, "all")
+    # dsc expands to wsc then fsc; dsc_a runs fsc on task-agnostic data
+    assert [s.name for s in recipe.steps] == ["distac", "tsv_m", "svc", "wsc", "fsc"]
+    with pytest.raises(ParameterError, match="distac: unknown preset 'nope'; choose one of: low_confidence, norm_mismatch"):
+        Recipe.parse("distac(preset=nope)->ties")

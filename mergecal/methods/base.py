@@ -51,8 +51,10 @@ def build_params(params_cls: type[BaseModel], owner: str, values: dict[str, Any]
         return params_cls(**values)
     except ValidationError as err:
         first = err.errors()[0]
-        name = ".".join(str(p) for p in first["loc"]) or "?"
+        name = ".".join(str(p) for p in first["loc"])
         allowed = ", ".join(params_cls.model_fields)
+        if not name:  # a model-level validator: its message says what is wrong
+            raise ParameterError(f"{owner}: {first['msg'].removeprefix('Value error, ')}") from None
         if first["type"] == "extra_forbidden":
             raise ParameterError(f"{owner}: unknown parameter {name!r}; allowed: {allowed}") from None
         raise ParameterError(f"{owner}: parameter {name!r}: {first['msg']} (got {first.get('input')!r})") from None

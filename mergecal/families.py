@@ -1,0 +1,283 @@
+"""Backbone families: per architecture, which modules a feature-space method hooks and how to read them.
+
+One place for the architecture knowledge that MAGIC's FSC needs (and that other feature-space code can
+reuse): the qualified names of the hooked modules, the layout of each module's output (which dimension is
+the batch, which the token position), how to run the model on a batch, and which module types are affine
+in their parameters (so that a scalar or per-output-channel feature rescaling can be folded into weights).
+
+Registered families (see ../shared/notes/reference-details.md, MAGIC, **FSC**):
+
+- ``open_clip_vit``: the VISUAL tower of an open_clip ``VisionTransformer`` (standalone, inside ``CLIP``,
+  or inside any wrapper): ``visual.conv1``, ``visual.ln_pre``, per resblock ``ln_1``, ``attn`` (the
+  ``nn.MultiheadAttention`` as one unit: its ``out_proj`` is never called as a module), ``ln_2``,
+  ``mlp.c_fc``, ``mlp.gelu``, ``mlp.c_proj``, then ``visual.ln_post``. Residual blocks run batch-first in
+  open_clip >= 2.24 (``transformer.batch_first``, True by default in 3.3.0: outputs [N, L, D]); older
+  releases ran them sequence-first ([L, N, D]), which the batch dimension of the block modules follows.
+- ``hf_bert``: a Hugging Face ``BertModel`` (alone or inside ``BertFor...``): ``embeddings.LayerNorm`` and per
+  layer ``attention.self.query/key/value``, ``attention.output.dense``, ``attention.output.LayerNorm``,
+  ``intermediate.dense``, ``output.dense``, ``output.LayerNorm`` (all outputs [N, L, D]). Not hooked: the
+  nn.Embedding lookups, ``intermediate_act_fn`` (parameter-free: its ratio is always 1), the pooler and any
+  task head (the analogue of open_clip's ``visual.proj``, a bare parameter that FSC never sees).
+
+Optional backbones (open_clip, transformers) are never imported here: a model of such a class can only
+exist if its library is already imported, so detection looks the classes up in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+
+from .errors import ParameterError, UnknownNameError
+
+Granularity = Literal["token", "channel", "scalar"]
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One hooked module and the layout of its (first) output tensor.
+
+    ``granularity`` says what one calibration ratio covers:
+      - ``"token"``: the feature (last) dimension is reduced; one ratio per remaining position after the
+        batch dimension ``batch_dim`` is averaged out (per token for [N, L, D] or [L, N, D]; a single
+        value for a 2-D [N, D] output);
+      - ``"channel"``: a convolution's output [N, C, *spatial]; spatial positions are reduced, one ratio
+        per output channel;
+      - ``"scalar"``: one ratio for the whole module (LayerNorms).
+    """
+
+    name: str
+    granularity: Granularity = "token"
+    batch_dim: int = 0
+
+
+def default_granularity(module: nn.Module) -> Granularity:
+    """The ratio granularity MAGIC uses for a module type: conv -> channel, norm layers -> scalar, else token."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "channel"
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return "scalar"
+    return "token"
+
+
+def _known_affine_types() -> tuple[type, ...]:
+    types: list[type] = [nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear, nn.Conv1d, nn.Conv2d,
+                         nn.Conv3d, nn.LayerNorm, nn.RMSNorm]
+    oc = sys.modules.get("open_clip.transformer")
+    if oc is not None:  # open_clip's LayerNorm subclasses only cast dtypes around F.layer_norm
+        types += [getattr(oc, n) for n in ("LayerNorm", "LayerNormFp32") if hasattr(oc, n)]
+    return tuple(types)
+
+
+def is_affine_in_parameters(module: nn.Module) -> bool:
+    """Whether ``module``'s output is an affine function of its own parameters for a fixed input.
+
+    True only for an allow-list of EXACT types (nn.Linear, nn.Conv1d/2d/3d, nn.LayerNorm, nn.RMSNorm and
+    open_clip's LayerNorm casts); subclasses such as quantised or LoRA linears are not trusted. For these,
+    f(x; p0 + r (pm - p0)) = f0(x) + r (fm(x) - f0(x)) holds exactly for a scalar r, and for a per-output-
+    channel r on Linear/Conv (non-transposed) weights and biases.
+    """
+    return type(module) in _known_affine_types()
+
+
+def default_run(model: nn.Module, batch: Any) -> Any:
+    """Run ``model`` on a batch: ``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple/list, else
+    ``model(batch)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+@dataclass(frozen=True)
+class BackboneFamily:
+    """A backbone family: how to find it in a model, which modules FSC hooks, and how to run it.
+
+    ``fsc_modules(model)`` returns the hooked modules with their output layout (qualified names relative
+    to ``model``); ``run(model, batch)`` runs a forward pass that reaches every hooked module.
+    """
+
+    name: str
+    description: str
+    detect: Callable[[nn.Module], bool]
+    fsc_modules: Callable[[nn.Module], list[ModuleSpec]]
+    run: Callable[[nn.Module, Any], Any] = default_run
+
+    def fsc_module_names(self, model: nn.Module) -> list[str]:
+        """Qualified names (as in ``model.named_modules()``) of the modules MAGIC-FSC hooks."""
+        return [spec.name for spec in self.fsc_modules(model)]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _find_instances(model: nn.Module, cls: type | None) -> list[tuple[str, nn.Module]]:
+    if cls is None:
+        return []
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, cls)]
+
+
+def _require(model: nn.Module, names: Sequence[str], family: str) -> None:
+    present = dict(model.named_modules())
+    for name in names:
+        if name not in present:
+            raise ParameterError(f"{family}: expected module {name!r} is missing from the model")
+
+
+# --- open_clip ViT -------------------------------------------------------------------------------------
+
+_OPEN_CLIP_BLOCK_MODULES = ("ln_1", "attn", "ln_2", "mlp.c_fc", "mlp.gelu", "mlp.c_proj")
+
+
+def _open_clip_vit_class() -> type | None:
+    module = sys.modules.get("open_clip.transformer")
+    return getattr(module, "VisionTransformer", None) if module is not None else None
+
+
+def _open_clip_visual(model: nn.Module) -> tuple[str, nn.Module]:
+    found = _find_instances(model, _open_clip_vit_class())
+    if len(found) != 1:
+        raise ParameterError(f"open_clip_vit: expected exactly one open_clip VisionTransformer in the model, "
+                             f"found {len(found)}")
+    return found[0]
+
+
+def _open_clip_fsc_modules(model: nn.Module) -> list[ModuleSpec]:
+    prefix, visual = _open_clip_visual(model)
+    transformer = visual.transformer
+    # residual blocks see [N, L, D] when batch_first (open_clip >= 2.24, default), [L, N, D] otherwise
+    block_batch_dim = 0 if getattr(transformer, "batch_first", False) else 1
+    specs = [ModuleSpec(_join(prefix, "conv1"), "channel")]
+    if not isinstance(visual.ln_pre, nn.Identity):  # no_ln_pre=True models have none
+        specs.append(ModuleSpec(_join(prefix, "ln_pre"), "scalar"))
+    for i, block in enumerate(transformer.resblocks):
+        for sub in _OPEN_CLIP_BLOCK_MODULES:
+            name = _join(prefix, f"transformer.resblocks.{i}.{sub}")
+            specs.append(ModuleSpec(name, "scalar" if sub.startswith("ln_") else "token", block_batch_dim))
+    specs.append(ModuleSpec(_join(prefix, "ln_post"), "scalar"))
+    _require(model, [s.name for s in specs], "open_clip_vit")
+    for spec in specs:
+        if spec.name.endswith(".attn") and not isinstance(model.get_submodule(spec.name), nn.MultiheadAttention):
+            raise ParameterError(f"open_clip_vit: {spec.name!r} is not an nn.MultiheadAttention "
+                                 "(custom attention blocks are not supported; pass explicit module names)")
+    return specs
+
+
+def _open_clip_run(model: nn.Module, batch: Any) -> Any:
+    """Images through the visual tower only: ``encode_image`` when the model has one."""
+    if hasattr(model, "encode_image") and not isinstance(batch, Mapping):
+        return model.encode_image(batch)
+    return default_run(model, batch)
+
+
+OPEN_CLIP_VIT = BackboneFamily(
+    name="open_clip_vit",
+    description="open_clip VisionTransformer (visual tower): conv1, ln_pre, per block ln_1/attn/ln_2/mlp.c_fc/"
+                "mlp.gelu/mlp.c_proj, ln_post",
+    detect=lambda model: len(_find_instances(model, _open_clip_vit_class())) == 1,
+    fsc_modules=_open_clip_fsc_modules,
+    run=_open_clip_run,
+)
+
+
+# --- Hugging Face BERT ---------------------------------------------------------------------------------
+
+_BERT_LAYER_MODULES = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+                       "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
+
+
+def _bert_class() -> type | None:
+    module = sys.modules.get("transformers.models.bert.modeling_bert")
+    return getattr(module, "BertModel", None) if module is not None else None
+
+
+def _bert_fsc_modules(model: nn.Module) -> list[ModuleSpec]:
+    found = _find_instances(model, _bert_class())
+    if len(found) != 1:
+        raise ParameterError(f"hf_bert: expected exactly one transformers BertModel in the model, found {len(found)}")
+    prefix, bert = found[0]
+    names = [_join(prefix, "embeddings.LayerNorm")]
+    for i in range(len(bert.encoder.layer)):
+        names += [_join(prefix, f"encoder.layer.{i}.{sub}") for sub in _BERT_LAYER_MODULES]
+    _require(model, names, "hf_bert")
+    return [ModuleSpec(n, default_granularity(model.get_submodule(n)), 0) for n in names]
+
+
+HF_BERT = BackboneFamily(
+    name="hf_bert",
+    description="Hugging Face BertModel encoder: embeddings.LayerNorm, per layer attention.self.query/key/value, "
+                "attention.output.dense/LayerNorm, intermediate.dense, output.dense/LayerNorm",
+    detect=lambda model: len(_find_instances(model, _bert_class())) == 1,
+    fsc_modules=_bert_fsc_modules,
+)
+
+
+# --- registry ------------------------------------------------------------------------------------------
+
+FAMILIES: dict[str, BackboneFamily] = {family.name: family for family in (OPEN_CLIP_VIT, HF_BERT)}
+
+
+def register_family(family: BackboneFamily) -> BackboneFamily:
+    if family.name in FAMILIES:
+        raise ValueError(f"backbone family {family.name!r} registered twice")
+    FAMILIES[family.name] = family
+    return family
+
+
+def get_family(name: str) -> BackboneFamily:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise UnknownNameError(f"unknown backbone family {name!r}; choose one of: {', '.join(sorted(FAMILIES))}") from None
+
+
+def family_for(model: nn.Module) -> BackboneFamily:
+    """The registered family whose ``detect`` accepts ``model`` (exactly one must)."""
+    matches = [family for family in FAMILIES.values() if family.detect(model)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise UnknownNameError(f"no backbone family recognises {type(model).__name__}; known families: "
+                               f"{', '.join(sorted(FAMILIES))} (or pass explicit module names)")
+    raise UnknownNameError(f"{type(model).__name__} matches several backbone families "
+                           f"({', '.join(f.name for f in matches)}); name one explicitly")
+
+
+def explicit_family(module_names: Sequence[str], *, batch_dim: int = 0, name: str = "explicit") -> BackboneFamily:
+    """A family over an explicit list of module names; granularity from each module's type
+    (``default_granularity``) and the batch at ``batch_dim`` of every token-granular output."""
+    names = list(module_names)
+    if not names:
+        raise ParameterError(f"{name}: the list of module names is empty")
+    if len(set(names)) != len(names):
+        raise ParameterError(f"{name}: module names are repeated")
+
+    def fsc_modules(model: nn.Module) -> list[ModuleSpec]:
+        present = dict(model.named_modules())
+        for module_name in names:
+            if module_name not in present:
+                raise ParameterError(f"{name}: module {module_name!r} is not in the model")
+        return [ModuleSpec(n, default_granularity(present[n]), batch_dim) for n in names]
+
+    return BackboneFamily(name=name, description=f"explicit list of {len(names)} modules",
+                          detect=lambda model: False, fsc_modules=fsc_modules)
+
+
+def resolve_family(family: BackboneFamily | str | Sequence[str] | None, model: nn.Module) -> BackboneFamily:
+    """``None``: detect from ``model``; a name: the registered family; a list of names: ``explicit_family``."""
+    if family is None:
+        return family_for(model)
+    if isinstance(family, BackboneFamily):
+        return family
+    if isinstance(family, str):
+        return get_family(family)
+    if isinstance(family, Sequence):
+        return explicit_family(family)
+    raise ParameterError(f"family: expected a family name, a BackboneFamily or a list of module names, "
+                         f"got {type(family).__name__}")

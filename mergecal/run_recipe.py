@@ -1,0 +1,138 @@
+"""Run a recipe end to end: DisTaC pre-conditioning -> merge -> weight-space calibrations -> FSC.
+
+The data-free middle streams key by key (``mergecal.recipe.iter_weight_space``). DisTaC and FSC need
+models and data, which the caller supplies in ``RecipeInputs`` (the backbone adapters provide them).
+Following MAGIC, FSC is measured on the model that the weight-space steps produced (so ``dsc`` = WSC,
+then FSC measured on the WSC-calibrated model), and each task's fine-tuned model in FSC is the one that
+went into the merge (DisTaC-conditioned when the recipe conditions it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ParameterError
+from .recipe import Recipe, iter_weight_space
+from .task_vectors import COMPUTE_DTYPE, TaskVectorSet
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+@dataclass
+class RecipeInputs:
+    """Models and data a recipe needs beyond the checkpoints.
+
+    ``build_model(state_dict)``: the backbone as an ``nn.Module`` (FSC). ``build_task_model(t, state_dict)``:
+    the model with task t's frozen head, returning logits (DisTaC). ``distac_data[t]``: unlabeled inputs of
+    task t. ``fsc_data[t]``: task t's samples for FSC; for ``data='task_agnostic'`` (DSC-A) give
+    ``fsc_agnostic_data`` (one shared batch). ``sensitive``: the probed magnitude-sensitive keys, used by
+    WSC and FSC steps that do not list their own. ``family``: the FSC backbone family (None: detect).
+    ``trainable``: DisTaC's parameter filter (None: every float parameter).
+    """
+
+    build_model: Callable[[StateDict], nn.Module] | None = None
+    build_task_model: Callable[[int, StateDict], nn.Module] | None = None
+    distac_data: Sequence[Any] | None = None
+    fsc_data: Sequence[Any] | None = None
+    fsc_agnostic_data: Any | None = None
+    sensitive: Sequence[str] | None = None
+    family: Any = None
+    trainable: Callable[[str], bool] | None = None
+    device: str = "cpu"
+    progress: bool = True
+
+
+@dataclass
+class RecipeResult:
+    recipe: Recipe
+    state_dict: dict[str, torch.Tensor]  # theta_0 + the calibrated merged task vector (weight space)
+    model: nn.Module | None = None  # the FSC-calibrated model, when the recipe ends in feature space
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+
+
+def _require(value: Any, what: str, step: str) -> Any:
+    if value is None:
+        raise ParameterError(f"recipe step {step!r} needs RecipeInputs.{what}")
+    return value
+
+
+def run_distac_steps(recipe: Recipe, pretrained: StateDict, finetuned: Sequence[StateDict], inputs: RecipeInputs,
+                     diagnostics: dict) -> list[StateDict]:
+    """The recipe's pre-merge DisTaC steps; returns the (partly) conditioned fine-tuned models."""
+    from .calibrations.distac import distill_task_vector, norm_matching_kappas
+    from .task_vectors import task_vector
+
+    models = list(finetuned)
+    for step in recipe.phase("pre"):
+        params = step.params
+        build = _require(inputs.build_task_model, "build_task_model", "distac")
+        data = _require(inputs.distac_data, "distac_data", "distac")
+        if len(data) != len(models):
+            raise ParameterError(f"recipe step 'distac': distac_data has {len(data)} entries for {len(models)} tasks")
+        taus = [task_vector(m, pretrained) for m in models]
+        kappas = norm_matching_kappas(taus) if params.kappa is None else [params.kappa] * len(models)
+        if params.apply_to == "largest_norm":  # the one norm matching shrinks (first on ties)
+            norms = [_norm(tau) for tau in taus]
+            targets = [max(range(len(models)), key=norms.__getitem__)]
+        else:
+            targets = list(range(len(models)))
+        del taus
+        info = diagnostics.setdefault("distac", {"kappas": kappas, "conditioned": [], "history": {}})
+        for t in targets:
+            conditioned, history = distill_task_vector(
+                lambda sd, t=t: build(t, sd), pretrained, models[t], data[t],
+                params.distillation_params().model_copy(update={"kappa": kappas[t]}),
+                trainable=inputs.trainable, progress=inputs.progress, device=inputs.device)
+            models[t] = conditioned
+            info["conditioned"].append(t)
+            info["history"][t] = history
+    return models
+
+
+def _norm(tau: StateDict) -> float:
+    return float(sum(v.double().pow(2).sum() for v in tau.values()) ** 0.5)
+
+
+def run_recipe(recipe: Recipe | str, pretrained: StateDict, finetuned: Sequence[StateDict],
+               inputs: RecipeInputs | None = None) -> RecipeResult:
+    """Apply ``recipe`` to a pretrained model and its K fine-tuned models (state dicts)."""
+    recipe = Recipe.parse(recipe) if isinstance(recipe, str) else recipe
+    inputs = inputs or RecipeInputs()
+    diagnostics: dict[str, Any] = {}
+
+    models = run_distac_steps(recipe, pretrained, finetuned, inputs, diagnostics)
+
+    tvs = TaskVectorSet.from_models(pretrained, models, device=inputs.device)
+    updates = dict(iter_weight_space(recipe, tvs, sensitive=inputs.sensitive, diagnostics=diagnostics,
+                                     progress=inputs.progress))
+    state = {}
+    for key, value in pretrained.items():
+        if key in updates:
+            merged = value.to(device=inputs.device, dtype=COMPUTE_DTYPE) + updates[key]
+            state[key] = merged.to(value.dtype).cpu()
+        else:
+            state[key] = value.clone()
+
+    model = None
+    for step in recipe.phase("feature"):
+        from .calibrations.fsc import calibrate_fsc
+
+        build = _require(inputs.build_model, "build_model", "fsc")
+        params = step.params
+        if params.sensitive is None and inputs.sensitive is not None:
+            params = params.model_copy(update={"sensitive": list(inputs.sensitive)})
+        if params.data == "task_agnostic":
+            data = [_require(inputs.fsc_agnostic_data, "fsc_agnostic_data", "fsc (task-agnostic data)")]
+        else:
+            data = _require(inputs.fsc_data, "fsc_data", "fsc")
+        device = torch.device(inputs.device)
+        model = calibrate_fsc(build(state).to(device), build(pretrained).to(device), [build(m).to(device) for m in models],
+                              data, family=inputs.family, params=params, progress=inputs.progress, copy_model=False)
+        diagnostics["fsc"] = {"ratios": model.ratios, "folded": model.folded, "hooked": model.hooked,
+                              "identity": model.identity}
+    return RecipeResult(recipe=recipe, state_dict=state, model=model, diagnostics=diagnostics)
