@@ -105,3 +105,17 @@ def test_ranking_file_round_trip_and_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(CheckpointError, match="not a sensitivity ranking"):
         SensitivityRanking.load(tmp_path / "bad.json")
+
+
+def test_load_or_compute_probes_once_per_cache_file(tmp_path):
+    model, pretrained, batches = toy_setup(5)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return probe_sensitivity(model, pretrained, make_accuracy_probe(batches), progress=False,
+                                 metadata={"backbone": "toy", "task_set": "t3"})
+
+    first = SensitivityRanking.load_or_compute(tmp_path / "toy-t3.json", compute)
+    second = SensitivityRanking.load_or_compute(tmp_path / "toy-t3.json", compute)
+    assert len(calls) == 1 and first == second and second.metadata["task_set"] == "t3"

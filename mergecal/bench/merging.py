@@ -157,6 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--calibrations", action="store_true", help="also time SVC and WSC after task arithmetic")
     parser.add_argument("--no-merges", action="store_true", help="skip the merge-method table")
+    parser.add_argument("--models", action="store_true",
+                        help="also time FSC estimation and DisTaC steps on an open_clip ViT-B/32 (random init)")
     parser.add_argument("--streaming", action="store_true",
                         help="also merge sharded checkpoints from disk and report peak memory against input size")
 
@@ -215,6 +217,15 @@ def main(args: argparse.Namespace) -> int:
                  "| method | seconds | peak extra anonymous memory (MiB) | inputs on disk (MiB) |", "|---|---:|---:|---:|"]
         lines += [f"| {r['method']} | {r['seconds']:.2f} | {r['peak_extra_mb']:.0f} | {r['input_mb']:.0f} |" for r in streaming_rows]
         tables.append("\n".join(lines))
+    if args.models:
+        from .models import TINY_NAME
+        from .models import main as bench_models
+
+        del tvs, task_vectors  # free the task vectors before building models
+        model_rows, model_table = bench_models(TINY_NAME if args.quick else "ViT-B-32", K=args.tasks,
+                                               distac_batch=4 if args.quick else 32)
+        rows.extend(model_rows)
+        tables.append(model_table)
     table = "\n\n".join(tables)
     print()
     print(table)

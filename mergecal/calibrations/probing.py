@@ -49,6 +49,15 @@ class SensitivityRanking:
         return atomic_write_text(path, self.to_json())
 
     @classmethod
+    def load_or_compute(cls, path: str | Path, compute: Callable[[], "SensitivityRanking"]) -> "SensitivityRanking":
+        """The ranking cached at ``path`` (one file per backbone and task set), computed and saved if absent."""
+        if Path(path).exists():
+            return cls.load(path)
+        ranking = compute()
+        ranking.save(path)
+        return ranking
+
+    @classmethod
     def load(cls, path: str | Path) -> "SensitivityRanking":
         try:
             data = json.loads(Path(path).read_text())

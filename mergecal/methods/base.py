@@ -118,6 +118,30 @@ def get_merge_method(name: str | MergeMethod, **params: Any) -> MergeMethod:
     return cls(**params)
 
 
+class MatrixMergeMethod(MergeMethod):
+    """A method defined on matrices (TSV-M, Iso-C, Iso-CTS): ``merge_matrix`` on the keys that
+    ``params.key_rule`` selects, the mean of the task vectors on every other float key."""
+
+    key_rule = "matrices_except_text_projection"
+
+    def __init__(self, params: MergeParams | None = None, **values: Any):
+        super().__init__(params, **values)
+        from ..keys import get_key_rule
+
+        self._rule = get_key_rule(self.params.key_rule)
+
+    @abstractmethod
+    def merge_matrix(self, taus: list[torch.Tensor]) -> torch.Tensor | None:
+        """The merged matrix, or None to fall back to the mean for this key."""
+
+    def combine(self, key: str, taus: list[torch.Tensor]) -> torch.Tensor:
+        if self._rule.matches(key, taus[0].shape, taus[0].dtype):
+            merged = self.merge_matrix(taus)
+            if merged is not None:
+                return merged
+        return mean_of(taus)
+
+
 def sum_of(taus: list[torch.Tensor]) -> torch.Tensor:
     """sum_t tau_t without stacking (one output buffer instead of K + 1)."""
     total = taus[0].clone()

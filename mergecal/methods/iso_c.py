@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..keys import get_key_rule
 from ..linalg import svd
-from .base import MergeMethod, MergeParams, mean_of, register, sum_of
+from .base import MatrixMergeMethod, MergeParams, register, sum_of
 
 
 class IsoCParams(MergeParams):
@@ -29,17 +28,11 @@ def iso_c_matrix(taus: list[torch.Tensor], float64: bool = False) -> torch.Tenso
 
 
 @register
-class IsoC(MergeMethod):
+class IsoC(MatrixMergeMethod):
     name = "iso_c"
     Params = IsoCParams
     key_rule = "matrices_except_text_projection"
     summary = "flat spectrum (mean singular value) of the task-vector sum"
 
-    def __init__(self, params=None, **values):
-        super().__init__(params, **values)
-        self._rule = get_key_rule(self.params.key_rule)
-
-    def combine(self, key, taus):
-        if self._rule.matches(key, taus[0].shape, taus[0].dtype):
-            return iso_c_matrix(taus, self.params.float64)
-        return mean_of(taus)
+    def merge_matrix(self, taus):
+        return iso_c_matrix(taus, self.params.float64)

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..keys import get_key_rule
 from ..linalg import polar_factor, svd
-from .base import MergeMethod, MergeParams, mean_of, register, sum_of
+from .base import MatrixMergeMethod, MergeParams, register, sum_of
 
 
 class IsoCtsParams(MergeParams):
@@ -59,17 +58,11 @@ def iso_cts_matrix(taus: list[torch.Tensor], common_space_fraction: float, float
 
 
 @register
-class IsoCts(MergeMethod):
+class IsoCts(MatrixMergeMethod):
     name = "iso_cts"
     Params = IsoCtsParams
     key_rule = "matrices_except_text_projection"
     summary = "flat spectrum over a common subspace plus per-task residual subspaces"
 
-    def __init__(self, params=None, **values):
-        super().__init__(params, **values)
-        self._rule = get_key_rule(self.params.key_rule)
-
-    def combine(self, key, taus):
-        if self._rule.matches(key, taus[0].shape, taus[0].dtype):
-            return iso_cts_matrix(taus, self.params.common_space_fraction, self.params.float64)
-        return mean_of(taus)
+    def merge_matrix(self, taus):
+        return iso_cts_matrix(taus, self.params.common_space_fraction, self.params.float64)

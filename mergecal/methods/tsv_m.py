@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..keys import get_key_rule
 from ..linalg import polar_factor, svd
-from .base import MergeMethod, MergeParams, mean_of, register
+from .base import MatrixMergeMethod, MergeParams, register
 
 
 class TsvMParams(MergeParams):
@@ -44,19 +43,11 @@ def tsv_merge_matrix(taus: list[torch.Tensor], float64: bool = False) -> torch.T
 
 
 @register
-class TsvM(MergeMethod):
+class TsvM(MatrixMergeMethod):
     name = "tsv_m"
     Params = TsvMParams
     key_rule = "matrices_except_text_projection"
     summary = "per-task top floor(r/K) singular triplets, polar-orthogonalised"
 
-    def __init__(self, params=None, **values):
-        super().__init__(params, **values)
-        self._rule = get_key_rule(self.params.key_rule)
-
-    def combine(self, key, taus):
-        if self._rule.matches(key, taus[0].shape, taus[0].dtype):
-            merged = tsv_merge_matrix(taus, self.params.float64)
-            if merged is not None:
-                return merged
-        return mean_of(taus)
+    def merge_matrix(self, taus):
+        return tsv_merge_matrix(taus, self.params.float64)
