@@ -1,0 +1,1 @@
+"""Task suites built offline from what ships in packages (see ../shared/notes/offline-materials.md)."""

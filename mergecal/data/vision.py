@@ -1,0 +1,344 @@
+"""The default vision task suite: procedurally rendered, captioned images, generated offline and deterministically.
+
+Datasets (each image carries every attribute; tasks read different attributes of the SAME images, so their
+task vectors conflict when merged, as the pilot in ../shared/notes/offline-materials.md showed):
+
+* ``scenes``: 1-4 identical objects on a textured background -> tasks ``shapes`` (6), ``colors`` (8),
+  ``counts`` (4), ``textures`` (6);
+* ``glyphs``: a rendered digit -> tasks ``digits`` (10), ``typefaces`` (6 font families), ``inks`` (6 colours);
+* ``handwritten``: the real 8x8 scikit-learn digits (1,797 images), upsampled -> task ``handwritten`` (10);
+* ``letters``: rendered letters A-T, the generic probe set of MAGIC's sensitivity probing (none of the tasks);
+* ``mixed``: unlabeled collages of scene objects and glyphs, the task-agnostic data of DSC-A;
+* ``pretrain``: scenes and glyphs with captions, for the project's contrastive pretraining.
+
+Every sample is drawn from its own generator, seeded by sha256(seed, dataset, split, index): the same seed
+gives the same bytes on any machine with the same pinned Pillow and fonts, whatever the order of generation.
+Images are rendered at 4x and downsampled (anti-aliased). Fonts come from matplotlib's bundled files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from ..checkpoint import atomic_write_text
+from ..errors import CheckpointError, ParameterError
+
+SUPERSAMPLE = 4
+
+SHAPES = ["circle", "square", "triangle", "cross", "diamond", "ring"]
+COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (235, 215, 40),
+          "magenta": (210, 50, 200), "cyan": (40, 200, 210), "orange": (245, 140, 30), "white": (245, 245, 245)}
+COUNTS = ["one", "two", "three", "four"]
+TEXTURES = ["plain", "horizontal stripes", "vertical stripes", "checkerboard", "dots", "diagonal stripes"]
+TYPEFACES = {"sans-serif": "DejaVuSans.ttf", "serif": "DejaVuSerif.ttf", "monospace": "DejaVuSansMono.ttf",
+             "bold": "DejaVuSans-Bold.ttf", "italic": "DejaVuSerif-Italic.ttf", "computer modern": "cmr10.ttf"}
+INKS = {"black": (20, 20, 20), "red": (200, 30, 30), "blue": (30, 60, 210), "green": (30, 150, 50),
+        "purple": (130, 40, 170), "brown": (130, 80, 30)}
+DIGITS = [str(d) for d in range(10)]
+LETTERS = [chr(ord("A") + i) for i in range(20)]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A classification task: which dataset's images, which attribute as label, its class names and the
+    prompt templates of its zero-shot head."""
+
+    name: str
+    dataset: str
+    label: str
+    classnames: list[str]
+    templates: list[str] = field(default_factory=lambda: ["a photo of a {}."])
+
+
+TASKS: dict[str, TaskSpec] = {t.name: t for t in [
+    TaskSpec("shapes", "scenes", "shape", SHAPES, ["a photo of a {}.", "a drawing of {} shapes.", "a picture of a {}."]),
+    TaskSpec("colors", "scenes", "color", list(COLORS), ["a photo of {} objects.", "something coloured {}.",
+                                                         "a {} shape."]),
+    TaskSpec("counts", "scenes", "count", COUNTS, ["a photo of {} objects.", "{} shapes.", "there are {} things."]),
+    TaskSpec("textures", "scenes", "texture", TEXTURES, ["a photo of a {} background.", "a {} pattern.",
+                                                         "shapes on {}."]),
+    TaskSpec("digits", "glyphs", "digit", [f"the digit {d}" for d in DIGITS], ["a photo of {}.", "a rendering of {}.",
+                                                                                "{} printed."]),
+    TaskSpec("typefaces", "glyphs", "typeface", list(TYPEFACES), ["a digit in a {} font.", "{} lettering.",
+                                                                  "text set in {} type."]),
+    TaskSpec("inks", "glyphs", "ink", list(INKS), ["a digit written in {} ink.", "{} print.", "a {} character."]),
+    TaskSpec("handwritten", "handwritten", "digit", [f"the handwritten digit {d}" for d in DIGITS],
+             ["a photo of {}.", "a scan of {}.", "{} written by hand."]),
+]}
+PROBE_TASK = TaskSpec("letters", "letters", "letter", [f"the letter {c}" for c in LETTERS],
+                      ["a photo of {}.", "a rendering of {}.", "{} printed."])
+DATASETS = ("scenes", "glyphs", "handwritten", "letters", "mixed", "pretrain")
+
+
+def sample_rng(seed: int, dataset: str, split: str, index: int) -> np.random.Generator:
+    digest = hashlib.sha256(f"{seed}:{dataset}:{split}:{index}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
+def _fonts_dir() -> Path:
+    import matplotlib
+
+    return Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+
+
+_FONT_CACHE: dict[tuple[str, int], ImageFont.FreeTypeFont] = {}
+
+
+def _font(file: str, size: int) -> ImageFont.FreeTypeFont:
+    if (file, size) not in _FONT_CACHE:
+        _FONT_CACHE[(file, size)] = ImageFont.truetype(str(_fonts_dir() / file), size)
+    return _FONT_CACHE[(file, size)]
+
+
+def _background(rng: np.random.Generator, texture: str, size: int) -> Image.Image:
+    """A two-tone textured background in muted colours (so object colours stay distinguishable)."""
+    a = tuple(int(v) for v in rng.integers(60, 140, 3))
+    b = tuple(int(v) for v in rng.integers(60, 140, 3))
+    image = Image.new("RGB", (size, size), a)
+    draw = ImageDraw.Draw(image)
+    period = int(rng.integers(size // 8, size // 4))
+    half = max(1, period // 2)
+    if texture == "horizontal stripes":
+        for y in range(0, size, period):
+            draw.rectangle([0, y, size, y + half - 1], fill=b)
+    elif texture == "vertical stripes":
+        for x in range(0, size, period):
+            draw.rectangle([x, 0, x + half - 1, size], fill=b)
+    elif texture == "checkerboard":
+        for y in range(0, size, half):
+            for x in range(0, size, half):
+                if (x // half + y // half) % 2:
+                    draw.rectangle([x, y, x + half - 1, y + half - 1], fill=b)
+    elif texture == "dots":
+        r = max(2, half // 2)
+        for y in range(half, size, period):
+            for x in range(half, size, period):
+                draw.ellipse([x - r, y - r, x + r, y + r], fill=b)
+    elif texture == "diagonal stripes":
+        width = max(2, half)
+        for offset in range(-size, size, period):
+            draw.line([(offset, 0), (offset + size, size)], fill=b, width=width)
+    return image
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, color: tuple) -> None:
+    box = [cx - r, cy - r, cx + r, cy + r]
+    if shape == "circle":
+        draw.ellipse(box, fill=color)
+    elif shape == "square":
+        draw.rectangle([cx - 0.85 * r, cy - 0.85 * r, cx + 0.85 * r, cy + 0.85 * r], fill=color)
+    elif shape == "triangle":
+        draw.polygon([(cx, cy - r), (cx - r, cy + 0.8 * r), (cx + r, cy + 0.8 * r)], fill=color)
+    elif shape == "cross":
+        w = 0.35 * r
+        draw.rectangle([cx - r, cy - w, cx + r, cy + w], fill=color)
+        draw.rectangle([cx - w, cy - r, cx + w, cy + r], fill=color)
+    elif shape == "diamond":
+        draw.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=color)
+    elif shape == "ring":
+        draw.ellipse(box, outline=color, width=max(2, int(0.35 * r)))
+
+
+def _place(rng: np.random.Generator, n: int, big: int, r: float) -> list[tuple[float, float]]:
+    """n non-overlapping centres (rejection sampling; falls back to a grid)."""
+    centres: list[tuple[float, float]] = []
+    for _ in range(200):
+        if len(centres) == n:
+            break
+        c = (float(rng.uniform(r, big - r)), float(rng.uniform(r, big - r)))
+        if all((c[0] - x) ** 2 + (c[1] - y) ** 2 > (2.1 * r) ** 2 for x, y in centres):
+            centres.append(c)
+    grid = [(big * (0.25 + 0.5 * (i % 2)), big * (0.25 + 0.5 * (i // 2))) for i in range(4)]
+    return centres if len(centres) == n else grid[:n]
+
+
+def render_scene(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    shape = int(rng.integers(len(SHAPES)))
+    color = int(rng.integers(len(COLORS)))
+    count = int(rng.integers(len(COUNTS)))
+    texture = int(rng.integers(len(TEXTURES)))
+    big = size * SUPERSAMPLE
+    image = _background(rng, TEXTURES[texture], big)
+    draw = ImageDraw.Draw(image)
+    r = big * float(rng.uniform(0.11, 0.15))
+    rgb = COLORS[list(COLORS)[color]]
+    jitter = tuple(int(np.clip(v + rng.integers(-15, 16), 0, 255)) for v in rgb)
+    for cx, cy in _place(rng, count + 1, big, r):
+        _draw_shape(draw, SHAPES[shape], cx, cy, r, jitter)
+    caption = (f"{COUNTS[count]} {list(COLORS)[color]} {SHAPES[shape]}{'s' if count else ''} on a "
+               f"{TEXTURES[texture]} background")
+    labels = {"shape": shape, "color": color, "count": count, "texture": texture}
+    return _downsample(image, size), labels, caption
+
+
+def _glyph_image(rng: np.random.Generator, text: str, font_file: str, ink: tuple, size: int) -> Image.Image:
+    big = size * SUPERSAMPLE
+    paper = tuple(int(v) for v in rng.integers(200, 256, 3))
+    image = Image.new("RGB", (big, big), paper)
+    draw = ImageDraw.Draw(image)
+    font = _font(font_file, int(big * rng.uniform(0.6, 0.8)))
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    w, h = right - left, bottom - top
+    x = float(rng.uniform(0, max(1, big - w))) - left
+    y = float(rng.uniform(0, max(1, big - h))) - top
+    draw.text((x, y), text, font=font, fill=ink)
+    return image.rotate(float(rng.uniform(-12, 12)), resample=Image.BILINEAR, fillcolor=paper)
+
+
+def render_glyph(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    digit = int(rng.integers(10))
+    typeface = int(rng.integers(len(TYPEFACES)))
+    ink = int(rng.integers(len(INKS)))
+    name = list(TYPEFACES)[typeface]
+    image = _glyph_image(rng, DIGITS[digit], TYPEFACES[name], INKS[list(INKS)[ink]], size)
+    caption = f"the digit {digit} in a {name} font, written in {list(INKS)[ink]} ink"
+    return _downsample(image, size), {"digit": digit, "typeface": typeface, "ink": ink}, caption
+
+
+def render_letter(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    letter = int(rng.integers(len(LETTERS)))
+    font = list(TYPEFACES.values())[int(rng.integers(len(TYPEFACES)))]
+    ink = list(INKS.values())[int(rng.integers(len(INKS)))]
+    image = _glyph_image(rng, LETTERS[letter], font, ink, size)
+    return _downsample(image, size), {"letter": letter}, f"the letter {LETTERS[letter]}"
+
+
+def render_mixed(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    """An unlabeled collage: a scene with a glyph pasted into one corner (task-agnostic data)."""
+    scene, _, _ = render_scene(rng, size)
+    glyph, _, _ = render_glyph(rng, size // 2)
+    out = scene.copy()
+    y, x = (int(rng.integers(2)) * size // 2), (int(rng.integers(2)) * size // 2)
+    out[y:y + size // 2, x:x + size // 2] = glyph
+    return out, {}, ""
+
+
+def _downsample(image: Image.Image, size: int) -> np.ndarray:
+    return np.asarray(image.resize((size, size), Image.LANCZOS), dtype=np.uint8)
+
+
+RENDERERS = {"scenes": render_scene, "glyphs": render_glyph, "letters": render_letter, "mixed": render_mixed}
+
+
+def generate(dataset: str, split: str, n: int, *, seed: int = 0, image_size: int = 32) -> dict[str, np.ndarray | list]:
+    """``n`` samples of a procedural dataset: ``images`` uint8 [n, H, W, 3], one int64 array per label
+    attribute, and ``captions``. ``pretrain`` alternates scenes and glyphs and keeps captions."""
+    if n < 0:
+        raise ParameterError(f"generate: n must be >= 0, got {n}")
+    if dataset == "handwritten":
+        raise ParameterError("generate: 'handwritten' holds real images; use handwritten_splits()")
+    if dataset == "pretrain":
+        renderers = [render_scene, render_glyph]
+        pick = lambda i: renderers[i % 2]  # noqa: E731
+    elif dataset in RENDERERS:
+        pick = lambda i: RENDERERS[dataset]  # noqa: E731
+    else:
+        raise ParameterError(f"generate: unknown dataset {dataset!r}; choose one of: {', '.join(DATASETS)}")
+    images = np.zeros((n, image_size, image_size, 3), dtype=np.uint8)
+    labels: dict[str, list[int]] = {}
+    captions = []
+    for i in range(n):
+        image, sample_labels, caption = pick(i)(sample_rng(seed, dataset, split, i), image_size)
+        images[i] = image
+        for key, value in sample_labels.items():
+            labels.setdefault(key, []).append(value)
+        captions.append(caption)
+    out: dict[str, np.ndarray | list] = {"images": images, "captions": captions}
+    if dataset != "pretrain":
+        out.update({k: np.asarray(v, dtype=np.int64) for k, v in labels.items()})
+    return out
+
+
+def handwritten_splits(*, seed: int = 0, n_test: int = 597, image_size: int = 32) -> dict[str, dict[str, np.ndarray]]:
+    """scikit-learn's 1,797 real 8x8 digits, upsampled and shown as dark ink on light paper, split into
+    train (1,200) and test (597) by a seeded permutation."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    order = np.random.default_rng(seed).permutation(len(digits.target))
+    gray = (255 - digits.images * (255 / 16)).astype(np.uint8)  # 0..16 intensities -> ink on paper
+    up = np.stack([np.asarray(Image.fromarray(g).resize((image_size, image_size), Image.BICUBIC)) for g in gray])
+    rgb = np.repeat(up[..., None], 3, axis=-1)
+    test, train = order[:n_test], order[n_test:]
+    return {"train": {"images": rgb[train], "digit": digits.target[train].astype(np.int64)},
+            "test": {"images": rgb[test], "digit": digits.target[test].astype(np.int64)}}
+
+
+def validation_indices(n_train: int, seed: int = 0, fraction: float = 0.1, cap: int = 5000) -> np.ndarray:
+    """The validation split: 10% of train (at most 5000), a fixed seeded choice (reference-details)."""
+    n_val = min(cap, int(round(fraction * n_train)))
+    return np.sort(np.random.default_rng(seed).permutation(n_train)[:n_val])
+
+
+def array_digest(arrays: dict) -> str:
+    """sha256 over the arrays' bytes and shapes, in key order (for determinism checks and DVC metadata)."""
+    h = hashlib.sha256()
+    for key in sorted(arrays):
+        value = arrays[key]
+        if isinstance(value, np.ndarray):
+            h.update(f"{key}:{value.dtype}:{value.shape}".encode())
+            h.update(np.ascontiguousarray(value).tobytes())
+        else:
+            h.update(f"{key}:{json.dumps(value)}".encode())
+    return h.hexdigest()
+
+
+@dataclass
+class SuiteConfig:
+    n_train: int = 2000
+    n_test: int = 600
+    n_probe: int = 1000
+    n_agnostic: int = 512
+    n_pretrain: int = 20000
+    image_size: int = 32
+    seed: int = 0
+
+
+def _save_npz(path: Path, arrays: dict) -> None:
+    """Write an .npz atomically (no pickled objects: captions are stored as a fixed-width string array)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    clean = {k: (np.asarray(v, dtype=np.str_) if isinstance(v, list) else v) for k, v in arrays.items()}
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **clean)
+    tmp.replace(path)
+
+
+def load_split(root: str | Path, dataset: str, split: str) -> dict[str, np.ndarray]:
+    """A generated split as arrays (``allow_pickle=False``: nothing is unpickled)."""
+    path = Path(root) / dataset / f"{split}.npz"
+    if not path.exists():
+        raise CheckpointError(f"{path}: split not found (build the suite with build_vision_suite first)")
+    with np.load(path, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def build_vision_suite(root: str | Path, config: SuiteConfig | None = None, progress: bool = True) -> dict:
+    """Generate every dataset of the suite under ``root`` and write ``manifest.json`` (tasks, class names,
+    templates, sizes, digests). Returns the manifest."""
+    from tqdm.auto import tqdm
+
+    config = config or SuiteConfig()
+    root = Path(root)
+    plan = [("scenes", "train", config.n_train), ("scenes", "test", config.n_test),
+            ("glyphs", "train", config.n_train), ("glyphs", "test", config.n_test),
+            ("letters", "test", config.n_probe), ("mixed", "train", config.n_agnostic),
+            ("pretrain", "train", config.n_pretrain)]
+    digests = {}
+    for dataset, split, n in tqdm(plan, desc="vision suite", unit="split", disable=not progress):
+        arrays = generate(dataset, split, n, seed=config.seed, image_size=config.image_size)
+        _save_npz(root / dataset / f"{split}.npz", arrays)
+        digests[f"{dataset}/{split}"] = array_digest(arrays)
+    for split, arrays in handwritten_splits(seed=config.seed, image_size=config.image_size).items():
+        _save_npz(root / "handwritten" / f"{split}.npz", arrays)
+        digests[f"handwritten/{split}"] = array_digest(arrays)
+    manifest = {"config": asdict(config), "tasks": {name: asdict(spec) for name, spec in TASKS.items()},
+                "probe": asdict(PROBE_TASK), "agnostic": "mixed/train", "pretrain": "pretrain/train", "digests": digests}
+    atomic_write_text(root / "manifest.json", json.dumps(manifest, indent=2))
+    return manifest
