@@ -25,6 +25,9 @@ setup: $(STAMP)
 # wheel store; an unpinned torch would pull a multi-GB CUDA build from the network.
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
+	@# WordNet 3.0 glosses for the text suite come from Debian's wordnet-base package.
+	test -f /usr/share/wordnet/data.noun || { apt-get update -q && apt-get install -y -q wordnet-base; } \
+		|| { echo "error: could not install Debian's wordnet-base (needed by the text suite): run 'apt-get install wordnet-base' as root"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[pipeline,dev]'
