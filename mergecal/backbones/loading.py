@@ -1,0 +1,59 @@
+"""Loading model weights from local files, safely.
+
+* ``.safetensors`` files, directories and sharded ``*.index.json``: read with safetensors (no code runs).
+* ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``: ``torch.load(weights_only=True)``, which accepts tensors and plain
+  containers only. Some published checkpoints are whole pickled modules (the task_vectors repository saves
+  its fine-tuned ``ImageEncoder`` objects with ``torch.save(model)``); unpickling those runs arbitrary code,
+  so it needs ``allow_unsafe_pickle=True`` and the error says why.
+Nothing is ever fetched from a hub: a missing path is an error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..checkpoint import INDEX_SUFFIX, load_state_dict
+from ..errors import CheckpointError
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def _as_state_dict(obj: object, path: Path) -> dict[str, torch.Tensor]:
+    if isinstance(obj, nn.Module):
+        return {k: v.detach() for k, v in obj.state_dict().items()}
+    if isinstance(obj, Mapping):
+        for wrapper in ("state_dict", "model_state_dict"):  # common training-checkpoint wrappers
+            if wrapper in obj and isinstance(obj[wrapper], Mapping):
+                obj = obj[wrapper]
+                break
+        tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        if tensors and len(tensors) == len(obj):
+            return dict(tensors)
+    raise CheckpointError(f"{path}: expected a state dict (name -> tensor) or an nn.Module, got {type(obj).__name__}")
+
+
+def load_weights_file(path: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """The ``{name: tensor}`` stored in a local weights file (see the module docstring)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: weights file not found (nothing is downloaded; give a local file)")
+    if path.is_dir() or path.suffix == ".safetensors" or path.name.endswith(INDEX_SUFFIX):
+        return load_state_dict(path)
+    if path.suffix not in PICKLE_SUFFIXES:
+        raise CheckpointError(f"{path}: unknown weights format (expected .safetensors, a directory, "
+                              f"*{INDEX_SUFFIX} or one of {', '.join(PICKLE_SUFFIXES)})")
+    try:
+        return _as_state_dict(torch.load(path, map_location="cpu", weights_only=True), path)
+    except pickle.UnpicklingError as err:
+        if not allow_unsafe_pickle:
+            raise CheckpointError(
+                f"{path}: a pickled Python object, not plain tensors (weights_only loading refused it: "
+                f"{str(err).splitlines()[0][:120]}); unpickling runs arbitrary code, so pass "
+                "allow_unsafe_pickle=True only for a file you trust") from None
+    return _as_state_dict(torch.load(path, map_location="cpu", weights_only=False), path)
