@@ -1,0 +1,96 @@
+"""Fine-tuning a text classifier (encoder + task head) on one task, and scoring it.
+
+Protocol: AdamW (weight decay 0.1), linear warmup then cosine decay, cross-entropy (label smoothing for the
+low-confidence regime), the head trained jointly from a seeded initialisation; the word/position embeddings
+can be frozen (they are most of MiniLM's parameters and barely move; freezing halves the step cost on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..backbones.hf_text import build_classifier, load_encoder, tokenize
+from ..calibrations.confidence import expected_calibration_error, prediction_entropy
+from ..errors import ParameterError
+
+
+@dataclass(frozen=True)
+class TextFinetuneConfig:
+    steps: int = 200
+    batch_size: int = 32
+    lr: float = 5e-5
+    weight_decay: float = 0.1
+    warmup_fraction: float = 0.1
+    label_smoothing: float = 0.0
+    max_length: int = 64
+    freeze_embeddings: bool = True
+    seed: int = 0
+
+
+def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def finetune_text_task(encoder_state: Mapping[str, torch.Tensor], texts: Sequence[str], labels: np.ndarray,
+                       n_classes: int, config: TextFinetuneConfig = TextFinetuneConfig(), *, progress: bool = True,
+                       device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict]]:
+    """Fine-tune from ``encoder_state``; returns (encoder state, head state, history). Seeded and
+    deterministic on CPU; the caller's global RNG state is left unchanged."""
+    if config.steps < 1 or config.batch_size < 1:
+        raise ParameterError("finetune_text_task: steps and batch_size must be >= 1")
+    if len(texts) != len(labels) or len(texts) == 0:
+        raise ParameterError(f"finetune_text_task: {len(texts)} texts but {len(labels)} labels")
+    _, tokenizer = load_encoder()
+    encoded = tokenize(tokenizer, texts, config.max_length)
+    targets = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = build_classifier(encoder_state, None, n_classes).to(device).train()
+        if config.freeze_embeddings:
+            model.encoder.embeddings.requires_grad_(False)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+        warmup = int(config.warmup_fraction * config.steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_with_warmup(s, config.steps, warmup))
+        generator = torch.Generator().manual_seed(config.seed)
+        order = torch.randperm(len(targets), generator=generator)
+        history, cursor = [], 0
+        for step in tqdm(range(config.steps), desc="fine-tune text", unit="step", disable=not progress):
+            if cursor + config.batch_size > len(order):
+                order, cursor = torch.randperm(len(targets), generator=generator), 0
+            idx = order[cursor:cursor + config.batch_size]
+            cursor += config.batch_size
+            logits = model(encoded["input_ids"][idx].to(device), encoded["attention_mask"][idx].to(device))
+            loss = F.cross_entropy(logits, targets[idx].to(device), label_smoothing=config.label_smoothing)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            history.append({"step": step + 1, "loss": loss.item(), "lr": scheduler.get_last_lr()[0]})
+    return model.encoder_state(), model.head_state(), history
+
+
+@torch.no_grad()
+def evaluate_text(encoder_state: Mapping[str, torch.Tensor], head_state: Mapping[str, torch.Tensor],
+                  texts: Sequence[str], labels: np.ndarray, n_classes: int, *, max_length: int = 64,
+                  batch_size: int = 128, device: str = "cpu") -> dict[str, float]:
+    """Accuracy, mean prediction entropy and ECE of an encoder with a task's head."""
+    model = build_classifier(encoder_state, head_state, n_classes).to(device).eval()
+    _, tokenizer = load_encoder()
+    encoded = tokenize(tokenizer, texts, max_length)
+    logits = torch.cat([model(encoded["input_ids"][i:i + batch_size].to(device),
+                              encoded["attention_mask"][i:i + batch_size].to(device)).cpu()
+                        for i in range(0, len(texts), batch_size)])
+    targets = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    return {"accuracy": float((logits.argmax(-1) == targets).float().mean()),
+            "entropy": prediction_entropy(logits), "ece": expected_calibration_error(logits, targets)}
