@@ -1,0 +1,53 @@
+"""Accuracy, mean prediction entropy and ECE of a CLIP model with a zero-shot (or any linear) head on a split.
+
+Logits follow the evaluation protocol (reference-details.md): logit_scale * normalize(encode_image(x)) @ W, with
+W from ``zero_shot_head``. Entropy and ECE are ``mergecal.calibrations.confidence``'s (float64, 15 bins).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..backbones.open_clip_vit import image_size, logits, preprocess
+from ..calibrations.confidence import expected_calibration_error, prediction_entropy
+from ..errors import ParameterError
+
+
+def resolve_device(device: str | None) -> str:
+    """``"auto"`` -> CUDA when available, else CPU; ``None`` -> CPU; an explicit ``"cuda"`` needs a GPU."""
+    if device is None:
+        return "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ParameterError(f"device={device!r}: CUDA is not available on this machine")
+    return str(device)
+
+
+@torch.no_grad()
+def predict_logits(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, *, batch_size: int = 256,
+                   device: str | None = None) -> torch.Tensor:
+    """Logits [N, C] (float32, CPU) of uint8 ``images`` [N, H, W, 3], computed in batches in eval mode."""
+    if batch_size < 1:
+        raise ParameterError(f"predict_logits: batch_size must be >= 1, got {batch_size}")
+    device = resolve_device(device)
+    was_training = model.training
+    model.eval().to(device)
+    size = image_size(model)
+    out = [logits(model, head, preprocess(images[i:i + batch_size], size).to(device)).float().cpu()
+           for i in range(0, len(images), batch_size)]
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, head.shape[1])
+
+
+def evaluate(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, labels: np.ndarray, *,
+             batch_size: int = 256, device: str | None = None) -> dict[str, float]:
+    """``{"accuracy", "entropy", "ece", "n"}`` of the model on (``images``, ``labels``)."""
+    if len(images) != len(labels) or len(images) == 0:
+        raise ParameterError(f"evaluate: need a non-empty split with one label per image, got {len(images)} "
+                             f"images and {len(labels)} labels")
+    z = predict_logits(model, head, images, batch_size=batch_size, device=device)
+    y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    return {"accuracy": float((z.argmax(-1) == y).float().mean()), "entropy": prediction_entropy(z),
+            "ece": expected_calibration_error(z, y), "n": int(len(y))}
