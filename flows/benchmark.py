@@ -1,0 +1,178 @@
+"""The benchmark flow: one Prefect task per cell of the matrix (merge → calibrate → evaluate → track).
+
+* Caching: a cell's cache key is its content hash (``mergecal.pipeline.cells.cell_id``); results persist as
+  JSON under ``<root>/.mergecal/cells`` so interrupted or repeated runs reuse finished cells. A result file cut
+  short by a kill does not deserialize and Prefect treats it as absent, so the cell is simply recomputed.
+* Retries for transient failures (``runner.retries``); a cell that still fails is recorded in MLflow with its
+  error and the rest of the matrix goes on.
+* Task runner (``runner.kind``): threads (default), processes, or prefect-dask's DaskTaskRunner (a local
+  cluster, or ``runner.address`` of an existing one).
+* Tracking: see ``mergecal.pipeline.tracking``.
+
+Run it through DVC (``dvc repro``; stage ``benchmark``) or directly: ``python -m flows.benchmark``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.filesystems import LocalFileSystem
+
+from mergecal.checkpoint import atomic_write_text
+from mergecal.errors import MergecalError
+from mergecal.pipeline.cells import Cell, cell_id, enumerate_cells, measure, resolve_device, run_cell, threads_from_env
+from mergecal.pipeline.config import Params, load_params, parse_params
+from mergecal.pipeline.tracking import Tracker, code_version
+
+CELL_CACHE = Path(".mergecal") / "cells"
+
+
+def _cell_cache_key(context, arguments: dict[str, Any]) -> str:
+    return f"cell-{arguments['key']}"
+
+
+def cell_tags(cell: Cell) -> dict[str, str]:
+    return {"mergecal.backbone": cell.backbone, "mergecal.task_set": cell.task_set, "mergecal.regime": cell.regime,
+            "mergecal.merge": cell.merge, "mergecal.calibration": cell.calibration,
+            "mergecal.recipe": cell.recipe or cell.merge, "mergecal.recipe_label": cell.label,
+            "mergecal.tasks": ",".join(cell.tasks), "mergecal.track": cell.track}
+
+
+@task(name="cell", cache_key_fn=_cell_cache_key, persist_result=True, result_serializer="json")
+def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: str, invocation_id: str) -> dict:
+    """Compute one cell and log it as one MLflow run; returns what the invocation manifest needs."""
+    threads_from_env()
+    settings = parse_params(params, "params")
+    cell_obj = Cell(**{**cell, "tasks": tuple(cell["tasks"]), "grid": tuple(cell["grid"])})
+    device = resolve_device(settings.device)
+    result, seconds, peak_mib = measure(run_cell, cell_obj, settings, root, device=device)
+    metrics = {**result.metrics, "seconds": seconds, "peak_rss_mib": peak_mib}
+    tracker = Tracker(root, settings.tracking.experiment, settings.tracking.store)
+    run_id = tracker.log_cell(parent_run_id=parent_run_id, invocation_id=invocation_id, cell_id=key,
+                              tags={**cell_tags(cell_obj), "mergecal.device": device}, params=result.params,
+                              metrics=metrics, artifacts=result.diagnostics)
+    return {"cell_id": key, "run_id": run_id, "status": "ok", "label": cell_obj.label, "regime": cell_obj.regime,
+            "metrics": metrics}
+
+
+def task_runner(params: Params):
+    runner = params.runner
+    if runner.kind == "threads":
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=runner.max_workers)
+    if runner.kind == "processes":
+        from prefect.task_runners import ProcessPoolTaskRunner
+
+        return ProcessPoolTaskRunner(max_workers=runner.max_workers)
+    try:
+        from prefect_dask import DaskTaskRunner
+    except ImportError:
+        raise MergecalError("runner.kind=dask needs prefect-dask (pip install -e '.[pipeline]')") from None
+    if runner.address:
+        return DaskTaskRunner(address=runner.address)
+    return DaskTaskRunner(cluster_kwargs={"n_workers": runner.max_workers, "threads_per_worker": 1,
+                                          "processes": True, "dashboard_address": None})
+
+
+def _one_line(error: BaseException | Any) -> str:
+    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+    return text.strip().splitlines()[0][:500] if text.strip() else type(error).__name__
+
+
+@flow(name="mergecal-benchmark", log_prints=True)
+def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "results/benchmark.json") -> dict:
+    """Run every cell of the matrix in ``params_path``; write a summary to ``output`` (relative to ``root``)."""
+    logger = get_run_logger()
+    root_path = Path(root).resolve()
+    params = load_params(root_path / params_path if not Path(params_path).is_absolute() else params_path)
+    tracker = Tracker(root_path, params.tracking.experiment, params.tracking.store)
+    killed = tracker.mark_unfinished_killed()
+    if killed:
+        logger.warning("marked %d unfinished MLflow run(s) of an interrupted benchmark as KILLED", killed)
+
+    cells = enumerate_cells(params)
+    keys = [cell_id(c, params, root_path) for c in cells]
+    invocation_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    params_json = json.dumps(params.model_dump(mode="json"), sort_keys=True)
+    parent = tracker.start_invocation(
+        invocation_id,
+        tags={"mergecal.code_version": code_version(root_path), "mergecal.cells": str(len(cells))},
+        params={"params_sha256": hashlib.sha256(params_json.encode()).hexdigest(), "cells": str(len(cells)),
+                "runner": params.runner.kind, "device": params.device})
+    logger.info("benchmark %s: %d cells (MLflow %s)", invocation_id, len(cells), tracker.uri)
+
+    # result storage must be a block saved on the (local) Prefect server; one block per repository root
+    storage = LocalFileSystem(basepath=str(root_path / CELL_CACHE))
+    storage.save(f"mergecal-cells-{hashlib.sha256(str(root_path).encode()).hexdigest()[:12]}", overwrite=True)
+    runnable = compute_cell.with_options(retries=params.runner.retries,
+                                         retry_delay_seconds=params.runner.retry_delay_seconds,
+                                         result_storage=storage)
+    start = time.perf_counter()
+    params_dict = params.model_dump(mode="json")
+    futures = [runnable.submit(key, cell.to_dict(), params_dict, str(root_path), parent, invocation_id)
+               for key, cell in zip(keys, cells)]
+    manifest, summary, failed, cached = {}, [], 0, 0
+    for i, (key, cell, future) in enumerate(zip(keys, cells, futures), 1):
+        outcome = future.result(raise_on_failure=False)
+        state = future.state
+        if state.is_completed() and isinstance(outcome, dict):
+            was_cached = state.name == "Cached"
+            cached += was_cached
+            manifest[key] = {"status": "ok", "run_id": outcome["run_id"], "cached": was_cached, "label": cell.label,
+                             "regime": cell.regime}
+            summary.append({"cell_id": key, "label": cell.label, "regime": cell.regime, "merge": cell.merge,
+                            "calibration": cell.calibration, **{k: outcome["metrics"][k] for k in
+                                                                ("avg_acc", "avg_norm_acc") if k in outcome["metrics"]}})
+            print(f"[{i}/{len(cells)}] {cell.regime:<14} {cell.label:<40} avg {outcome['metrics']['avg_acc']:.3f}"
+                  f"{' (cached)' if was_cached else ''}")
+        else:
+            failed += 1
+            error = _one_line(outcome if outcome is not None else state.message)
+            run_id = tracker.log_cell(parent_run_id=parent, invocation_id=invocation_id, cell_id=key,
+                                      tags=cell_tags(cell), params={}, metrics={}, artifacts={}, status="failed",
+                                      error=error)
+            manifest[key] = {"status": "failed", "run_id": run_id, "error": error, "label": cell.label,
+                             "regime": cell.regime}
+            summary.append({"cell_id": key, "label": cell.label, "regime": cell.regime, "merge": cell.merge,
+                            "calibration": cell.calibration, "error": error})
+            print(f"[{i}/{len(cells)}] {cell.regime:<14} {cell.label:<40} FAILED: {error}")
+    seconds = time.perf_counter() - start
+    tracker.finish_invocation(parent, manifest, {"cells": len(cells), "failed_cells": failed, "cached_cells": cached,
+                                                 "seconds": seconds})
+    result = {"invocation_id": invocation_id, "parent_run_id": parent, "tracking_uri": tracker.uri,
+              "experiment": params.tracking.experiment, "cells": len(cells), "failed": failed, "cached": cached,
+              "seconds": round(seconds, 1), "rows": sorted(summary, key=lambda r: (r["regime"], r["label"]))}
+    out = root_path / output
+    atomic_write_text(out, json.dumps(result, indent=2))
+    metrics = {"cells": len(cells), "failed": failed,
+               **{f"{r['regime']}/{r['label']}": round(r["avg_norm_acc"], 4) for r in summary if "avg_norm_acc" in r}}
+    atomic_write_text(out.with_name("metrics.json"), json.dumps(metrics, indent=2, sort_keys=True))
+    csv = ["regime,label,avg_acc,avg_norm_acc"] + [f"{r['regime']},{r['label']},{r['avg_acc']:.4f},{r['avg_norm_acc']:.4f}"
+                                                   for r in result["rows"] if "avg_acc" in r]
+    atomic_write_text(out.with_name("leaderboard.csv"), "\n".join(csv) + "\n")
+    print(f"benchmark {invocation_id}: {len(cells)} cells, {cached} cached, {failed} failed, {seconds:.1f} s")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--root", default=".")
+    parser.add_argument("--output", default="results/benchmark.json")
+    args = parser.parse_args(argv)
+    result = benchmark(params_path=args.params, root=args.root, output=args.output)
+    return 1 if result["failed"] == result["cells"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,294 @@
+"""Cells of the benchmark matrix: what they are, their content hash, and how one is computed.
+
+A cell is (track, regime, merge method, calibration chain), plus two reference cells per (track, regime):
+``zeroshot`` (the pretrained model) and ``finetuned`` (each task scored by its own fine-tuned model; the
+denominator of normalized accuracy). A cell's id hashes everything its result depends on: the canonical
+recipe (every hyperparameter), the scaling grid, the evaluation settings, and the bytes of every input file
+(checkpoints, heads, DisTaC-conditioned models, sensitivity ranking, data manifest). Equal ids, equal results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..errors import CheckpointError, MergecalError
+from .config import Params
+
+REFERENCES = ("zeroshot", "finetuned")
+
+
+@dataclass(frozen=True)
+class Cell:
+    track: str  # "vision" | "text"
+    backbone: str
+    task_set: str
+    tasks: tuple[str, ...]
+    regime: str
+    merge: str  # a merge method, or "zeroshot" / "finetuned"
+    chain: str  # the chain template, e.g. "{merge}>svc"; "" for references
+    recipe: str = ""  # canonical recipe id at the grid's first scaling
+    grid: tuple[float, ...] = ()  # scalings tried on validation (empty: the method's own value)
+    calibration: str = "none"  # the chain without the merge, e.g. "svc", "distac>svc>dsc"
+
+    @property
+    def label(self) -> str:
+        if self.merge in REFERENCES:
+            return self.merge
+        return self.chain.replace("{merge}", self.merge)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _calibration_name(chain: str) -> str:
+    parts = [p for p in chain.replace("->", ">").replace("→", ">").split(">") if p.strip() != "{merge}"]
+    return ">".join(p.strip() for p in parts) or "none"
+
+
+def enumerate_cells(params: Params) -> list[Cell]:
+    from ..recipe import Recipe
+    from .vision import distac_params
+
+    cells = []
+    track = params.vision
+    for regime in track.regimes:
+        for ref in REFERENCES:
+            cells.append(Cell("vision", track.backbone, track.task_set, tuple(track.tasks), regime, ref, ""))
+        for merge, values in params.benchmark.merges.items():
+            values = dict(values or {})
+            grid = values.get("scaling")
+            grid = tuple(float(g) for g in grid) if isinstance(grid, list) else ()
+            if grid:
+                values["scaling"] = grid[0]
+            for chain in params.benchmark.chains:
+                recipe = Recipe.parse(chain.replace("{merge}", merge))
+                steps = []
+                for step in recipe.steps:
+                    if step.phase == "merge":
+                        steps.append((step.name, values))
+                    elif step.name == "distac":
+                        steps.append(("distac", distac_params(params, regime).model_dump()))
+                    else:
+                        steps.append((step.name, step.params.model_dump()))
+                canonical = Recipe(steps).id
+                cells.append(Cell("vision", track.backbone, track.task_set, tuple(track.tasks), regime, merge, chain,
+                                  canonical, grid, _calibration_name(chain)))
+    return cells
+
+
+@lru_cache(maxsize=4096)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_digest(path: str | Path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: input of the benchmark not found (run `dvc repro` to build it)")
+    stat = path.stat()
+    return _file_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def cell_inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, str]:
+    """The files a cell reads, by role."""
+    from .vision import paths_for, regime_variants
+
+    paths = paths_for(params, root)
+    files = {"pretrained": paths.pretrained, "heads": paths.heads, "data_manifest": paths.data / "manifest.json",
+             "reference": paths.task_vectors(cell.regime) / "diagnostics.json"}
+    if cell.merge == "zeroshot":
+        return {k: str(v) for k, v in files.items()}
+    for task, variant in regime_variants(params.vision, cell.regime).items():
+        files[f"finetuned.{task}"] = paths.finetuned(variant, task)
+    if cell.recipe.startswith("distac"):
+        for task in cell.tasks:
+            files[f"distac.{task}"] = paths.distac(cell.regime) / f"{task}.safetensors"
+    if "wsc(" in cell.recipe or "fsc(" in cell.recipe:
+        files["sensitivity"] = paths.sensitivity(cell.regime)
+    return {k: str(v) for k, v in files.items()}
+
+
+def cell_id(cell: Cell, params: Params, root: str | Path) -> str:
+    """Content hash of everything the cell's result depends on."""
+    digests = {role: file_digest(path) for role, path in cell_inputs(cell, params, root).items()}
+    payload = {"cell": cell.to_dict(), "inputs": digests, "evaluation": params.benchmark.evaluation.model_dump(),
+               "arch": params.vision.arch, "mergecal": __version__}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+# ------------------------------------------------------------------------------------------------- computation
+
+@dataclass
+class CellResult:
+    metrics: dict[str, float]
+    params: dict[str, str]
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+
+
+def _summaries(tasks, test: dict[str, dict[str, float]], reference: dict[str, dict[str, float]]) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for task in tasks:
+        metrics[f"acc.{task}"] = test[task]["accuracy"]
+        metrics[f"norm_acc.{task}"] = test[task]["accuracy"] / max(reference[task]["test_accuracy"], 1e-12)
+        metrics[f"entropy.{task}"] = test[task]["entropy"]
+        metrics[f"ece.{task}"] = test[task]["ece"]
+    for name in ("acc", "norm_acc", "entropy", "ece"):
+        metrics[f"avg_{name}"] = sum(metrics[f"{name}.{t}"] for t in tasks) / len(tasks)
+    return metrics
+
+
+def _flat_params(prefix: str, values: dict[str, Any]) -> dict[str, str]:
+    return {f"{prefix}.{k}": json.dumps(v) if not isinstance(v, str) else v for k, v in values.items()}
+
+
+def _jsonable_diagnostics(diagnostics: dict, sensitivity_path: Path | None) -> dict[str, Any]:
+    """The logged artifacts (see mergecal.reports): SVC spectra, MAGIC coefficients, sensitivity."""
+    out: dict[str, Any] = {}
+    if "svc" in diagnostics:
+        out["svc_spectra"] = {k: {"before": [float(x) for x in v["sigma"]], "after": [float(x) for x in v["sigma_calibrated"]]}
+                              for k, v in diagnostics["svc"].items()}
+    coefficients: dict[str, dict[str, float]] = {}
+    if "wsc" in diagnostics:
+        coefficients["weight"] = {k: float(torch.as_tensor(v["xi"]).float().mean()) for k, v in diagnostics["wsc"].items()}
+    if "fsc" in diagnostics:
+        coefficients["feature"] = {k: float(torch.as_tensor(v).float().mean()) for k, v in diagnostics["fsc"]["ratios"].items()}
+    if coefficients:
+        out["magic_coefficients"] = coefficients
+    if sensitivity_path is not None and sensitivity_path.is_file():
+        data = json.loads(sensitivity_path.read_text())
+        out["sensitivity"] = {"metric": "probe_accuracy", "baseline": data["baseline"],
+                              "scores": {k: v for k, v in data["scores"]}}
+    return out
+
+
+def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str = "cpu") -> CellResult:
+    """Merge → calibrate → evaluate one cell (vision track)."""
+    from ..calibrations.probing import SensitivityRanking
+    from ..recipe import Recipe
+    from ..run_recipe import RecipeInputs, run_recipe
+    from ..task_vectors import task_vector
+    from .vision import VisionModels, evaluate_tasks, preprocessed, task_split
+
+    root = Path(root)
+    models = VisionModels(params, root)
+    paths, tasks = models.paths, list(cell.tasks)
+    evaluation = params.benchmark.evaluation
+    reference = json.loads((paths.task_vectors(cell.regime) / "diagnostics.json").read_text())
+    base_params = {"track": cell.track, "backbone": cell.backbone, "regime": cell.regime, "recipe": cell.recipe,
+                   "mergecal_version": __version__}
+
+    if cell.merge == "zeroshot":
+        test = evaluate_tasks(models.model({}), models.heads, paths.data, tasks, "test",
+                              batch_size=evaluation.batch_size, device=device)
+        return CellResult(_summaries(tasks, test, reference), base_params)
+    if cell.merge == "finetuned":
+        test = {t: {"accuracy": r["test_accuracy"], "entropy": r["entropy"], "ece": r["ece"]} for t, r in reference.items()}
+        diagnostics = {"task_vectors": {t: {"norm": r["norm"], "entropy": r["entropy"]} for t, r in reference.items()}}
+        return CellResult(_summaries(tasks, test, reference), base_params, diagnostics)
+
+    recipe = Recipe.parse(cell.recipe)
+    pre_steps = recipe.phase("pre")
+    if pre_steps:  # DisTaC ran once in its DVC stage with exactly these parameters (checked here)
+        states = []
+        for task in tasks:
+            path = paths.distac(cell.regime) / f"{task}.safetensors"
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as fh:
+                stored = json.loads((fh.metadata() or {}).get("distac", "null"))
+            if stored != pre_steps[0].params.model_dump(mode="json"):
+                raise CheckpointError(f"{path}: DisTaC parameters differ from the cell's recipe (rerun `dvc repro`)")
+            from ..checkpoint import load_state_dict
+
+            states.append(load_state_dict(path))
+    else:
+        states = models.finetuned(cell.regime)
+    rest = [(s.name, s.params.model_dump()) for s in recipe.steps if s.phase != "pre"]
+    needs_sensitive = any(s.name in ("wsc", "fsc") for s in recipe.steps)
+    sensitivity_path = paths.sensitivity(cell.regime) if needs_sensitive else None
+    sensitive = SensitivityRanking.load(sensitivity_path).sensitive if sensitivity_path else None
+
+    pre_visual = models.visual_pretrained()
+    fsc_data, agnostic = None, None
+    if recipe.phase("feature"):
+        n = evaluation.fsc_samples_per_task
+        fsc_data = [preprocessed(task_split(paths.data, t, "train", max_items=n)[0], params.vision.arch) for t in tasks]
+        from ..data.vision import load_split
+
+        mixed = load_split(paths.data, "mixed", "train")["images"][: n * len(tasks)]
+        agnostic = preprocessed(mixed, params.vision.arch)
+    inputs = RecipeInputs(build_model=models.model, fsc_data=fsc_data, fsc_agnostic_data=agnostic, sensitive=sensitive,
+                          progress=False, device=device)
+
+    merge_index = next(i for i, (name, _) in enumerate(rest) if recipe.merge.name == name)
+    grid = cell.grid or (rest[merge_index][1]["scaling"],)
+    curve, best = [], None
+    for scaling in grid:
+        steps = list(rest)
+        steps[merge_index] = (steps[merge_index][0], {**steps[merge_index][1], "scaling": scaling})
+        result = run_recipe(Recipe(steps), pre_visual, states, inputs)
+        model = result.model if result.model is not None else models.model(result.state_dict)
+        val = evaluate_tasks(model, models.heads, paths.data, tasks, "validation", max_items=evaluation.max_validation,
+                             batch_size=evaluation.batch_size, device=device)
+        avg_acc = sum(val[t]["accuracy"] for t in tasks) / len(tasks)
+        avg_norm = sum(val[t]["accuracy"] / max(reference[t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
+        curve.append({"scaling": scaling, "avg_acc": avg_acc, "avg_norm_acc": avg_norm})
+        if best is None or avg_norm > best[0]:
+            best = (avg_norm, scaling, model, result.diagnostics)
+    _, scaling, model, diagnostics = best
+    test = evaluate_tasks(model, models.heads, paths.data, tasks, "test", batch_size=evaluation.batch_size, device=device)
+    metrics = _summaries(tasks, test, reference)
+    metrics["selected_scaling"] = float(scaling)
+    logged = {**base_params, "grid": json.dumps(list(grid))}
+    for step in recipe.steps:
+        logged.update(_flat_params(step.name, step.params.model_dump(mode="json")))
+    logged[f"{recipe.merge.name}.scaling"] = json.dumps(scaling)
+    artifacts = _jsonable_diagnostics(diagnostics, sensitivity_path)
+    if len(grid) > 1:
+        artifacts["scaling_curve"] = curve
+    if pre_steps:
+        info = json.loads((paths.distac(cell.regime) / "distac.json").read_text())
+        artifacts["distac"] = {"kappas": info["kappas"], "conditioned": info["conditioned"]}
+    norms = {t: float(sum(v.double().pow(2).sum() for v in task_vector(s, pre_visual).values()) ** 0.5)
+             for t, s in zip(tasks, states)}
+    artifacts["task_vectors"] = {t: {"norm": norms[t], "entropy": reference[t]["entropy"]} for t in tasks}
+    return CellResult(metrics, logged, artifacts)
+
+
+def measure(fn, *args, **kwargs) -> tuple[Any, float, float]:
+    """(result, seconds, peak resident MiB of the process during the call)."""
+    from ..bench.memory import peak_memory
+
+    start = time.perf_counter()
+    with peak_memory() as peak:
+        result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start, peak.peak_mb
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise MergecalError(f"device={device!r}: CUDA is not available on this machine")
+    return device
+
+
+def threads_from_env() -> None:
+    """Respect OMP_NUM_THREADS-style limits when several cells run at once."""
+    n = os.environ.get("MERGECAL_TORCH_THREADS")
+    if n:
+        torch.set_num_threads(int(n))

@@ -1,0 +1,140 @@
+"""MLflow tracking of the benchmark: one parent run per invocation, one child run per computed cell.
+
+Store: ``<root>/<tracking.store>/mlruns.db`` (SQLite) with artifacts under ``<root>/<tracking.store>/artifacts``.
+A cell's run is created only once its result is complete, and everything is logged in a few batched calls
+right before the run is ended, so a killed benchmark leaves at most one unfinished run, which the next
+invocation marks KILLED (reports read FINISHED runs only). A cell whose id already has a FINISHED run is not
+logged again: cached and repeated cells never duplicate runs; the invocation's manifest points at the run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import MergecalError
+
+MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
+
+
+def store_dir(root: str | Path, store: str) -> Path:
+    return (Path(root) / store).resolve()
+
+
+def tracking_uri(root: str | Path, store: str = "mlruns") -> str:
+    return f"sqlite:///{store_dir(root, store) / 'mlruns.db'}"
+
+
+def code_version(root: str | Path = ".") -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class Tracker:
+    """Thin wrapper over ``MlflowClient`` bound to one experiment."""
+
+    def __init__(self, root: str | Path, experiment: str = "mergecal", store: str = "mlruns"):
+        from mlflow.tracking import MlflowClient
+
+        directory = store_dir(root, store)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.uri = tracking_uri(root, store)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        found = self.client.get_experiment_by_name(experiment)
+        if found is None:
+            try:
+                self.experiment_id = self.client.create_experiment(
+                    experiment, artifact_location=(directory / "artifacts").as_uri())
+            except Exception:  # created concurrently by another process
+                self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
+        else:
+            self.experiment_id = found.experiment_id
+        self.experiment = experiment
+
+    # -- invocations -------------------------------------------------------------------------------------
+    def mark_unfinished_killed(self) -> int:
+        """Runs left RUNNING by a killed benchmark are marked KILLED (never reported)."""
+        runs = self.client.search_runs([self.experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                       max_results=5000)
+        for run in runs:
+            self.client.set_tag(run.info.run_id, "mergecal.status", "killed")
+            self.client.set_terminated(run.info.run_id, "KILLED")
+        return len(runs)
+
+    def start_invocation(self, invocation_id: str, tags: dict[str, str], params: dict[str, str]) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=f"benchmark {invocation_id}",
+                                     tags={"mergecal.kind": "invocation", "mergecal.invocation_id": invocation_id, **tags})
+        self._log_batch(run.info.run_id, {}, params, {})
+        return run.info.run_id
+
+    def finish_invocation(self, run_id: str, manifest: dict[str, Any], metrics: dict[str, float]) -> None:
+        self._log_batch(run_id, metrics, {}, {})
+        self._log_json(run_id, {"cells": manifest})
+        self.client.set_terminated(run_id, "FINISHED")
+
+    # -- cells -------------------------------------------------------------------------------------------
+    def finished_cell_run(self, cell_id: str) -> str | None:
+        runs = self.client.search_runs(
+            [self.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
+            filter_string=f"tags.`mergecal.cell_id` = '{cell_id}' and attributes.status = 'FINISHED' "
+                          f"and tags.`mergecal.status` = 'ok'")
+        return runs[0].info.run_id if runs else None
+
+    def log_cell(self, *, parent_run_id: str, invocation_id: str, cell_id: str, tags: dict[str, str],
+                 params: dict[str, str], metrics: dict[str, float], artifacts: dict[str, Any], status: str = "ok",
+                 error: str | None = None) -> str:
+        """One run for a computed cell (or a failed one); an ok cell that already has a run is not logged twice."""
+        if status == "ok":
+            existing = self.finished_cell_run(cell_id)
+            if existing is not None:
+                return existing
+        all_tags = {"mlflow.parentRunId": parent_run_id, "mergecal.kind": "cell", "mergecal.invocation_id": invocation_id,
+                    "mergecal.cell_id": cell_id, "mergecal.status": status, **tags}
+        if error:
+            all_tags["mergecal.error"] = error.replace("\n", " ")[:4000]
+        run = self.client.create_run(self.experiment_id, run_name=tags.get("mergecal.recipe_label", cell_id),
+                                     tags=all_tags)
+        run_id = run.info.run_id
+        try:
+            self._log_batch(run_id, metrics, params, {})
+            if artifacts:
+                self._log_json(run_id, artifacts, "diagnostics")
+        except Exception:
+            self.client.set_terminated(run_id, "FAILED")
+            raise
+        self.client.set_terminated(run_id, "FINISHED")
+        return run_id
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def _log_batch(self, run_id: str, metrics: dict[str, float], params: dict[str, str], tags: dict[str, str]) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        now = int(time.time() * 1000)
+        ms = [Metric(k, float(v), now, 0) for k, v in sorted(metrics.items())]
+        ps = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
+        ts = [RunTag(k, str(v)) for k, v in sorted(tags.items())]
+        while ms or ps or ts:
+            self.client.log_batch(run_id, metrics=ms[:MAX_METRICS], params=ps[:MAX_PARAMS], tags=ts[:MAX_TAGS])
+            ms, ps, ts = ms[MAX_METRICS:], ps[MAX_PARAMS:], ts[MAX_TAGS:]
+
+    def _log_json(self, run_id: str, files: dict[str, Any], artifact_path: str | None = None) -> None:
+        with tempfile.TemporaryDirectory(prefix="mergecal-artifacts-") as tmp:
+            for name, content in files.items():
+                (Path(tmp) / f"{name}.json").write_text(json.dumps(content, indent=1, sort_keys=True))
+            self.client.log_artifacts(run_id, tmp, artifact_path)
+
+
+def check_store(root: str | Path, store: str) -> None:
+    directory = store_dir(root, store)
+    if directory.exists() and not directory.is_dir():
+        raise MergecalError(f"{directory}: tracking.store must be a directory")

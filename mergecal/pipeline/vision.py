@@ -1,0 +1,367 @@
+"""The open_clip vision track of the pipeline: what each DVC stage builds, and the adapter a benchmark cell uses.
+
+Layout under the repository root (every file is a DVC output, written atomically):
+
+    data/vision/                                  procedural suite (mergecal.data.vision)
+    models/<backbone>/pretrained.safetensors      contrastively pretrained CLIP (+ pretrained.json)
+    models/<backbone>/heads.safetensors           zero-shot heads, one per task and the probe task
+    models/<backbone>/finetuned/<variant>/<task>.safetensors (+ .json metadata)
+        variants: standard, low_confidence (every task), norm_mismatch (one task at 10x lr)
+        Image encoder keys only, as task_vectors' ImageEncoder checkpoints: the text tower is not trained.
+    models/<backbone>/task_vectors/<regime>/<task>.safetensors, diagnostics.json
+    models/<backbone>/distac/<regime>/<task>.safetensors, distac.json
+    models/<backbone>/sensitivity/<regime>.json
+
+A regime is the set of K fine-tuned models merged together: ``standard`` and ``low_confidence`` use their
+variant for every task; ``norm_mismatch`` uses ``standard`` except its one task fine-tuned at 10x lr.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checkpoint import atomic_write_text, load_state_dict, save_state_dict
+from ..errors import CheckpointError
+from .config import Params, VisionTrack
+
+VISUAL_PREFIX = "visual."
+
+
+def is_visual(key: str) -> bool:
+    return key.startswith(VISUAL_PREFIX)
+
+
+@dataclass(frozen=True)
+class VisionPaths:
+    root: Path
+    backbone: str
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data" / "vision"
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models" / self.backbone
+
+    @property
+    def pretrained(self) -> Path:
+        return self.models / "pretrained.safetensors"
+
+    @property
+    def heads(self) -> Path:
+        return self.models / "heads.safetensors"
+
+    def finetuned(self, variant: str, task: str) -> Path:
+        return self.models / "finetuned" / variant / f"{task}.safetensors"
+
+    def task_vectors(self, regime: str) -> Path:
+        return self.models / "task_vectors" / regime
+
+    def distac(self, regime: str) -> Path:
+        return self.models / "distac" / regime
+
+    def sensitivity(self, regime: str) -> Path:
+        return self.models / "sensitivity" / f"{regime}.json"
+
+
+def paths_for(params: Params, root: str | Path = ".") -> VisionPaths:
+    return VisionPaths(Path(root), params.vision.backbone)
+
+
+def regime_variants(track: VisionTrack, regime: str) -> dict[str, str]:
+    """Which fine-tuned variant each task contributes to a regime."""
+    if regime == "norm_mismatch":
+        return {t: ("norm_mismatch" if t == track.norm_mismatch_task else "standard") for t in track.tasks}
+    return {t: regime for t in track.tasks}
+
+
+# ---------------------------------------------------------------------------------------------- data and models
+
+def task_split(data_root: Path, task: str, split: str, *, max_items: int | None = None):
+    """(uint8 images, labels) of a task. ``validation`` is the held-out part of train (never trained on)."""
+    from ..data.vision import PROBE_TASK, TASKS, load_split, validation_indices
+
+    spec = TASKS[task] if task in TASKS else PROBE_TASK
+    arrays = load_split(data_root, spec.dataset, "train" if split in ("train", "validation") else split)
+    images, labels = arrays["images"], arrays[spec.label]
+    if split == "validation":
+        idx = validation_indices(len(labels))
+        images, labels = images[idx], labels[idx]
+    elif split == "train":
+        keep = np.ones(len(labels), dtype=bool)
+        keep[validation_indices(len(labels))] = False
+        images, labels = images[keep], labels[keep]
+    if max_items is not None:
+        images, labels = images[:max_items], labels[:max_items]
+    return images, labels
+
+
+def build_data(params: Params, root: str | Path = ".", progress: bool = True) -> dict:
+    from ..data.vision import SuiteConfig, build_vision_suite
+
+    config = SuiteConfig(**{"seed": params.seed, **params.vision.data})
+    return build_vision_suite(paths_for(params, root).data, config, progress=progress)
+
+
+def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
+    """Pretrain the CLIP, then cache every task's zero-shot head (the text tower is never fine-tuned, so the
+    heads hold for every fine-tuned and merged model) and score the zero-shot model."""
+    from ..backbones.open_clip_vit import get_tokenizer, save_clip, zero_shot_head
+    from ..data.vision import PROBE_TASK, TASKS, load_split
+    from ..evaluation.zeroshot import evaluate
+    from ..train.pretrain_clip import PretrainConfig, pretrain_clip
+
+    track, paths = params.vision, paths_for(params, root)
+    config = PretrainConfig(**{"seed": params.seed, **track.pretrain, "arch": track.arch})
+    data = load_split(paths.data, "pretrain", "train")
+    start = time.perf_counter()
+    model, history = pretrain_clip(data["images"], [str(c) for c in data["captions"]], config, device=device,
+                                   progress=progress)
+    seconds = time.perf_counter() - start
+    model = model.cpu().eval()
+    tokenizer = get_tokenizer(track.arch)
+    heads = {}
+    for spec in [*(TASKS[t] for t in track.tasks), PROBE_TASK]:
+        heads[spec.name] = zero_shot_head(model, tokenizer, spec.classnames, spec.templates).contiguous()
+    zeroshot = {}
+    for task in track.tasks:
+        for split in ("validation", "test"):
+            images, labels = task_split(paths.data, task, split)
+            zeroshot.setdefault(task, {})[split] = evaluate(model, heads[task], images, labels)
+    save_clip(model, paths.pretrained, {"arch": track.arch, "backbone": track.backbone})
+    save_state_dict(heads, paths.heads, {"backbone": track.backbone, "tasks": json.dumps(list(heads))})
+    report = {"arch": track.arch, "config": asdict(config), "seconds": seconds, "final_loss": history["loss"][-1],
+              "loss": history["loss"][:: max(1, len(history["loss"]) // 50)], "zeroshot": zeroshot}
+    atomic_write_text(paths.models / "pretrained.json", json.dumps(report, indent=2))
+    return report
+
+
+def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *, device: str = "cpu",
+             progress: bool = True) -> dict:
+    """Fine-tune one task in one variant (Ilharco et al.: image encoder only, frozen zero-shot head)."""
+    from ..backbones.open_clip_vit import load_clip
+    from ..data.vision import TASKS
+    from ..train.finetune import FinetuneConfig, finetune as finetune_clip
+
+    track, paths = params.vision, paths_for(params, root)
+    if task not in track.tasks:
+        raise CheckpointError(f"finetune: task {task!r} is not in vision.tasks ({', '.join(track.tasks)})")
+    values = {"seed": params.seed, **track.finetune}
+    if variant == "norm_mismatch":
+        values["lr"] = FinetuneConfig(**values).lr * track.norm_mismatch_lr_multiplier
+        values["regime"] = "standard"
+    else:
+        values["regime"] = variant
+    config = FinetuneConfig(**values)
+    model = load_clip(track.arch, paths.pretrained)
+    head = load_state_dict(paths.heads)[task]
+    images, labels = task_split(paths.data, task, "train")
+    start = time.perf_counter()
+    state, history = finetune_clip(model, head, images, labels, config, device=device, progress=progress)
+    seconds = time.perf_counter() - start
+    visual = {k: v.contiguous() for k, v in state.items() if is_visual(k)}
+    manifest = json.loads((paths.data / "manifest.json").read_text())
+    dataset = TASKS[task].dataset
+    metadata = {"backbone": track.backbone, "arch": track.arch, "task": task, "variant": variant,
+                "hyperparameters": asdict(config), "data_digest": manifest["digests"].get(f"{dataset}/train", dataset),
+                "seconds": round(seconds, 2), "final_loss": history["loss"][-1],
+                "val_accuracy": history.get("val_accuracy", [None])[-1],
+                "layout": "open_clip state dict, image encoder keys only (the rest equals pretrained)"}
+    out = paths.finetuned(variant, task)
+    save_state_dict(visual, out, {"mergecal": json.dumps(metadata)})
+    atomic_write_text(out.with_suffix(".json"), json.dumps(metadata, indent=2))
+    return metadata
+
+
+class VisionModels:
+    """Loads what a regime's cells need: pretrained state, zero-shot heads, the K fine-tuned states."""
+
+    def __init__(self, params: Params, root: str | Path = "."):
+        self.params, self.track, self.paths = params, params.vision, paths_for(params, root)
+
+    @cached_property
+    def pretrained(self) -> dict[str, torch.Tensor]:
+        return load_state_dict(self.paths.pretrained)
+
+    @cached_property
+    def heads(self) -> dict[str, torch.Tensor]:
+        return load_state_dict(self.paths.heads)
+
+    def full_state(self, visual: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**self.pretrained, **visual}
+
+    def finetuned(self, regime: str) -> list[dict[str, torch.Tensor]]:
+        """Image-encoder states of the regime's K models (task order of the track)."""
+        return [load_state_dict(self.paths.finetuned(variant, task))
+                for task, variant in regime_variants(self.track, regime).items()]
+
+    def model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        from ..backbones.open_clip_vit import load_clip
+
+        return load_clip(self.track.arch, self.full_state(state))
+
+    def visual_pretrained(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.pretrained.items() if is_visual(k)}
+
+
+class TaskHeadModel(torch.nn.Module):
+    """A CLIP classifying with one task's frozen zero-shot head: logits = scale * norm(f(x)) @ W. Its state
+    dict keys are the CLIP's (the head is a buffer that is not saved), as DisTaC needs."""
+
+    def __init__(self, clip: torch.nn.Module, head: torch.Tensor):
+        super().__init__()
+        self.clip = clip
+        self.register_buffer("head", head.detach().clone(), persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        from ..backbones.open_clip_vit import logits
+
+        return logits(self.clip, self.head, images)
+
+    def state_dict(self, *args, **kwargs):  # the CLIP's own key names
+        return self.clip.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
+        return self.clip.load_state_dict(state, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.clip.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+
+def preprocessed(images: np.ndarray, arch: str) -> torch.Tensor:
+    from ..backbones.open_clip_vit import ARCHITECTURES, preprocess
+
+    size = ARCHITECTURES[arch]["vision_cfg"]["image_size"] if arch in ARCHITECTURES else None
+    return preprocess(images, size)
+
+
+def evaluate_tasks(model: torch.nn.Module, heads: dict[str, torch.Tensor], data_root: Path, tasks: list[str],
+                   split: str, *, max_items: int | None = None, batch_size: int = 256,
+                   device: str = "cpu") -> dict[str, dict[str, float]]:
+    from ..evaluation.zeroshot import evaluate
+
+    out = {}
+    for task in tasks:
+        images, labels = task_split(data_root, task, split, max_items=max_items)
+        out[task] = evaluate(model, heads[task], images, labels, batch_size=batch_size, device=device)
+    return out
+
+
+def task_vectors(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict:
+    """Per regime: each task's vector tau = theta_ft - theta_0 (image encoder), and DisTaC's diagnostics plus the
+    reference figures every cell is normalised by: the task's own fine-tuned accuracy (validation and test),
+    prediction entropy and ECE."""
+    from ..task_vectors import task_vector
+
+    track, models = params.vision, VisionModels(params, root)
+    pre_visual = models.visual_pretrained()
+    batch = params.benchmark.evaluation.batch_size
+    report = {}
+    for regime in track.regimes:
+        out_dir = models.paths.task_vectors(regime)
+        diagnostics = {}
+        for task, state in zip(track.tasks, models.finetuned(regime)):
+            tau = task_vector(state, pre_visual)
+            save_state_dict({k: v.contiguous() for k, v in tau.items()}, out_dir / f"{task}.safetensors",
+                            {"task": task, "regime": regime})
+            norm = float(sum(v.double().pow(2).sum() for v in tau.values()) ** 0.5)
+            model = models.model(state)
+            scores = evaluate_tasks(model, models.heads, models.paths.data, [task], "validation", batch_size=batch,
+                                    device=device)[task]
+            test = evaluate_tasks(model, models.heads, models.paths.data, [task], "test", batch_size=batch,
+                                  device=device)[task]
+            diagnostics[task] = {"norm": norm, "entropy": test["entropy"], "ece": test["ece"],
+                                 "val_accuracy": scores["accuracy"], "test_accuracy": test["accuracy"]}
+        atomic_write_text(out_dir / "diagnostics.json", json.dumps(diagnostics, indent=2))
+        report[regime] = diagnostics
+    return report
+
+
+def distac_params(params: Params, regime: str):
+    """The DisTaC step of a regime: its paper preset (``distac.presets``) with the shared overrides."""
+    from ..calibrations.distac import DistacStepParams
+    from ..methods.base import build_params
+
+    values = dict(params.distac)
+    presets = values.pop("presets", None) or DEFAULT_DISTAC_PRESETS
+    if "preset" not in values:
+        values["preset"] = presets[regime]
+    return build_params(DistacStepParams, "distac", values)
+
+
+DEFAULT_DISTAC_PRESETS = {"standard": "norm_mismatch", "norm_mismatch": "norm_mismatch",
+                          "low_confidence": "low_confidence"}
+
+
+def distac(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
+    """DisTaC-condition each regime's fine-tuned models (unlabeled train images of each task) once, for every
+    cell whose chain starts with ``distac``. Unconditioned tasks are written unchanged, so a cell reads K files."""
+    from ..calibrations.distac import distill_task_vector, norm_matching_kappas
+    from ..task_vectors import task_vector
+
+    track, models = params.vision, VisionModels(params, root)
+    samples = params.benchmark.evaluation.distac_samples
+    report = {}
+    for regime in track.regimes:
+        step = distac_params(params, regime)
+        states = models.finetuned(regime)
+        pre_visual = models.visual_pretrained()
+        taus = [task_vector(s, pre_visual) for s in states]
+        kappas = norm_matching_kappas(taus) if step.kappa is None else [step.kappa] * len(states)
+        if step.apply_to == "largest_norm":
+            norms = [float(sum(v.double().pow(2).sum() for v in t.values())) for t in taus]
+            targets = [max(range(len(states)), key=norms.__getitem__)]
+        else:
+            targets = list(range(len(states)))
+        del taus
+        out_dir, info = models.paths.distac(regime), {"params": step.model_dump(), "kappas": kappas, "conditioned": [],
+                                                      "history": {}}
+        for t, (task, state) in enumerate(zip(track.tasks, states)):
+            if t in targets:
+                images, _ = task_split(models.paths.data, task, "train", max_items=samples)
+                head = models.heads[task]
+                conditioned, history = distill_task_vector(
+                    lambda sd, head=head: TaskHeadModel(models.model({k: v for k, v in sd.items() if is_visual(k)}),
+                                                        head),
+                    models.pretrained, models.full_state(state), preprocessed(images, track.arch),
+                    step.distillation_params().model_copy(update={"kappa": kappas[t]}), trainable=is_visual,
+                    progress=progress, device=device)
+                state = {k: v.contiguous() for k, v in conditioned.items() if is_visual(k)}
+                info["conditioned"].append(task)
+                info["history"][task] = history[-1] if history else {}
+            save_state_dict(state, out_dir / f"{task}.safetensors", {"distac": step.model_dump_json()})
+        atomic_write_text(out_dir / "distac.json", json.dumps(info, indent=2, default=str))
+        report[regime] = info
+    return report
+
+
+def probe(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
+    """MAGIC's magnitude-sensitivity probe, per regime: on the weight-averaged model, scale each image-encoder
+    key's slice of the averaged task vector and rank keys by accuracy on the probe task (none of the tasks)."""
+    from ..calibrations.probing import make_accuracy_probe, probe_sensitivity
+
+    track, models, probing = params.vision, VisionModels(params, root), params.probing
+    images, labels = task_split(models.paths.data, "letters", "test", max_items=probing.max_samples)
+    head = models.heads["letters"]
+    x, y = preprocessed(images, track.arch), torch.as_tensor(labels, dtype=torch.long)
+    batches = [(x[i:i + 256], y[i:i + 256]) for i in range(0, len(y), 256)]
+    report = {}
+    for regime in track.regimes:
+        states = models.finetuned(regime)
+        averaged = {k: torch.stack([s[k].float() for s in states]).mean(0) for k in states[0]}
+        model = TaskHeadModel(models.model(averaged), head)
+        ranking = probe_sensitivity(model, models.pretrained, make_accuracy_probe(batches, device=device),
+                                    scale=probing.scale, top=probing.top, key_pattern=probing.key_pattern or r"^visual\.",
+                                    progress=progress, metadata={"regime": regime, "probe": "letters",
+                                                                 "samples": len(y)})
+        ranking.save(models.paths.sensitivity(regime))
+        report[regime] = ranking.sensitive
+    return report

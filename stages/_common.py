@@ -1,0 +1,51 @@
+"""Shared start-up of the DVC stage scripts: offline settings, params.yaml, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+OFFLINE = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+
+
+def setup_env(root: Path) -> None:
+    """Must run before prefect/mlflow are imported: their settings are read at import time."""
+    for key, value in OFFLINE.items():
+        os.environ.setdefault(key, value)
+    home = root / ".mergecal" / "prefect"
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PREFECT_HOME", str(home))
+
+
+def run(stage: Callable, argv: list[str] | None = None) -> int:
+    """``stage(params, root, args)`` with params.yaml loaded; MergecalErrors become one line and exit 2."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", default=".")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--task")
+    parser.add_argument("--variant")
+    args = parser.parse_args(argv)
+    root = Path(args.root).resolve()
+    setup_env(root)
+    from mergecal.errors import MergecalError
+    from mergecal.pipeline.config import load_params
+
+    try:
+        params = load_params(root / args.params)
+        stage(params, root, args)
+    except MergecalError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def device(params) -> str:
+    from mergecal.pipeline.cells import resolve_device
+
+    return resolve_device(params.device)

@@ -1,0 +1,15 @@
+"""DVC stage: pretrain the default CLIP contrastively, cache the zero-shot heads, score zero-shot."""
+
+from stages._common import device, run
+
+
+def stage(params, root, args):
+    from mergecal.pipeline import vision
+
+    report = vision.pretrain(params, root, device=device(params))
+    accuracy = [r["test"]["accuracy"] for r in report["zeroshot"].values()]
+    print(f"pretrained in {report['seconds']:.0f} s; zero-shot test accuracy {sum(accuracy) / len(accuracy):.3f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(stage))

@@ -1,0 +1,14 @@
+"""DVC stage: MAGIC's magnitude-sensitivity probe per regime."""
+
+from stages._common import device, run
+
+
+def stage(params, root, args):
+    from mergecal.pipeline import vision
+
+    for regime, keys in vision.probe(params, root, device=device(params)).items():
+        print(f"{regime}: most sensitive {', '.join(keys[:3])}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(stage))
