@@ -34,15 +34,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip check
 	touch $(STAMP)
 
-# The main job. For now: the merge benchmark on ViT-B/32-shaped task vectors (every method and the
-# weight-space calibrations).
+# The main job: the whole default benchmark through DVC (data -> pretraining -> fine-tunes -> task vectors ->
+# DisTaC -> probing -> Prefect benchmark flow tracked in MLflow -> leaderboards). Stages call `python`, so the
+# venv comes first on PATH.
 run: $(STAMP)
-	$(BIN)/mergecal bench --calibrations --streaming --output reports/bench/merging.md
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
+	@echo "leaderboard: $(CURDIR)/reports/leaderboard.html (also reports/leaderboard.md, reports/history.md)"
+
+# Speed and memory of the merge methods and calibrations on ViT-B/32-shaped task vectors.
+bench: $(STAMP)
+	$(BIN)/mergecal bench --calibrations --streaming --models --output reports/bench/merging.md
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
-
-bench: run
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -41,7 +41,7 @@ def _cell_cache_key(context, arguments: dict[str, Any]) -> str:
 def cell_tags(cell: Cell) -> dict[str, str]:
     return {"mergecal.backbone": cell.backbone, "mergecal.task_set": cell.task_set, "mergecal.regime": cell.regime,
             "mergecal.merge": cell.merge, "mergecal.calibration": cell.calibration,
-            "mergecal.recipe": cell.recipe or cell.merge, "mergecal.recipe_label": cell.label,
+            "mergecal.recipe": cell.label, "mergecal.recipe_id": cell.recipe or cell.merge,
             "mergecal.tasks": ",".join(cell.tasks), "mergecal.track": cell.track}
 
 

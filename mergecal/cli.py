@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -62,6 +63,56 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _pipeline(args: argparse.Namespace):
+    from .pipeline.config import load_params
+    from .pipeline.tracking import tracking_uri
+
+    root = Path(args.root).resolve()
+    params = load_params(root / args.params)
+    return root, params, tracking_uri(root, params.tracking.store)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .reports import write_reports
+
+    root, params, uri = _pipeline(args)
+    written = write_reports(uri, params.tracking.experiment, args.out or root / "reports", args.invocation,
+                            threshold=args.threshold)
+    for name, path in written.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from .ui import serve_ui
+
+    _, _, uri = _pipeline(args)
+    return serve_ui(uri, mlflow_port=args.mlflow_port, prefect_port=args.prefect_port, prefect=not args.no_prefect)
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    import os
+
+    if not os.environ.get("PREFECT_API_URL"):
+        raise MergecalError("schedule: set PREFECT_API_URL to a running Prefect server (e.g. `mergecal ui`, then "
+                            "export PREFECT_API_URL=http://127.0.0.1:4200/api)")
+    sys.path.insert(0, str(Path(args.root).resolve()))
+    from flows.schedule import serve
+
+    serve(args.cron, args.root)
+    return 0
+
+
+def cmd_smoke(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from .pipeline.workspace import create_workspace
+
+    root = create_workspace(args.dir)
+    print(f"smoke workspace: {root}; running dvc repro")
+    return subprocess.run(["dvc", "repro"], cwd=root).returncode
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mergecal", description="Merge fine-tuned models and calibrate the merge.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +136,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time every merge method on ViT-B/32-shaped task vectors")
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    def pipeline_args(p):
+        p.add_argument("--root", default=".", help="repository root of the pipeline (default .)")
+        p.add_argument("--params", default="params.yaml")
+
+    p = sub.add_parser("report", help="leaderboards, plots and history from the MLflow store")
+    pipeline_args(p)
+    p.add_argument("--out", help="output directory (default <root>/reports)")
+    p.add_argument("--invocation", help="benchmark invocation id (default: the latest)")
+    p.add_argument("--threshold", type=float, default=1.0, help="regression threshold in points (default 1)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("ui", help="MLflow UI (and Prefect UI) on 127.0.0.1 until Ctrl-C")
+    pipeline_args(p)
+    p.add_argument("--mlflow-port", type=int, default=5000)
+    p.add_argument("--prefect-port", type=int, default=4200)
+    p.add_argument("--no-prefect", action="store_true")
+    p.set_defaults(func=cmd_ui)
+
+    p = sub.add_parser("schedule", help="serve a cron-scheduled deployment that reruns `dvc repro`")
+    p.add_argument("--root", default=".")
+    p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * 1"')
+    p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("smoke", help="copy the pipeline into DIR with the smoke-size params and run dvc repro")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_smoke)
     return parser
 
 

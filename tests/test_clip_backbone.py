@@ -1,5 +1,6 @@
 """Tiny open_clip backbone, CLIP pretraining, Ilharco-style fine-tuning and zero-shot evaluation (fast, CPU)."""
 
+import math
 import re
 
 import numpy as np
@@ -15,6 +16,7 @@ from mergecal.data.vision import TASKS, generate
 from mergecal.errors import CheckpointError, UnknownNameError
 from mergecal.evaluation import evaluate, predict_logits
 from mergecal.train import FinetuneConfig, PretrainConfig, clip_loss, finetune, pretrain_clip
+from mergecal.train.finetune import focal_loss, mixup, random_shift
 
 ARCH = "mergecal-vit-micro"
 
@@ -128,6 +130,53 @@ def test_label_smoothing_lowers_confidence(model, head, scenes):
         sd, _ = _finetune(model, head, scenes, regime=regime, steps=40)
         ent[regime] = evaluate(load_clip(ARCH, sd), head, scenes["images"], scenes["color"])["entropy"]
     assert ent["low_confidence"] > ent["standard"]
+
+
+def test_focal_loss_matches_a_hand_computation():
+    z = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]])
+    y = torch.tensor([0, 2])
+    p0 = math.exp(2) / (math.exp(2) + 1 + math.exp(-1))
+    p1 = 1 / (2 * math.exp(0.5) + 1)
+    expected = 0.5 * (-(1 - p0) ** 2 * math.log(p0) - (1 - p1) ** 2 * math.log(p1))
+    assert float(focal_loss(z, y, 2.0)) == pytest.approx(expected, rel=1e-6)
+    assert float(focal_loss(z, y, 0.0)) == pytest.approx(float(F.cross_entropy(z, y)), rel=1e-6)
+
+
+def test_mixup_is_seeded_and_convex():
+    x = torch.randn(6, 3, 4, 4)
+    a = mixup(x, torch.Generator().manual_seed(5))
+    b = mixup(x, torch.Generator().manual_seed(5))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] and 0 <= a[2] <= 1
+    assert torch.allclose(a[0], a[2] * x + (1 - a[2]) * x[a[1]])
+    assert sorted(a[1].tolist()) == list(range(6))
+
+
+def test_random_shift_is_seeded_and_keeps_shapes():
+    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(2, 3, 8, 8)
+    a = random_shift(x, 2, torch.Generator().manual_seed(1))
+    assert a.shape == x.shape and torch.equal(a, random_shift(x, 2, torch.Generator().manual_seed(1)))
+    assert torch.equal(random_shift(x, 0, torch.Generator()), x)
+
+
+@pytest.mark.parametrize("loss", ["label_smoothing", "mixup", "focal"])
+def test_each_low_confidence_loss_is_deterministic_and_less_confident(model, head, scenes, loss):
+    def run(regime, **extra):
+        config = FinetuneConfig(steps=30, batch_size=16, lr=3e-3, warmup_steps=2, regime=regime, seed=0,
+                                low_confidence_loss=loss, shift_pixels=1, **extra)
+        return finetune(model, head, scenes["images"], scenes["color"], config, progress=False)[0]
+
+    first, again = run("low_confidence"), run("low_confidence")
+    assert all(torch.equal(first[k], again[k]) for k in first)  # bitwise, mixup and shifts included
+    entropy = {name: evaluate(load_clip(ARCH, sd), head, scenes["images"], scenes["color"])["entropy"]
+               for name, sd in (("standard", run("standard")), ("low", first))}
+    assert entropy["low"] > entropy["standard"]
+
+
+def test_unknown_low_confidence_loss_is_a_one_line_error(model, head, scenes):
+    config = FinetuneConfig(steps=2, regime="low_confidence", low_confidence_loss="dropout")
+    with pytest.raises(UnknownNameError, match="low_confidence_loss='dropout'") as info:
+        finetune(model, head, scenes["images"], scenes["color"], config, progress=False)
+    assert "\n" not in str(info.value)
 
 
 def test_unknown_regime_is_a_one_line_error(model, head, scenes):

@@ -62,3 +62,22 @@ def test_a_merged_encoder_is_scored_with_each_tasks_own_head(pretrained):
     with torch.no_grad():
         expected = (model(**batch).argmax(-1).numpy() == LABELS).mean()
     assert scores["accuracy"] == pytest.approx(expected) and 0 <= scores["ece"] <= 1 and scores["entropy"] >= 0
+
+
+def test_trimming_unused_padding_leaves_the_logits_unchanged(pretrained):
+    from mergecal.train.finetune_text import _trim
+
+    state, tokenizer = pretrained
+    batch = tokenize(tokenizer, TEXTS[:3], max_length=32)
+    ids, mask = _trim(batch["input_ids"], batch["attention_mask"])
+    assert ids.shape[1] == int(batch["attention_mask"].sum(1).max()) < 32
+    model = build_classifier(state, None, 2).eval()
+    with torch.no_grad():
+        assert torch.allclose(model(ids, mask), model(**batch), atol=1e-5)
+
+
+def test_smoke_and_default_configs_are_the_documented_sizes():
+    from mergecal.train.finetune_text import SMOKE_TEXT_FINETUNE
+
+    default = TextFinetuneConfig()
+    assert SMOKE_TEXT_FINETUNE.steps < 10 and default.freeze_embeddings and default.max_length <= 48

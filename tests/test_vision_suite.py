@@ -105,3 +105,21 @@ def test_bad_requests_are_named():
         generate("scene", "train", 3)
     with pytest.raises(ParameterError, match="real images"):
         generate("handwritten", "train", 3)
+
+
+def test_default_sizes_meet_the_issue_and_smoke_is_tiny():
+    from mergecal.data.vision import SMOKE_SUITE
+
+    default = SuiteConfig()
+    assert default.n_train >= 1000 and default.n_test >= 500  # the issue's minimum per task
+    assert len(handwritten_splits()["train"]["digit"]) >= 1000 and len(handwritten_splits()["test"]["digit"]) >= 500
+    assert SMOKE_SUITE.n_train <= 100 and SMOKE_SUITE.n_pretrain <= 100
+
+
+def test_typefaces_render_differently():
+    """Every typeface class is its own font file (no two classes share glyph shapes, as DejaVu Sans and
+    DejaVu Sans Mono nearly did)."""
+    from mergecal.data.vision import TYPEFACES
+
+    assert len(set(TYPEFACES.values())) == len(TYPEFACES) == len(TASKS["typefaces"].classnames)
+    assert not any("Mono" in f for f in TYPEFACES.values())

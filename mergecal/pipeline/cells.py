@@ -206,10 +206,13 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
         states = []
         for task in tasks:
             path = paths.distac(cell.regime) / f"{task}.safetensors"
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
-            with safe_open(str(path), framework="pt") as fh:
-                stored = json.loads((fh.metadata() or {}).get("distac", "null"))
+            try:
+                with safe_open(str(path), framework="pt") as fh:
+                    stored = json.loads((fh.metadata() or {}).get("distac", "null"))
+            except (OSError, SafetensorError, json.JSONDecodeError) as err:
+                raise CheckpointError(f"{path}: not a readable DisTaC checkpoint ({err})") from None
             if stored != pre_steps[0].params.model_dump(mode="json"):
                 raise CheckpointError(f"{path}: DisTaC parameters differ from the cell's recipe (rerun `dvc repro`)")
             from ..checkpoint import load_state_dict

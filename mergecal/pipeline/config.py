@@ -87,9 +87,8 @@ class TextTrack(Strict):
 
     enabled: bool = False
     backbone: str = "minilm"
-    task_set: str = "text5"
-    tasks: list[str] = Field(default_factory=lambda: ["wordnet_nouns", "wordnet_verbs", "wordnet_pos", "bbc_topics",
-                                                      "kaomoji_emotions"])
+    task_set: str = "text4"
+    tasks: list[str] = Field(default_factory=lambda: ["wordnet_nouns", "wordnet_verbs", "wordnet_pos", "bbc_topics"])
     regimes: list[Literal["standard", "low_confidence"]] = Field(default_factory=lambda: ["standard"])
     data: dict[str, Any] = Field(default_factory=dict)
     finetune: dict[str, Any] = Field(default_factory=dict)

@@ -102,7 +102,7 @@ class Tracker:
                     "mergecal.cell_id": cell_id, "mergecal.status": status, **tags}
         if error:
             all_tags["mergecal.error"] = error.replace("\n", " ")[:4000]
-        run = self.client.create_run(self.experiment_id, run_name=tags.get("mergecal.recipe_label", cell_id),
+        run = self.client.create_run(self.experiment_id, run_name=f"{tags.get('mergecal.regime', '')} {tags.get('mergecal.recipe', cell_id)}".strip(),
                                      tags=all_tags)
         run_id = run.info.run_id
         try:

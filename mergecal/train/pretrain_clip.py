@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..backbones.open_clip_vit import create_clip, get_tokenizer, image_size, preprocess
 from ..errors import ParameterError
+from .schedule import cosine_lr, set_lr  # noqa: F401  (re-exported: mergecal.train.cosine_lr)
 
 MAX_LOGIT_SCALE = math.log(100.0)
 
@@ -24,25 +25,16 @@ MAX_LOGIT_SCALE = math.log(100.0)
 @dataclass
 class PretrainConfig:
     arch: str = "mergecal-vit-tiny"
-    steps: int = 600
+    steps: int = 600  # about 110 s on 2 idle cores (0.18 s/step at batch 128)
     batch_size: int = 128
-    lr: float = 1e-3
+    lr: float = 2e-3
     weight_decay: float = 0.1
     warmup_steps: int = 50
     seed: int = 0
 
 
-def cosine_lr(step: int, total: int, warmup: int, base_lr: float) -> float:
-    """Linear warmup for ``warmup`` steps, then cosine decay to 0 at ``total`` (task_vectors' schedule)."""
-    if step < warmup:
-        return base_lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * base_lr * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+# CI size: the micro architecture, a few steps.
+SMOKE_PRETRAIN = PretrainConfig(arch="mergecal-vit-micro", steps=8, batch_size=32, warmup_steps=2)
 
 
 def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:

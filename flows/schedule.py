@@ -1,0 +1,42 @@
+"""Scheduled reruns: a Prefect deployment with a cron schedule whose flow runs ``dvc repro`` in the
+repository (so data, checkpoints and the benchmark are brought up to date, reusing every cached cell)
+and then rebuilds the reports; MLflow keeps one invocation per rerun and ``reports/history.md`` compares them.
+
+    prefect server start --host 127.0.0.1 &         # or: mergecal ui
+    export PREFECT_API_URL=http://127.0.0.1:4200/api
+    mergecal schedule --cron "0 3 * * 1"            # every Monday 03:00; Ctrl-C stops serving
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from prefect import flow
+
+DEPLOYMENT = "scheduled-benchmark"
+
+
+@flow(name="mergecal-rerun", log_prints=True)
+def rerun(root: str = ".") -> dict:
+    """``dvc repro`` in ``root``; returns the benchmark summary (results/benchmark.json)."""
+    root_path = Path(root).resolve()
+    process = subprocess.run(["dvc", "repro"], cwd=root_path, capture_output=True, text=True)
+    for line in (process.stdout + process.stderr).splitlines()[-40:]:
+        print(line)
+    if process.returncode != 0:
+        raise RuntimeError(f"dvc repro failed in {root_path} (exit {process.returncode})")
+    summary = json.loads((root_path / "results" / "benchmark.json").read_text())
+    return {k: summary[k] for k in ("invocation_id", "cells", "cached", "failed", "seconds")}
+
+
+def deployment(cron: str, root: str = "."):
+    """The deployment object (nothing is started): the rerun flow on a cron schedule."""
+    return rerun.to_deployment(name=DEPLOYMENT, cron=cron, parameters={"root": str(Path(root).resolve())})
+
+
+def serve(cron: str, root: str = ".") -> None:
+    from prefect import serve as prefect_serve
+
+    prefect_serve(deployment(cron, root))

@@ -1,0 +1,286 @@
+"""Hugging Face causal LMs (Llama family and the like) from local directories, and merged models written back.
+
+Loading never touches a hub (``local_files_only=True``; a missing directory is an error naming it). Weights are
+read from ``*.safetensors`` (single or sharded with ``model.safetensors.index.json``). A directory with only
+pickled ``pytorch_model*.bin`` files is refused unless ``allow_unsafe_pickle=True``; even then each file goes
+through ``torch.load(weights_only=True)`` first (tensors and plain containers only) and full unpickling happens
+only where that refuses a file (see ``mergecal.backbones.loading``).
+
+A merged state dict is saved as a loadable model directory: the base model's config, generation config and
+tokenizer files copied, weights as (sharded) safetensors, all staged beside the target and renamed into place.
+Tied input/output embeddings are stored once (as ``save_pretrained`` does), so merging sees them once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import INDEX_SUFFIX, SafetensorsSource, ShardedCheckpointWriter, _replace_dir, load_state_dict
+from ..errors import CheckpointError
+from .loading import load_weights_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# Files that describe a model directory besides its weights (copied into a merged model's directory).
+AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+             "chat_template.jinja", "chat_template.json")
+SAFETENSORS_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
+
+
+def resolve_device(device: str = "auto") -> str:
+    """``"auto"``: CUDA when present, else CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def weight_format(model_dir: str | os.PathLike) -> str:
+    """``"safetensors"`` or ``"pickle"`` for a local model directory; a one-line CheckpointError otherwise."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: model directory not found (nothing is downloaded from a hub; "
+                              "give a local directory with config.json and *.safetensors)")
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}: not a Hugging Face model directory (no config.json)")
+    if any(path.glob("*.safetensors")) or any(path.glob(f"*.safetensors{INDEX_SUFFIX}")):
+        return "safetensors"
+    if any((path / name).exists() for name in PICKLE_WEIGHTS) or any(path.glob("pytorch_model-*.bin")):
+        return "pickle"
+    raise CheckpointError(f"{path}: no weights found (expected model.safetensors, model.safetensors.index.json "
+                          "or, with allow_unsafe_pickle=True, pytorch_model.bin)")
+
+
+def _refuse_pickle(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: only pickled weights (pytorch_model*.bin), no *.safetensors; unpickling a file can run arbitrary "
+        "code, so pass allow_unsafe_pickle=True for a directory you trust (each file is then read with "
+        "torch.load(weights_only=True), which accepts tensors only) or convert it to safetensors")
+
+
+def _pickle_state_dict(path: Path, allow_unsafe_pickle: bool) -> dict[str, torch.Tensor]:
+    index = path / "pytorch_model.bin.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index}: not a weights index (expected a JSON object with 'weight_map'): "
+                                  f"{err}") from None
+    elif (path / "pytorch_model.bin").exists():
+        files = ["pytorch_model.bin"]
+    else:
+        files = sorted(p.name for p in path.glob("pytorch_model-*.bin"))
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_weights_file(path / name, allow_unsafe_pickle=allow_unsafe_pickle))
+    return state
+
+
+def causal_lm_state_dict(model_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False
+                         ) -> dict[str, torch.Tensor]:
+    """The weights of a local model directory as stored (tied embeddings once), without building the model."""
+    path = Path(model_dir)
+    if weight_format(path) == "pickle":
+        if not allow_unsafe_pickle:
+            raise _refuse_pickle(path)
+        return _pickle_state_dict(path, allow_unsafe_pickle)
+    return load_state_dict(path)
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    weight_format(model_dir)
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def load_causal_lm(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                   allow_unsafe_pickle: bool = False):
+    """``(model, tokenizer)`` from a local directory, in eval mode on ``device`` (``"auto"``: CUDA if present)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    path = Path(model_dir)
+    hf_logging.disable_progress_bar()
+    if weight_format(path) == "safetensors":
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
+                                                     dtype=dtype)
+    else:
+        if not allow_unsafe_pickle:
+            raise _refuse_pickle(path)
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        load_into(model, _pickle_state_dict(path, allow_unsafe_pickle), name=str(path))
+    return model.to(resolve_device(device)).eval(), load_tokenizer(path)
+
+
+def _tied_aliases(model) -> set[str]:
+    """Keys of ``model.state_dict()`` that share storage with an earlier key (tied embeddings)."""
+    seen, aliases = {}, set()
+    for key, tensor in model.state_dict().items():
+        ptr = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if ptr in seen:
+            aliases.add(key)
+        else:
+            seen[ptr] = key
+    return aliases
+
+
+def stored_state_dict(model) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` detached, with tied aliases removed: the tensors a checkpoint stores."""
+    aliases = _tied_aliases(model)
+    return {k: v.detach() for k, v in model.state_dict().items() if k not in aliases}
+
+
+def load_into(model, state: Mapping[str, torch.Tensor], *, name: str = "state dict") -> None:
+    """Load a stored state dict (tied aliases may be absent) into ``model``; any other mismatch is an error."""
+    missing, unexpected = model.load_state_dict(dict(state), strict=False)
+    missing = [k for k in missing if k not in _tied_aliases(model)]
+    if missing or unexpected:
+        raise CheckpointError(f"{name}: does not fit {type(model).__name__}: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+
+@dataclass(frozen=True)
+class CausalLmKeys:
+    """Which stored keys a merge touches. ``merge``: every floating-point key (the ``all_float`` rule of TA,
+    TIES, DARE, ...); ``skip``: integer buffers, taken from the pretrained model; ``matrices``: 2-D float keys,
+    what SVD-based methods factorise (embeddings included: [vocab, hidden]); ``embeddings``: input embedding and,
+    when untied, the output head; ``tied_embeddings``: the output head shares the input embedding, stored once."""
+
+    merge: tuple[str, ...]
+    skip: tuple[str, ...]
+    matrices: tuple[str, ...]
+    embeddings: tuple[str, ...]
+    tied_embeddings: bool
+
+
+def merge_keys(model_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> CausalLmKeys:
+    """Read from the checkpoint's metadata (no tensors loaded for safetensors)."""
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if weight_format(path) == "safetensors":
+        source = SafetensorsSource(path)
+        meta = {k: (source.shape(k), source.dtype(k)) for k in source.keys()}
+    else:
+        state = causal_lm_state_dict(path, allow_unsafe_pickle=allow_unsafe_pickle)
+        meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    tied = bool(getattr(config, "tie_word_embeddings", False)) and "lm_head.weight" not in meta
+    floats = tuple(k for k, (_, dtype) in meta.items() if dtype.is_floating_point)
+    return CausalLmKeys(
+        merge=floats,
+        skip=tuple(k for k in meta if k not in floats),
+        matrices=tuple(k for k in floats if len(meta[k][0]) == 2),
+        embeddings=tuple(k for k in floats if "embed_tokens" in k or k.endswith("wte.weight") or k == "lm_head.weight"),
+        tied_embeddings=tied,
+    )
+
+
+def _stage_path(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:8]}.stage"
+
+
+def save_causal_lm_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                           out_dir: str | os.PathLike, *, like: str | os.PathLike | None = None,
+                           model=None, tokenizer=None, max_shard_bytes: int = 2 * 1024**3,
+                           metadata: Mapping[str, str] | None = None) -> Path:
+    """Write ``tensors`` (a state dict or streamed ``(key, tensor)`` pairs, e.g. a merge) as a loadable model
+    directory. The config and tokenizer come from the model directory ``like`` (files copied) or from
+    ``model``/``tokenizer`` objects (``save_pretrained``). For a tied model a given ``lm_head.weight`` is dropped.
+    Everything is written to a staging directory that replaces ``out_dir`` only when complete."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if like is not None:
+        from transformers import AutoConfig
+
+        weight_format(like)
+        tied = bool(getattr(AutoConfig.from_pretrained(str(like), local_files_only=True), "tie_word_embeddings", False))
+    elif model is not None:
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    else:
+        raise CheckpointError(f"{out_dir}: give the base model directory (like=...) or a model to take the config from")
+    pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+    stage = _stage_path(out_dir)
+    writer = ShardedCheckpointWriter(stage, max_shard_bytes=max_shard_bytes,
+                                     metadata={**(metadata or {}), **SAFETENSORS_METADATA})
+    try:
+        for key, tensor in pairs:
+            if not (tied and key == "lm_head.weight"):
+                writer.add(key, tensor)
+        writer.close()  # renames its own staging directory to ``stage``
+        if like is not None:
+            for name in AUX_FILES:
+                if (Path(like) / name).exists():
+                    shutil.copy2(Path(like) / name, stage / name)
+        else:
+            model.config.save_pretrained(str(stage))
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(str(stage))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(stage))
+        _replace_dir(stage, out_dir)
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def save_causal_lm(model, tokenizer, out_dir: str | os.PathLike, *, max_shard_bytes: int = 2 * 1024**3) -> Path:
+    """Save a model object and its tokenizer as a model directory (atomically, sharded safetensors)."""
+    return save_causal_lm_weights(stored_state_dict(model), out_dir, model=model, tokenizer=tokenizer,
+                                  max_shard_bytes=max_shard_bytes)
+
+
+def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[str | os.PathLike], method: str,
+                     out_dir: str | os.PathLike, *, out_dtype: torch.dtype | None = None,
+                     max_shard_bytes: int = 2 * 1024**3, progress: bool = False, **params) -> Path:
+    """Merge local model directories key by key (never more than one key of each model in memory) into a
+    loadable model directory with the pretrained model's config and tokenizer; the method ID is recorded in
+    the safetensors metadata."""
+    from ..merge import _iter_merged_model
+    from ..methods import get_merge_method
+    from ..task_vectors import TaskVectorSet
+
+    for path in [pretrained_dir, *expert_dirs]:
+        if weight_format(path) != "safetensors":
+            raise _refuse_pickle(Path(path))  # streaming reads safetensors only; convert pickles first
+    if Path(out_dir).resolve() in {Path(p).resolve() for p in [pretrained_dir, *expert_dirs]}:
+        raise CheckpointError(f"{out_dir}: the output directory must not be one of the inputs")
+    merge_method = get_merge_method(method, **params)
+    tvs = TaskVectorSet.from_models(str(pretrained_dir), [str(p) for p in expert_dirs])
+    return save_causal_lm_weights(_iter_merged_model(tvs, merge_method, out_dtype, progress), out_dir,
+                                  like=pretrained_dir, max_shard_bytes=max_shard_bytes,
+                                  metadata={"mergecal_method": merge_method.id, "mergecal_num_models": str(tvs.K)})
+
+
+def weights_digest(model_dir: str | os.PathLike) -> str:
+    """sha256 over config.json and every weight file's bytes: a merged model's identity (e.g. a cache key)."""
+    import hashlib
+
+    path = Path(model_dir)
+    weight_format(path)
+    h = hashlib.sha256()
+    files = [path / "config.json"] + sorted(p for p in path.iterdir() if p.suffix == ".safetensors"
+                                            or p.name.endswith(".bin") or p.name.endswith(INDEX_SUFFIX))
+    for file in files:
+        h.update(file.name.encode())
+        with open(file, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+

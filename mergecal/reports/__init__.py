@@ -1,0 +1,129 @@
+"""Reports built from the MLflow store: leaderboard (Markdown, self-contained HTML, JSON for DVC), the
+papers' diagnostic plots and the history across invocations.
+
+``write_reports`` is the one entry point: it reads the store, renders everything in memory and writes
+each file atomically, so a report directory is never half old, half new. Same runs, same bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+from ..checkpoint import atomic_write_text
+from .history import DEFAULT_METRIC, DEFAULT_THRESHOLD, find_regressions, history_frame, history_html, \
+    history_markdown, history_plots, stamp
+from .leaderboard import Table, build_tables, table_html, table_markdown, tables_json
+from .plots import Plot, diagnostic_plots, slug
+from .runs import cells_of, invocations, load_diagnostics, load_runs, pick_invocation
+
+__all__ = ["write_reports", "load_runs", "build_tables", "find_regressions", "history_frame", "diagnostic_plots"]
+
+LEGEND = ("Accuracy in %, one decimal. Calibrated rows show in parentheses the change in points against "
+          "their base merge; the best non-reference value of each column is marked.")
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1400px; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; }
+th { background: #f2f2f2; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+td.recipe { font-family: monospace; }
+td.best { font-weight: bold; background: #e6f4e6; }
+tr.reference td { color: #666; font-style: italic; }
+tr.base td.recipe { font-weight: bold; }
+span.delta { font-size: 0.85em; }
+span.delta.pos { color: #1a7f37; }
+span.delta.neg { color: #c62828; }
+ul.failed li, ul.regressions li { color: #c62828; }
+figure { display: inline-block; margin: 0.5em; vertical-align: top; }
+figure img { max-width: 100%; }
+figcaption { font-size: 0.8em; color: #555; }
+p.meta { color: #555; }
+"""
+
+
+def _meta(runs, invocation: str) -> dict:
+    row = invocations(runs).set_index("invocation_id").loc[invocation]
+    return {"id": invocation, "started": stamp(int(row["start_time"])), "code_version": str(row["code_version"]),
+            "n_cells": int(row["n_cells"]), "n_failed": int(row["n_failed"])}
+
+
+def _meta_line(meta: dict) -> str:
+    return (f"Invocation `{meta['id']}`, started {meta['started']}, code `{meta['code_version']}`: "
+            f"{meta['n_cells']} cells, {meta['n_failed']} not ok.")
+
+
+def _figure(plot: Plot) -> str:
+    data = base64.b64encode(plot.svg.encode()).decode()
+    title = html.escape(plot.title)
+    return (f'<figure><img src="data:image/svg+xml;base64,{data}" alt="{title}">'
+            f"<figcaption>{title}</figcaption></figure>")
+
+
+def _html_page(meta: dict, tables: list[Table], plots: list[Plot], history: str, history_figs: list[Plot]) -> str:
+    esc = html.escape
+    anchors = [(slug(t.title), t.title) for t in tables]
+    body = ["<h1>mergecal leaderboard</h1>", f'<p class="meta">{esc(_meta_line(meta).replace("`", ""))}</p>',
+            f"<p>{esc(LEGEND)}</p>", "<ul>"]
+    body += [f'<li><a href="#{a}">{esc(t)}</a></li>' for a, t in anchors]
+    body += ['<li><a href="#diagnostics">Diagnostics</a></li>', '<li><a href="#history">History</a></li>', "</ul>"]
+    for (anchor, _), table in zip(anchors, tables):
+        body.append(f'<section id="{anchor}">\n{table_html(table)}</section>')
+    body.append('<section id="diagnostics"><h2>Diagnostics</h2>')
+    if not plots:
+        body.append("<p>No diagnostic artifacts in this invocation.</p>")
+    for group in sorted({p.group for p in plots}):
+        body.append(f"<h3>{esc(' · '.join(group))}</h3>")
+        body += [_figure(p) for p in plots if p.group == group]
+    body.append("</section>")
+    body.append(f'<section id="history">\n{history}' + "".join(_figure(p) for p in history_figs) + "</section>")
+    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            f"<title>mergecal leaderboard — {esc(meta['id'])}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+            + "\n".join(body) + "\n</body>\n</html>\n")
+
+
+def _markdown(meta: dict, tables: list[Table], plots: list[Plot]) -> str:
+    parts = ["# mergecal leaderboard", "", _meta_line(meta), "", LEGEND.replace("is marked", "is in bold"), ""]
+    parts += [table_markdown(t) for t in tables]
+    if plots:
+        parts += ["## Diagnostics", ""] + [f"![{p.title}](plots/{p.name}.svg)\n" for p in plots]
+    return "\n".join(parts)
+
+
+def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str | Path = "reports",
+                  invocation: str | None = None, *, metric: str = DEFAULT_METRIC,
+                  threshold: float = DEFAULT_THRESHOLD) -> dict[str, Path]:
+    """Write leaderboard.md/.html/.json, history.md and plots/*.svg for ``invocation`` (default: the latest
+    with cells) under ``out_dir``; returns {relative name: path}. SVGs in plots/ that this report did not
+    produce are removed, so the directory matches the report."""
+    out = Path(out_dir)
+    runs = load_runs(tracking_uri, experiment)
+    chosen = pick_invocation(runs, invocation)
+    cells = cells_of(runs, chosen)
+    meta = _meta(runs, chosen)
+    tables = build_tables(cells)
+    ok = cells[cells["status"] == "ok"]
+    diagnostics = {rid: load_diagnostics(tracking_uri, uri) for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
+    plots = diagnostic_plots(cells, diagnostics)
+    trend = history_plots(runs, metric)
+    regressions = find_regressions(history_frame(runs, metric), threshold)
+
+    written: dict[str, Path] = {}
+    for plot in plots + trend:
+        written[f"plots/{plot.name}.svg"] = atomic_write_text(out / "plots" / f"{plot.name}.svg", plot.svg)
+    for stale in sorted((out / "plots").glob("*.svg")):
+        if f"plots/{stale.name}" not in written:
+            stale.unlink()
+    document = {"invocation": meta, "leaderboard": tables_json(tables),
+                "history": {"metric": metric, "threshold_points": threshold, "n_regressions": len(regressions),
+                            "regressions": [r.describe() for r in regressions]}}
+    written["leaderboard.json"] = atomic_write_text(out / "leaderboard.json",
+                                                    json.dumps(document, indent=2, sort_keys=True) + "\n")
+    written["leaderboard.md"] = atomic_write_text(out / "leaderboard.md", _markdown(meta, tables, plots))
+    written["history.md"] = atomic_write_text(out / "history.md", history_markdown(runs, metric, threshold))
+    written["leaderboard.html"] = atomic_write_text(
+        out / "leaderboard.html", _html_page(meta, tables, plots, history_html(runs, metric, threshold), trend))
+    return dict(sorted(written.items()))

@@ -1,0 +1,184 @@
+"""Read the benchmark's MLflow runs (one parent per invocation, one child per cell) into a DataFrame.
+
+Reports only read: everything comes from ``MlflowClient.search_runs`` and the runs' ``diagnostics/``
+artifacts, so a report can be rebuilt at any time from the tracking store alone. Tag names follow the
+logging contract (``mergecal.kind``, ``mergecal.invocation_id``, ``mergecal.recipe``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..errors import MergecalError
+
+PREFIX = "mergecal."
+# tag (without the prefix) -> DataFrame column
+TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cell_id", "status", "error", "backbone", "task_set",
+               "regime", "merge", "calibration", "recipe", "tasks", "cached")
+GROUP = ("backbone", "task_set", "regime")
+DIAGNOSTICS = ("sensitivity", "magic_coefficients", "svc_spectra", "task_vectors", "scaling_curve")
+
+
+def _row(run) -> dict[str, Any]:
+    tags = run.data.tags
+    row: dict[str, Any] = {
+        "run_id": run.info.run_id,
+        "parent_run_id": tags.get("mlflow.parentRunId", ""),
+        "run_status": run.info.status,
+        "start_time": int(run.info.start_time or 0),
+        "artifact_uri": run.info.artifact_uri,
+    }
+    for name in TAG_COLUMNS:
+        row[name] = tags.get(PREFIX + name, "")
+    # A cell without a status tag never finished (killed or still running): show it, never as a result.
+    if row["kind"] == "cell" and row["status"] not in ("ok", "failed"):
+        row["error"] = row["error"] or f"no {PREFIX}status tag (MLflow run status {run.info.status})"
+        row["status"] = "incomplete"
+    row["tasks"] = tuple(t for t in row["tasks"].split(",") if t)
+    row["cached"] = row["cached"] == "true"
+    row.update({f"metrics.{k}": float(v) for k, v in run.data.metrics.items()})
+    row.update({f"params.{k}": v for k, v in run.data.params.items()})
+    return row
+
+
+def load_runs(tracking_uri: str, experiment: str = "mergecal") -> pd.DataFrame:
+    """Every active run of ``experiment``: one row, tag columns by short name, ``metrics.*`` and ``params.*``.
+
+    Sorted by (start_time, run_id) so everything built from it is deterministic.
+    """
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise MergecalError(f"{tracking_uri}: experiment {experiment!r} not found")
+    rows, token = [], None
+    while True:
+        page = client.search_runs([found.experiment_id], max_results=1000, page_token=token)
+        rows.extend(_row(run) for run in page)
+        token = page.token
+        if not token:
+            break
+    columns = ["run_id", "parent_run_id", "run_status", "start_time", "artifact_uri", *TAG_COLUMNS]
+    rows.extend(_reused_cells(tracking_uri, rows))
+    frame = pd.DataFrame(rows, columns=None if rows else columns)
+    extra = sorted(c for c in frame.columns if c not in columns)
+    return frame[columns + extra].sort_values(["start_time", "run_id"], kind="stable").reset_index(drop=True)
+
+
+def _reused_cells(tracking_uri: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A cell reused from the cache is not logged again (no duplicate runs): the invocation's parent run lists
+    every cell it used in its ``cells.json`` artifact. Such a cell joins that invocation as a copy of its
+    original row, marked ``cached``, so every invocation has its full set of cells."""
+    from mlflow import artifacts
+
+    by_id = {row["run_id"]: row for row in rows}
+    extra = []
+    for parent in [r for r in rows if r["kind"] == "invocation" and r["run_status"] == "FINISHED"]:
+        with tempfile.TemporaryDirectory(prefix="mergecal-manifest-") as tmp, _quiet_downloads():
+            try:
+                local = artifacts.download_artifacts(artifact_uri=f"{parent['artifact_uri']}/cells.json", dst_path=tmp,
+                                                     tracking_uri=tracking_uri)
+                manifest = json.loads(Path(local).read_text())
+            except Exception:  # an invocation logged without a manifest: its own cells only
+                continue
+        for entry in manifest.values():
+            original = by_id.get(entry.get("run_id"))
+            if original is not None and original["invocation_id"] != parent["invocation_id"]:
+                extra.append({**original, "invocation_id": parent["invocation_id"], "cached": True,
+                              "start_time": parent["start_time"]})
+    return extra
+
+
+def invocations(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per invocation in time order: id, start_time (ms), code_version, n_cells, n_failed.
+
+    The time of an invocation is its parent run's start; cells logged without a parent fall back to
+    their earliest cell.
+    """
+    cells = runs[runs["kind"] == "cell"]
+    parents = runs[runs["kind"] == "invocation"].drop_duplicates("invocation_id", keep="first")
+    ids = sorted(set(cells["invocation_id"]) | set(parents["invocation_id"]))
+    rows = []
+    for inv in ids:
+        mine = cells[cells["invocation_id"] == inv]
+        parent = parents[parents["invocation_id"] == inv]
+        start = int(parent["start_time"].iloc[0]) if len(parent) else int(mine["start_time"].min())
+        code = parent["code_version"].iloc[0] if len(parent) else ""
+        rows.append({"invocation_id": inv, "start_time": start, "code_version": code,
+                     "n_cells": len(mine), "n_failed": int((mine["status"] != "ok").sum())})
+    frame = pd.DataFrame(rows, columns=["invocation_id", "start_time", "code_version", "n_cells", "n_failed"])
+    return frame.sort_values(["start_time", "invocation_id"], kind="stable").reset_index(drop=True)
+
+
+def pick_invocation(runs: pd.DataFrame, invocation: str | None = None) -> str:
+    """``invocation`` if it has cells, else the latest invocation that has any."""
+    table = invocations(runs)
+    with_cells = table[table["n_cells"] > 0]
+    if invocation is not None:
+        if invocation not in set(with_cells["invocation_id"]):
+            known = ", ".join(with_cells["invocation_id"]) or "none"
+            raise MergecalError(f"invocation {invocation!r}: no cells logged for it (invocations with cells: {known})")
+        return invocation
+    if with_cells.empty:
+        raise MergecalError("tracking store: no cell runs (mergecal.kind=cell) found")
+    return str(with_cells["invocation_id"].iloc[-1])
+
+
+def cells_of(runs: pd.DataFrame, invocation: str) -> pd.DataFrame:
+    """The invocation's cells, one per (backbone, task set, regime, recipe).
+
+    A recipe logged twice in one invocation (a retried cell) counts with its latest run.
+    """
+    cells = runs[(runs["kind"] == "cell") & (runs["invocation_id"] == invocation)]
+    cells = cells.drop_duplicates([*GROUP, "recipe"], keep="last")
+    return cells.sort_values([*GROUP, "recipe", "run_id"], kind="stable").reset_index(drop=True)
+
+
+def metric(row: pd.Series, name: str) -> float | None:
+    """A metric of one run row, None when it was not logged."""
+    value = row.get(f"metrics.{name}")
+    return None if value is None or pd.isna(value) else float(value)
+
+
+@contextmanager
+def _quiet_downloads():
+    """MLflow draws a progress bar for every download; reports read a handful of small JSON files."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    before = os.environ.get(name)
+    os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def load_diagnostics(tracking_uri: str, artifact_uri: str) -> dict[str, Any]:
+    """The ``diagnostics/*.json`` artifacts that exist under a run's ``artifact_uri``, by name without
+    ``.json``. Addressed by artifact URI (not ``runs:/``), which spares a store lookup per file."""
+    from mlflow import artifacts
+
+    listing = artifacts.list_artifacts(artifact_uri=f"{artifact_uri}/diagnostics", tracking_uri=tracking_uri)
+    present = {Path(info.path).name for info in listing if not info.is_dir}
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="mergecal-diag-") as tmp, _quiet_downloads():
+        for name in DIAGNOSTICS:
+            if f"{name}.json" not in present:
+                continue
+            local = artifacts.download_artifacts(artifact_uri=f"{artifact_uri}/diagnostics/{name}.json", dst_path=tmp,
+                                                 tracking_uri=tracking_uri)
+            try:
+                out[name] = json.loads(Path(local).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise MergecalError(f"{artifact_uri}/diagnostics/{name}.json: not valid JSON ({exc})") from None
+    return out

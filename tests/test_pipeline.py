@@ -1,0 +1,236 @@
+"""The pipeline at smoke size, in process: params validation, cells and their hashes, the Prefect flow with
+caching, failures and MLflow tracking (no duplicate runs, concurrent logging)."""
+
+import json
+import multiprocessing as mp
+import sqlite3
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mergecal.errors import ParameterError
+from mergecal.pipeline import cells as cells_mod
+from mergecal.pipeline import vision
+from mergecal.pipeline.config import load_params, parse_params
+from mergecal.pipeline.workspace import SMOKE_PARAMS, create_workspace
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------- params.yaml
+
+def test_repository_params_yaml_is_valid_and_complete_for_dvc():
+    params = load_params(REPO / "params.yaml")
+    assert params.vision.enabled and len(params.vision.tasks) >= 8
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for stage in stages.values():  # every `params:` entry of dvc.yaml must exist in params.yaml
+        for key in stage.get("params", []):
+            node = raw
+            for part in key.split("."):
+                assert isinstance(node, dict) and part in node, f"dvc.yaml lists {key!r}, missing from params.yaml"
+                node = node[part]
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"vison": {}}, r"vison: unknown key; allowed: seed, device, vision"),
+    ({"vision": {"tasks": ["shapes", "sahpes"]}}, r"unknown task 'sahpes'; choose from: shapes"),
+    ({"benchmark": {"merges": {"tie": {}}}}, r"unknown merge method 'tie'; choose from: .*ties"),
+    ({"benchmark": {"merges": {"ties": {"topk": 0.2}}}}, r"ties: unknown parameter 'topk'; allowed: scaling, top_k"),
+    ({"benchmark": {"chains": ["{merge}>svcc"]}}, r"chain '\{merge\}>svcc': unknown recipe step 'svcc'"),
+    ({"benchmark": {"chains": ["svc"]}}, r"must contain '\{merge\}' exactly once"),
+    ({"vision": {"finetune": {"stepz": 3}}}, r"unknown field 'stepz' in finetune; allowed: steps"),
+    ({"runner": {"kind": "celery"}}, r"runner.kind: .*'threads', 'processes' or 'dask' \(got 'celery'\)"),
+    ({"distac": {"kapa": 1}}, r"distac: unknown parameter 'kapa'"),
+    ({"vision": {"regimes": ["low_confidence"], "finetune_variants": ["standard"]}},
+     r"regime 'low_confidence' needs 'low_confidence' in finetune_variants"),
+])
+def test_params_errors_are_one_clear_line(override, message):
+    with pytest.raises(ParameterError, match=message) as info:
+        parse_params(override)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_and_malformed_params_file(tmp_path):
+    with pytest.raises(ParameterError, match="parameters file not found"):
+        load_params(tmp_path / "params.yaml")
+    (tmp_path / "params.yaml").write_text("vision: [unclosed\n")
+    with pytest.raises(ParameterError, match=r"params.yaml: not valid YAML \(line \d+\)"):
+        load_params(tmp_path / "params.yaml")
+
+
+# ------------------------------------------------------------------------------------------ built workspace
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The smoke workspace with every DVC stage's outputs built in process (the stage functions)."""
+    import torch
+
+    torch.set_num_threads(1)
+    root = create_workspace(tmp_path_factory.mktemp("pipeline"), git=False)
+    params = load_params(root / "params.yaml")
+    vision.build_data(params, root, progress=False)
+    vision.pretrain(params, root, progress=False)
+    for task in params.vision.tasks:
+        for variant in params.vision.finetune_variants:
+            vision.finetune(params, task, variant, root, progress=False)
+    vision.finetune(params, params.vision.norm_mismatch_task, "norm_mismatch", root, progress=False)
+    vision.task_vectors(params, root)
+    vision.distac(params, root, progress=False)
+    vision.probe(params, root, progress=False)
+    return root, params
+
+
+def test_cells_cover_the_matrix_with_distinct_ids(built):
+    root, params = built
+    cells = cells_mod.enumerate_cells(params)
+    n_regimes, n_merges, n_chains = len(params.vision.regimes), len(params.benchmark.merges), len(params.benchmark.chains)
+    assert len(cells) == n_regimes * (2 + n_merges * n_chains)
+    ids = [cells_mod.cell_id(c, params, root) for c in cells]
+    assert len(set(ids)) == len(ids)
+    assert ids == [cells_mod.cell_id(c, params, root) for c in cells]  # stable
+
+
+def test_changing_one_calibration_parameter_changes_only_the_cells_it_touches(built):
+    root, params = built
+    before = {c.label + "/" + c.regime: cells_mod.cell_id(c, params, root) for c in cells_mod.enumerate_cells(params)}
+    data = params.model_dump(mode="json")
+    data["benchmark"]["chains"] = [c.replace("{merge}>svc", "{merge}>svc(alpha=0.5)") if c == "{merge}>svc" else c
+                                   for c in data["benchmark"]["chains"]]
+    changed = parse_params(data)
+    after = {c.label.replace("svc(alpha=0.5)", "svc") + "/" + c.regime: cells_mod.cell_id(c, changed, root)
+             for c in cells_mod.enumerate_cells(changed)}
+    assert before.keys() == after.keys()
+    differing = {k for k in before if before[k] != after[k]}
+    assert differing == {k for k in before if k.split("/")[0].endswith(">svc") and not k.startswith("distac")}
+
+
+def test_cell_id_follows_input_bytes(built, tmp_path):
+    root, params = built
+    cell = next(c for c in cells_mod.enumerate_cells(params) if c.merge == "task_arithmetic" and c.chain == "{merge}")
+    path = Path(cells_mod.cell_inputs(cell, params, root)["finetuned.colors"])
+    original = path.read_bytes()
+    before = cells_mod.cell_id(cell, params, root)
+    try:
+        path.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        assert cells_mod.cell_id(cell, params, root) != before
+    finally:
+        path.write_bytes(original)
+    assert cells_mod.cell_id(cell, params, root) == before
+
+
+def test_same_params_give_identical_results(built):
+    root, params = built
+    chosen = [c for c in cells_mod.enumerate_cells(params) if c.regime == "norm_mismatch" and c.merge == "ties"]
+    for cell in chosen:
+        first = cells_mod.run_cell(cell, params, root)
+        second = cells_mod.run_cell(cell, params, root)
+        assert first.metrics == second.metrics
+        assert first.diagnostics.keys() == second.diagnostics.keys()
+
+
+def test_reference_cells_and_normalized_accuracy(built):
+    root, params = built
+    cells = {(c.regime, c.label): c for c in cells_mod.enumerate_cells(params)}
+    reference = json.loads((vision.paths_for(params, root).task_vectors("standard") / "diagnostics.json").read_text())
+    finetuned = cells_mod.run_cell(cells[("standard", "finetuned")], params, root).metrics
+    for task in params.vision.tasks:
+        assert finetuned[f"acc.{task}"] == reference[task]["test_accuracy"]
+        assert finetuned[f"norm_acc.{task}"] == pytest.approx(1.0)
+    merged = cells_mod.run_cell(cells[("standard", "task_arithmetic")], params, root).metrics
+    for task in params.vision.tasks:
+        assert merged[f"norm_acc.{task}"] == pytest.approx(merged[f"acc.{task}"] / reference[task]["test_accuracy"])
+    assert merged["avg_acc"] == pytest.approx(sum(merged[f"acc.{t}"] for t in params.vision.tasks) / 3)
+    assert merged["selected_scaling"] in params.benchmark.merges["task_arithmetic"]["scaling"]
+
+
+# ---------------------------------------------------------------------------------------------------- flow
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def _cell_runs(root):
+    db = root / "mlruns" / "mlruns.db"
+    with sqlite3.connect(db) as con:
+        return con.execute(
+            "select r.status, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
+            "where t.key = 'mergecal.cell_id'").fetchall()
+
+
+def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server):
+    from flows.benchmark import benchmark
+
+    root, params = built
+    first = benchmark(root=str(root))
+    assert first["failed"] == 0 and first["cached"] == 0 and first["cells"] == len(cells_mod.enumerate_cells(params))
+    runs = _cell_runs(root)
+    assert len(runs) == first["cells"] and all(status == "FINISHED" for status, _ in runs)
+
+    second = benchmark(root=str(root))
+    assert second["cached"] == second["cells"] and second["failed"] == 0
+    assert len(_cell_runs(root)) == first["cells"]  # nothing logged twice
+    assert [r.get("avg_acc") for r in first["rows"]] == [r.get("avg_acc") for r in second["rows"]]
+    summary = json.loads((root / "results" / "benchmark.json").read_text())
+    assert summary["invocation_id"] == second["invocation_id"]
+
+
+def test_a_failing_cell_is_recorded_and_does_not_sink_the_matrix(built, prefect_server):
+    from flows.benchmark import benchmark
+
+    root, params = built
+    target = vision.paths_for(params, root).distac("low_confidence") / "colors.safetensors"
+    original = target.read_bytes()
+    try:
+        target.write_bytes(b"not a safetensors file")
+        result = benchmark(root=str(root))
+    finally:
+        target.write_bytes(original)
+    failed = [r for r in result["rows"] if "error" in r]
+    expected = [c for c in cells_mod.enumerate_cells(params) if c.regime == "low_confidence" and c.chain.startswith("distac")]
+    assert len(failed) == len(expected) == result["failed"]
+    assert all("colors.safetensors" in r["error"] for r in failed)
+    assert result["cells"] - result["failed"] == sum("avg_acc" in r for r in result["rows"])
+    with sqlite3.connect(root / "mlruns" / "mlruns.db") as con:
+        errors = con.execute("select value from tags where key = 'mergecal.error'").fetchall()
+    assert len(errors) == len(expected)
+
+
+def _log_many(args):
+    root, worker = args
+    from mergecal.pipeline.tracking import Tracker
+
+    tracker = Tracker(root, "concurrency")
+    parent = tracker.start_invocation(f"inv-{worker}", {}, {})
+    for i in range(8):
+        tracker.log_cell(parent_run_id=parent, invocation_id=f"inv-{worker}", cell_id=f"cell-{worker}-{i}",
+                         tags={"mergecal.merge": "ties"}, params={"p": str(i)},
+                         metrics={f"acc.t{j}": worker + i / 10 + j for j in range(50)}, artifacts={"x": {"i": i}})
+    tracker.finish_invocation(parent, {}, {"cells": 8})
+    return worker
+
+
+def test_concurrent_logging_from_several_processes_keeps_the_store_consistent(tmp_path):
+    from mergecal.pipeline.tracking import Tracker
+
+    Tracker(tmp_path, "concurrency")  # create the store and experiment once, in the parent
+    with mp.get_context("spawn").Pool(3) as pool:
+        assert sorted(pool.map(_log_many, [(str(tmp_path), w) for w in range(3)])) == [0, 1, 2]
+    tracker = Tracker(tmp_path, "concurrency")
+    runs = tracker.client.search_runs([tracker.experiment_id], "tags.`mergecal.kind` = 'cell'", max_results=100)
+    assert len(runs) == 24 and all(r.info.status == "FINISHED" for r in runs)
+    for run in runs:
+        worker, i = map(int, run.data.tags["mergecal.cell_id"].split("-")[1:])
+        assert run.data.metrics["acc.t7"] == pytest.approx(worker + i / 10 + 7)
+    assert Counter(r.data.tags["mergecal.cell_id"] for r in runs).most_common(1)[0][1] == 1
+
+
+def test_smoke_params_file_is_what_the_workspace_uses(tmp_path):
+    root = create_workspace(tmp_path / "ws", git=False)
+    assert load_params(root / "params.yaml") == parse_params(yaml.safe_load(SMOKE_PARAMS.read_text()))

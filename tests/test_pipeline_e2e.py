@@ -1,0 +1,137 @@
+"""End to end at smoke size, as a user runs it: `dvc repro` (DVC stages → Prefect flow → MLflow → reports) in a
+fresh workspace; a no-op second repro; one changed calibration parameter recomputes only its cells; a benchmark
+killed with SIGKILL mid-run resumes without losing or duplicating anything; the scheduled-rerun flow."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mergecal.pipeline.workspace import create_workspace
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+
+
+def _env():
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    env["MERGECAL_TORCH_THREADS"] = "1"
+    return env
+
+
+def _repro(root):
+    process = subprocess.run([str(BIN / "dvc"), "repro"], cwd=root, env=_env(), capture_output=True, text=True,
+                             timeout=900)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    return process.stdout + process.stderr
+
+
+def _cell_runs(root):
+    with sqlite3.connect(root / "mlruns" / "mlruns.db") as con:
+        return con.execute("select r.status, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
+                           "where t.key = 'mergecal.cell_id'").fetchall()
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = create_workspace(tmp_path_factory.mktemp("e2e") / "ws")
+    start = time.perf_counter()
+    output = _repro(root)
+    print(f"cold dvc repro (smoke): {time.perf_counter() - start:.1f} s")
+    return root, output
+
+
+def test_cold_repro_builds_everything_and_reports(workspace):
+    root, output = workspace
+    summary = json.loads((root / "results" / "benchmark.json").read_text())
+    assert summary["cells"] > 0 and summary["failed"] == 0
+    assert len(_cell_runs(root)) == summary["cells"]
+    html = (root / "reports" / "leaderboard.html").read_text()
+    refs = []
+
+    class Refs(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            refs.extend(v for k, v in attrs if k in ("src", "href") and v)
+
+    Refs().feed(html)
+    assert not [r for r in refs if r.startswith(("http://", "https://", "//"))]
+    assert "task_arithmetic" in (root / "reports" / "leaderboard.md").read_text()
+    shown = subprocess.run([str(BIN / "dvc"), "metrics", "show", "--json"], cwd=root, env=_env(), capture_output=True,
+                           text=True)
+    assert shown.returncode == 0 and "results/metrics.json" in shown.stdout
+
+
+def test_second_repro_does_nothing(workspace):
+    root, _ = workspace
+    before = (root / "results" / "benchmark.json").read_text()
+    output = _repro(root)
+    assert "Running stage" not in output
+    assert (root / "results" / "benchmark.json").read_text() == before
+
+
+def test_changing_one_calibration_parameter_recomputes_only_its_cells(workspace):
+    root, _ = workspace
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    n_before = len(_cell_runs(root))
+    params["benchmark"]["chains"] = ["{merge}>svc(alpha=0.5)" if c == "{merge}>svc" else c
+                                     for c in params["benchmark"]["chains"]]
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    output = _repro(root)
+    assert "Running stage 'benchmark'" in output and "Running stage 'finetune" not in output
+    summary = json.loads((root / "results" / "benchmark.json").read_text())
+    touched = len(params["vision"]["regimes"]) * len(params["benchmark"]["merges"])
+    assert summary["cells"] - summary["cached"] == touched
+    assert len(_cell_runs(root)) == n_before + touched
+
+
+def test_sigkill_mid_benchmark_then_rerun_loses_and_duplicates_nothing(workspace):
+    root, _ = workspace
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["benchmark"]["evaluation"]["max_validation"] = 7  # every cell id changes: the whole matrix reruns
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    finished_before = sum(status == "FINISHED" for status, _ in _cell_runs(root))
+    process = subprocess.Popen([sys.executable, "-m", "stages.benchmark"], cwd=root, env=_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline:
+            if (root / "mlruns" / "mlruns.db").exists() and \
+                    sum(s == "FINISHED" for s, _ in _cell_runs(root)) >= finished_before + 3:
+                break
+            assert process.poll() is None, "the benchmark ended before it could be killed"
+            time.sleep(0.05)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    done_before_kill = sum(s == "FINISHED" for s, _ in _cell_runs(root)) - finished_before
+    assert done_before_kill >= 3
+
+    _repro(root)
+    summary = json.loads((root / "results" / "benchmark.json").read_text())
+    assert summary["failed"] == 0 and summary["cached"] >= done_before_kill
+    runs = _cell_runs(root)
+    finished = Counter(cell for status, cell in runs if status == "FINISHED")
+    assert max(finished.values()) == 1  # no cell logged twice
+    assert not [s for s, _ in runs if s == "RUNNING"]
+    assert {row["cell_id"] for row in summary["rows"]} <= set(finished)
+
+
+def test_scheduled_rerun_deployment_and_flow(workspace):
+    from flows.schedule import deployment, rerun
+
+    root, _ = workspace
+    made = deployment("0 3 * * 1", str(root))
+    assert made.name == "scheduled-benchmark" and made.parameters == {"root": str(root)}
+    assert made.schedules[0].schedule.cron == "0 3 * * 1"
+    result = rerun.fn(str(root))  # what each scheduled run does; here nothing changed since the last repro
+    assert result["cells"] == json.loads((root / "results" / "benchmark.json").read_text())["cells"]

@@ -1,0 +1,327 @@
+"""Reports from a tmp MLflow store logged per the benchmark's contract: 2 invocations, a failed cell,
+a cached cell, diagnostics artifacts, and an injected regression."""
+
+import base64
+import json
+import socket
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import pytest
+
+mlflow = pytest.importorskip("mlflow")
+pytest.importorskip("matplotlib")
+
+from mlflow import MlflowClient  # noqa: E402
+from mlflow.entities import Metric, Param  # noqa: E402
+
+from mergecal import ui  # noqa: E402
+from mergecal.errors import MergecalError, ParameterError  # noqa: E402
+from mergecal.reports import write_reports  # noqa: E402
+from mergecal.reports.history import find_regressions, history_frame  # noqa: E402
+from mergecal.reports.leaderboard import build_tables, table_markdown  # noqa: E402
+from mergecal.reports.plots import block_index, diagnostic_plots, natural_key, short_names  # noqa: E402
+from mergecal.reports.runs import cells_of, invocations, load_diagnostics, load_runs, pick_invocation  # noqa: E402
+
+TASKS = ("cars", "dtd")
+DAY = 86_400_000
+T0 = 1_790_000_000_000
+
+# recipe -> (merge, calibration); accuracies per invocation: (acc.cars, acc.dtd, avg_norm_acc)
+CELLS = {
+    "zeroshot": ("zeroshot", "none"),
+    "finetuned": ("finetuned", "none"),
+    "task_arithmetic": ("task_arithmetic", "none"),
+    "task_arithmetic>svc": ("task_arithmetic", "svc"),
+    "tsv_m": ("tsv_m", "none"),
+    "distac>tsv_m>svc>dsc": ("tsv_m", "distac>svc>dsc"),
+    "ties>wsc": ("ties", "wsc"),
+}
+VALUES = {
+    "inv-1": {"zeroshot": (0.40, 0.30, 0.45), "finetuned": (0.90, 0.80, 1.00),
+              "task_arithmetic": (0.678, 0.60, 0.80), "task_arithmetic>svc": (0.70, 0.62, 0.82),
+              "tsv_m": (0.75, 0.66, 0.90), "distac>tsv_m>svc>dsc": (0.77, 0.68, 0.92),
+              "ties>wsc": (0.70, 0.61, 0.83)},
+    "inv-2": {"zeroshot": (0.40, 0.30, 0.45), "finetuned": (0.90, 0.80, 1.00),
+              "task_arithmetic": (0.678, 0.60, 0.79),  # exactly 1.0 point lower: not a regression
+              "task_arithmetic>svc": (0.712, 0.58, 0.82),
+              "tsv_m": (0.73, 0.64, 0.85),  # 5 points lower: the injected regression
+              "distac>tsv_m>svc>dsc": (0.80, 0.63, 0.93)},  # ties>wsc fails in inv-2
+}
+ERROR = "RuntimeError: out of memory in ties sign election"
+
+
+def _log_cell(client, exp, parent, inv, recipe, start, regime="standard"):
+    merge, calibration = CELLS[recipe]
+    failed = recipe not in VALUES[inv]
+    tags = {"mlflow.parentRunId": parent, "mergecal.kind": "cell", "mergecal.invocation_id": inv,
+            "mergecal.cell_id": f"{recipe}-{regime}-hash", "mergecal.status": "failed" if failed else "ok",
+            "mergecal.backbone": "mergecal-vit-tiny", "mergecal.task_set": "vision2", "mergecal.regime": regime,
+            "mergecal.merge": merge, "mergecal.calibration": calibration, "mergecal.recipe": recipe,
+            "mergecal.tasks": ",".join(TASKS)}
+    if failed:
+        tags["mergecal.error"] = ERROR
+    if inv == "inv-2" and recipe == "zeroshot":
+        tags["mergecal.cached"] = "true"
+    run = client.create_run(exp, start_time=start, tags=tags)
+    rid = run.info.run_id
+    metrics = []
+    if not failed:
+        cars, dtd, norm = VALUES[inv][recipe] if regime == "standard" else (0.5, 0.5, 0.6)
+        metrics = [Metric("acc.cars", cars, start, 0), Metric("acc.dtd", dtd, start, 0),
+                   Metric("avg_acc", (cars + dtd) / 2, start, 0), Metric("avg_norm_acc", norm, start, 0)]
+    client.log_batch(rid, metrics=metrics + [Metric("seconds", 1.5, start, 0)],
+                     params=[Param("merge.scaling", "0.3")])
+    if inv == "inv-2" and regime == "standard" and not failed:
+        if recipe == "task_arithmetic":
+            client.log_metric(rid, "selected_scaling", 0.3, timestamp=start)
+            client.log_dict(rid, [{"scaling": s, "avg_acc": 0.5 + s / 4, "avg_norm_acc": 0.6 + s / 4}
+                                  for s in (0.1, 0.2, 0.3)], "diagnostics/scaling_curve.json")
+        if recipe == "task_arithmetic>svc":
+            client.log_dict(rid, {f"visual.transformer.resblocks.{b}.attn.in_proj_weight":
+                                  {"before": [3.0, 2.0, 1.0], "after": [2.0, 2.0, 1.5]} for b in (0, 1)},
+                            "diagnostics/svc_spectra.json")
+        if recipe == "distac>tsv_m>svc>dsc":
+            keys = [f"visual.transformer.resblocks.{b}.mlp.c_fc.weight" for b in (10, 2)]
+            client.log_dict(rid, {"metric": "accuracy_drop", "scores": {keys[0]: 0.2, keys[1]: 0.05}},
+                            "diagnostics/sensitivity.json")
+            client.log_dict(rid, {"weight": {keys[0]: 0.9, keys[1]: 1.1},
+                                  "feature": {"visual.transformer.resblocks.2": 0.95,
+                                              "visual.transformer.resblocks.10": 1.05}},
+                            "diagnostics/magic_coefficients.json")
+            client.log_dict(rid, {"cars": {"norm": 2.5, "entropy": 0.3}, "dtd": {"norm": 1.5, "entropy": 0.6}},
+                            "diagnostics/task_vectors.json")
+    client.set_terminated(rid, "FINISHED" if not failed else "FAILED", end_time=start + 1000)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlstore")
+    uri = f"sqlite:///{root}/mlruns.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("mergecal", artifact_location=str(root / "artifacts"))
+    for i, inv in enumerate(("inv-1", "inv-2")):
+        start = T0 + i * DAY
+        parent = client.create_run(exp, start_time=start, tags={
+            "mergecal.kind": "invocation", "mergecal.invocation_id": inv, "mergecal.code_version": f"sha{i}"})
+        for j, recipe in enumerate(CELLS):
+            _log_cell(client, exp, parent.info.run_id, inv, recipe, start + 10 * (j + 1))
+        _log_cell(client, exp, parent.info.run_id, inv, "tsv_m", start + 500, regime="norm_mismatch")
+        client.set_terminated(parent.info.run_id, end_time=start + 2000)
+    return uri
+
+
+@pytest.fixture(scope="module")
+def report(store, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reports")
+    (out / "plots").mkdir()
+    (out / "plots" / "stale.svg").write_text("<svg/>")
+    return out, write_reports(store, "mergecal", out)
+
+
+def _row(markdown: str, recipe: str, section: str = "standard") -> list[str]:
+    """Cells of ``recipe``'s row in the table under the heading that ends with ``section``."""
+    block = markdown.split(f"· {section}\n", 1)[1].split("\n## ", 1)[0]
+    for line in block.splitlines():
+        if line.startswith(f"| `{recipe}` |"):
+            return [c.strip() for c in line.strip("|").split("|")][1:]
+    raise AssertionError(f"no row {recipe} in {section}")
+
+
+def test_runs_and_invocations(store):
+    runs = load_runs(store)
+    table = invocations(runs)
+    assert list(table["invocation_id"]) == ["inv-1", "inv-2"]
+    assert list(table["code_version"]) == ["sha0", "sha1"]
+    assert list(table["n_cells"]) == [8, 8] and list(table["n_failed"]) == [0, 1]
+    assert pick_invocation(runs) == "inv-2"
+    assert pick_invocation(runs, "inv-1") == "inv-1"
+    with pytest.raises(MergecalError, match="invocation 'nope'"):
+        pick_invocation(runs, "nope")
+    with pytest.raises(MergecalError, match="experiment 'other' not found"):
+        load_runs(store, "other")
+    cells = cells_of(runs, "inv-2")
+    assert cells.loc[cells["recipe"] == "zeroshot", "cached"].item() is True
+    assert cells.loc[cells["recipe"] == "ties>wsc", "error"].item() == ERROR
+    assert cells.loc[cells["recipe"] == "tsv_m", "tasks"].iloc[0] == TASKS
+
+
+def test_leaderboard_markdown(report):
+    out, written = report
+    md = (out / "leaderboard.md").read_text()
+    assert "Invocation `inv-2`" in md and "code `sha1`" in md
+    assert "| recipe | cars | dtd | avg | norm. avg |" in md
+    # references first, then each base merge followed by its calibrated variants
+    block = md.split("· standard\n", 1)[1].split("\n## ", 1)[0]
+    order = [line.split("`")[1] for line in block.splitlines() if line.startswith("| `")]
+    assert order == ["zeroshot", "finetuned", "task_arithmetic", "task_arithmetic>svc", "tsv_m", "distac>tsv_m>svc>dsc"]
+    assert _row(md, "finetuned") == ["90.0", "80.0", "85.0", "100.0"]  # reference: never bold
+    assert _row(md, "task_arithmetic") == ["67.8", "60.0", "63.9", "79.0"]
+    assert _row(md, "task_arithmetic>svc") == ["71.2 (+3.4)", "58.0 (-2.0)", "64.6 (+0.7)", "82.0 (+3.0)"]
+    assert _row(md, "distac>tsv_m>svc>dsc") == ["**80.0 (+7.0)**", "63.0 (-1.0)", "**71.5 (+3.0)**",
+                                               "**93.0 (+8.0)**"]
+    assert _row(md, "tsv_m") == ["73.0", "**64.0**", "68.5", "85.0"]
+    assert "- `ties>wsc` (failed, cell `ties>wsc-standard-hash`): " + ERROR in md
+    assert _row(md, "tsv_m", "norm_mismatch") == ["**50.0**", "**50.0**", "**50.0**", "**60.0**"]
+    assert ("![mergecal-vit-tiny · vision2 · standard — MAGIC magnitude sensitivity per key]"
+            "(plots/sensitivity__mergecal-vit-tiny__vision2__standard.svg)") in md
+
+
+def test_leaderboard_json(report):
+    out, written = report
+    data = json.loads((out / "leaderboard.json").read_text())
+    rows = data["leaderboard"]["mergecal-vit-tiny"]["vision2"]["standard"]
+    assert data["invocation"]["id"] == "inv-2" and data["invocation"]["n_failed"] == 1
+    assert rows["task_arithmetic>svc"]["values"]["acc.cars"] == pytest.approx(0.712)
+    assert rows["task_arithmetic>svc"]["delta_points"]["acc.cars"] == pytest.approx(3.4)
+    assert rows["zeroshot"]["role"] == "reference" and rows["zeroshot"]["cached"] is True
+    assert rows["ties>wsc"] == {"role": "failed", "cell_id": "ties>wsc-standard-hash", "status": "failed",
+                                "error_message": ERROR}
+    assert data["history"]["n_regressions"] == 2
+
+
+def test_plots_written_and_skipped(report):
+    out, written = report
+    plots = sorted(p.name for p in (out / "plots").glob("*.svg"))
+    assert "stale.svg" not in plots
+    kinds = sorted(name.split("__")[0] for name in plots)
+    # inv-2 standard has every artifact kind; norm_mismatch has none (no plot); history spans both groups
+    assert kinds == ["history", "history", "magic_coefficients", "scaling_curve", "sensitivity", "svc_spectra",
+                     "task_vectors"]
+    assert all(f"plots/{name}" in written for name in plots)
+    for name in plots:
+        assert (out / "plots" / name).read_text().lstrip().startswith("<?xml")
+
+
+class _Collector(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.links, self.images, self.best = [], [], [], 0
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.append(tag)
+        self.links += [v for k, v in attrs.items() if k in ("src", "href") and v]
+        if tag == "img":
+            self.images.append(attrs["src"])
+        if tag == "td" and "best" in (attrs.get("class") or "").split():
+            self.best += 1
+
+
+def test_html_self_contained(report):
+    out, _ = report
+    text = (out / "leaderboard.html").read_text()
+    parser = _Collector()
+    parser.feed(text)
+    parser.close()
+    assert {"html", "style", "table", "figure"} <= set(parser.tags) and "script" not in parser.tags
+    assert "<link" not in text
+    assert not [link for link in parser.links if link.lower().startswith(("http:", "https:", "//"))]
+    assert all(link.startswith(("#", "data:image/svg+xml;base64,")) for link in parser.links)
+    svgs = {p.read_text() for p in (out / "plots").glob("*.svg")}
+    embedded = {base64.b64decode(src.split(",", 1)[1]).decode() for src in parser.images}
+    assert embedded == svgs
+    assert parser.best == 3 + 1 + 4  # distac row x3, tsv_m dtd, norm_mismatch x4
+    assert "71.2 <span class=\"delta pos\">(+3.4)</span>" in text
+    assert ERROR in text and "History: avg_norm_acc per invocation" in text
+
+
+def test_history_flags_regressions(store, report):
+    out, _ = report
+    runs = load_runs(store)
+    regressions = find_regressions(history_frame(runs))
+    assert [(r.recipe, r.invocation_id, r.previous_invocation_id, r.status) for r in regressions] == [
+        ("ties>wsc", "inv-2", "inv-1", "failed"), ("tsv_m", "inv-2", "inv-1", "ok")]
+    assert regressions[1].drop_points == pytest.approx(5.0)
+    assert [r.recipe for r in find_regressions(history_frame(runs), threshold=0.5)] == [
+        "task_arithmetic", "ties>wsc", "tsv_m"]
+    md = (out / "history.md").read_text()
+    assert "mergecal-vit-tiny · vision2 · standard · tsv_m: 90.0 → 85.0 (−5.0) in inv-2 (previous inv-1)" in md
+    assert "| `tsv_m` | 90.0 | 85.0 |" in md and "| `ties>wsc` | 83.0 | failed |" in md
+    assert "task_arithmetic: " not in md  # 1.0 point exactly is not more than the threshold
+
+
+def test_deterministic_and_older_invocation(store, report, tmp_path):
+    out, written = report
+    again = write_reports(store, "mergecal", tmp_path / "again", invocation="inv-2")
+    assert sorted(again) == sorted(written)
+    for name in written:
+        assert (tmp_path / "again" / name).read_bytes() == (out / name).read_bytes(), name
+    runs = load_runs(store)
+    md = "\n".join(table_markdown(t) for t in build_tables(cells_of(runs, "inv-1")))
+    assert "Failed cells" not in md
+    assert _row(md, "ties>wsc") == ["70.0", "61.0", "65.5", "83.0"]  # no base ties row: no delta
+    assert not diagnostic_plots(cells_of(runs, "inv-1"), {})
+
+
+def test_load_diagnostics_by_artifact_uri(tmp_path):
+    uri = f"sqlite:///{tmp_path}/unused.db"
+    assert load_diagnostics(uri, str(tmp_path)) == {}  # no diagnostics/ folder: nothing to plot
+    (tmp_path / "diagnostics").mkdir()
+    (tmp_path / "diagnostics" / "task_vectors.json").write_text('{"cars": {"norm": 2.0, "entropy": 0.1}}')
+    (tmp_path / "diagnostics" / "notes.json").write_text("not one of ours")
+    assert load_diagnostics(uri, str(tmp_path)) == {"task_vectors": {"cars": {"norm": 2.0, "entropy": 0.1}}}
+    (tmp_path / "diagnostics" / "sensitivity.json").write_text("{bad")
+    with pytest.raises(MergecalError, match="diagnostics/sensitivity.json: not valid JSON"):
+        load_diagnostics(uri, str(tmp_path))
+    assert not (tmp_path / "unused.db").exists()
+
+
+def test_plot_helpers():
+    names = ["a.blocks.10.w", "a.blocks.2.w", "a.blocks.2.b"]
+    assert sorted(names, key=natural_key) == ["a.blocks.2.b", "a.blocks.2.w", "a.blocks.10.w"]
+    assert [block_index(n) for n in names] == [10, 2, 2] and block_index("text_projection") is None
+    assert short_names(["v.t.r.0.w", "v.t.r.1.w"]) == ["r.0.w", "r.1.w"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ui_commands():
+    server = ui.mlflow_server("sqlite:////x/mlruns.db", 5123)
+    assert server.command[1:] == ["-m", "mlflow", "ui", "--backend-store-uri", "sqlite:////x/mlruns.db",
+                                  "--host", "127.0.0.1", "--port", "5123", "--workers", "1"]
+    assert server.url == "http://127.0.0.1:5123"
+    prefect = ui.prefect_server(4321)
+    assert prefect.command[1:] == ["-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", "4321"]
+    env = ui.server_env({"PATH": "/bin"})
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false" and env["PATH"] == "/bin"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(ParameterError, match="--mlflow-port .*already in use"):
+            ui.check_port_free(busy.getsockname()[1], "--mlflow-port")
+
+
+def test_ui_signal_handlers_restored():
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = ui._interrupt_on_signals()
+    try:
+        assert signal.getsignal(signal.SIGTERM) is ui._raise_interrupt
+        with pytest.raises(KeyboardInterrupt):
+            ui._raise_interrupt(signal.SIGTERM, None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert previous == before
+
+
+def test_ui_stop_kills_whole_group():
+    """A stand-in server (an HTTP server plus a child of it) is stopped as one process group."""
+    port = _free_port()
+    server = ui.Server("stand-in", ["/bin/sh", "-c", f"sleep 60 & exec {sys.executable} -m http.server {port} "
+                                    "--bind 127.0.0.1"], f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/")
+    proc = ui.start(server, env=ui.server_env())
+    try:
+        ui.wait_until_up(server, proc, timeout=20)
+        members = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(members) == 2  # the server and its sleeping child
+    finally:
+        ui.stop(proc, timeout=5)
+    assert not ui.group_alive(proc.pid)
