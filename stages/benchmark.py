@@ -4,9 +4,9 @@ from stages._common import run
 
 
 def stage(params, root, args):
-    from flows.benchmark import benchmark
+    from flows.benchmark import run_benchmark
 
-    result = benchmark(params_path=args.params, root=str(root))
+    result = run_benchmark(params_path=args.params, root=str(root))
     if result["failed"] == result["cells"]:
         from mergecal.errors import MergecalError
 

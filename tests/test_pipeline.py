@@ -12,7 +12,7 @@ import yaml
 
 from mergecal.errors import ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline import vision
+from mergecal.pipeline import text, vision
 from mergecal.pipeline.config import load_params, parse_params
 from mergecal.pipeline.workspace import SMOKE_PARAMS, create_workspace
 
@@ -27,7 +27,7 @@ def test_repository_params_yaml_is_valid_and_complete_for_dvc():
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     for stage in stages.values():  # every `params:` entry of dvc.yaml must exist in params.yaml
-        for key in stage.get("params", []):
+        for key in stage.get("do", stage).get("params", []):
             node = raw
             for part in key.split("."):
                 assert isinstance(node, dict) and part in node, f"dvc.yaml lists {key!r}, missing from params.yaml"
@@ -80,6 +80,10 @@ def built(tmp_path_factory):
     vision.task_vectors(params, root)
     vision.distac(params, root, progress=False)
     vision.probe(params, root, progress=False)
+    text.build_data(params, root)
+    for task in params.text.tasks:
+        text.finetune(params, task, root, progress=False)
+    text.references(params, root)
     return root, params
 
 
@@ -87,7 +91,12 @@ def test_cells_cover_the_matrix_with_distinct_ids(built):
     root, params = built
     cells = cells_mod.enumerate_cells(params)
     n_regimes, n_merges, n_chains = len(params.vision.regimes), len(params.benchmark.merges), len(params.benchmark.chains)
-    assert len(cells) == n_regimes * (2 + n_merges * n_chains)
+    vision_cells = [c for c in cells if c.track == "vision"]
+    assert len(vision_cells) == n_regimes * (2 + n_merges * n_chains)
+    # the text track runs the weight-space chains only ("{merge}" and "{merge}>svc" in the smoke matrix)
+    text_cells = [c for c in cells if c.track == "text"]
+    assert sorted(c.chain for c in text_cells if c.merge == "ties") == ["{merge}", "{merge}>svc"]
+    assert len(text_cells) == 2 + n_merges * 2
     ids = [cells_mod.cell_id(c, params, root) for c in cells]
     assert len(set(ids)) == len(ids)
     assert ids == [cells_mod.cell_id(c, params, root) for c in cells]  # stable
@@ -95,21 +104,23 @@ def test_cells_cover_the_matrix_with_distinct_ids(built):
 
 def test_changing_one_calibration_parameter_changes_only_the_cells_it_touches(built):
     root, params = built
-    before = {c.label + "/" + c.regime: cells_mod.cell_id(c, params, root) for c in cells_mod.enumerate_cells(params)}
+    before = {c.track + c.label + "/" + c.regime: cells_mod.cell_id(c, params, root)
+              for c in cells_mod.enumerate_cells(params)}
     data = params.model_dump(mode="json")
     data["benchmark"]["chains"] = [c.replace("{merge}>svc", "{merge}>svc(alpha=0.5)") if c == "{merge}>svc" else c
                                    for c in data["benchmark"]["chains"]]
     changed = parse_params(data)
-    after = {c.label.replace("svc(alpha=0.5)", "svc") + "/" + c.regime: cells_mod.cell_id(c, changed, root)
+    after = {c.track + c.label.replace("svc(alpha=0.5)", "svc") + "/" + c.regime: cells_mod.cell_id(c, changed, root)
              for c in cells_mod.enumerate_cells(changed)}
     assert before.keys() == after.keys()
     differing = {k for k in before if before[k] != after[k]}
-    assert differing == {k for k in before if k.split("/")[0].endswith(">svc") and not k.startswith("distac")}
+    assert differing == {k for k in before if k.split("/")[0].endswith(">svc") and "distac" not in k}
 
 
 def test_cell_id_follows_input_bytes(built, tmp_path):
     root, params = built
-    cell = next(c for c in cells_mod.enumerate_cells(params) if c.merge == "task_arithmetic" and c.chain == "{merge}")
+    cell = next(c for c in cells_mod.enumerate_cells(params)
+                if c.track == "vision" and c.merge == "task_arithmetic" and c.chain == "{merge}")
     path = Path(cells_mod.cell_inputs(cell, params, root)["finetuned.colors"])
     original = path.read_bytes()
     before = cells_mod.cell_id(cell, params, root)
@@ -123,7 +134,8 @@ def test_cell_id_follows_input_bytes(built, tmp_path):
 
 def test_same_params_give_identical_results(built):
     root, params = built
-    chosen = [c for c in cells_mod.enumerate_cells(params) if c.regime == "norm_mismatch" and c.merge == "ties"]
+    chosen = [c for c in cells_mod.enumerate_cells(params) if c.merge == "ties"
+              and (c.regime == "norm_mismatch" or c.track == "text")]
     for cell in chosen:
         first = cells_mod.run_cell(cell, params, root)
         second = cells_mod.run_cell(cell, params, root)
@@ -133,7 +145,7 @@ def test_same_params_give_identical_results(built):
 
 def test_reference_cells_and_normalized_accuracy(built):
     root, params = built
-    cells = {(c.regime, c.label): c for c in cells_mod.enumerate_cells(params)}
+    cells = {(c.regime, c.label): c for c in cells_mod.enumerate_cells(params) if c.track == "vision"}
     reference = json.loads((vision.paths_for(params, root).task_vectors("standard") / "diagnostics.json").read_text())
     finetuned = cells_mod.run_cell(cells[("standard", "finetuned")], params, root).metrics
     for task in params.vision.tasks:
@@ -165,7 +177,7 @@ def _cell_runs(root):
 
 
 def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server):
-    from flows.benchmark import benchmark
+    from flows.benchmark import run_benchmark as benchmark
 
     root, params = built
     first = benchmark(root=str(root))
@@ -182,7 +194,7 @@ def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server):
 
 
 def test_a_failing_cell_is_recorded_and_does_not_sink_the_matrix(built, prefect_server):
-    from flows.benchmark import benchmark
+    from flows.benchmark import run_benchmark as benchmark
 
     root, params = built
     target = vision.paths_for(params, root).distac("low_confidence") / "colors.safetensors"
@@ -193,7 +205,8 @@ def test_a_failing_cell_is_recorded_and_does_not_sink_the_matrix(built, prefect_
     finally:
         target.write_bytes(original)
     failed = [r for r in result["rows"] if "error" in r]
-    expected = [c for c in cells_mod.enumerate_cells(params) if c.regime == "low_confidence" and c.chain.startswith("distac")]
+    expected = [c for c in cells_mod.enumerate_cells(params)
+                if c.track == "vision" and c.regime == "low_confidence" and c.chain.startswith("distac")]
     assert len(failed) == len(expected) == result["failed"]
     assert all("colors.safetensors" in r["error"] for r in failed)
     assert result["cells"] - result["failed"] == sum("avg_acc" in r for r in result["rows"])

@@ -89,7 +89,7 @@ def test_changing_one_calibration_parameter_recomputes_only_its_cells(workspace)
     output = _repro(root)
     assert "Running stage 'benchmark'" in output and "Running stage 'finetune" not in output
     summary = json.loads((root / "results" / "benchmark.json").read_text())
-    touched = len(params["vision"]["regimes"]) * len(params["benchmark"]["merges"])
+    touched = (len(params["vision"]["regimes"]) + params["text"]["enabled"]) * len(params["benchmark"]["merges"])
     assert summary["cells"] - summary["cached"] == touched
     assert len(_cell_runs(root)) == n_before + touched
 

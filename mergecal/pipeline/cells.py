@@ -83,7 +83,33 @@ def enumerate_cells(params: Params) -> list[Cell]:
                 canonical = Recipe(steps).id
                 cells.append(Cell("vision", track.backbone, track.task_set, tuple(track.tasks), regime, merge, chain,
                                   canonical, grid, _calibration_name(chain)))
+    if params.text.enabled:
+        cells.extend(_text_cells(params))
     return cells
+
+
+def _text_cells(params: Params) -> list[Cell]:
+    """Text track: the weight-space chains only (see mergecal.pipeline.text)."""
+    from ..recipe import Recipe
+    from .text import SUPPORTED_STEPS
+
+    track, out = params.text, []
+    for ref in REFERENCES:
+        out.append(Cell("text", track.backbone, track.task_set, tuple(track.tasks), "standard", ref, ""))
+    for merge, values in params.benchmark.merges.items():
+        values = dict(values or {})
+        grid = values.get("scaling")
+        grid = tuple(float(g) for g in grid) if isinstance(grid, list) else ()
+        if grid:
+            values["scaling"] = grid[0]
+        for chain in params.benchmark.chains:
+            recipe = Recipe.parse(chain.replace("{merge}", merge))
+            if any(s.phase != "merge" and s.name not in SUPPORTED_STEPS for s in recipe.steps):
+                continue
+            steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
+            out.append(Cell("text", track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
+                            Recipe(steps).id, grid, _calibration_name(chain)))
+    return out
 
 
 @lru_cache(maxsize=4096)
@@ -107,6 +133,15 @@ def cell_inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, str]:
     """The files a cell reads, by role."""
     from .vision import paths_for, regime_variants
 
+    if cell.track == "text":
+        from .text import data_root, finetuned_path, models_root
+
+        files = {"data_manifest": data_root(root) / "manifest.json",
+                 "reference": models_root(params, root) / "references.json"}
+        for task in cell.tasks:
+            files[f"finetuned.{task}"] = finetuned_path(params, root, task)
+        return {k: str(v) for k, v in files.items()}
+
     paths = paths_for(params, root)
     files = {"pretrained": paths.pretrained, "heads": paths.heads, "data_manifest": paths.data / "manifest.json",
              "reference": paths.task_vectors(cell.regime) / "diagnostics.json"}
@@ -126,7 +161,7 @@ def cell_id(cell: Cell, params: Params, root: str | Path) -> str:
     """Content hash of everything the cell's result depends on."""
     digests = {role: file_digest(path) for role, path in cell_inputs(cell, params, root).items()}
     payload = {"cell": cell.to_dict(), "inputs": digests, "evaluation": params.benchmark.evaluation.model_dump(),
-               "arch": params.vision.arch, "mergecal": __version__}
+               "arch": params.vision.arch if cell.track == "vision" else params.text.finetune, "mergecal": __version__}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -175,8 +210,57 @@ def _jsonable_diagnostics(diagnostics: dict, sensitivity_path: Path | None) -> d
     return out
 
 
+def run_text_cell(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
+    """Text track: merge the task encoders (weight-space chain), score every task with its own head."""
+    from ..recipe import Recipe
+    from ..run_recipe import RecipeInputs, run_recipe
+    from .text import TextModels, models_root
+
+    models, tasks = TextModels(params, root), list(cell.tasks)
+    evaluation = params.benchmark.evaluation
+    reference = json.loads((models_root(params, root) / "references.json").read_text())
+    base_params = {"track": cell.track, "backbone": cell.backbone, "regime": cell.regime, "recipe": cell.recipe,
+                   "mergecal_version": __version__}
+    if cell.merge == "zeroshot":  # the pretrained encoder with each task's head (no zero-shot head exists)
+        test = models.evaluate(models.pretrained, tasks, "test", device=device)
+        return CellResult(_summaries(tasks, test, reference), base_params)
+    if cell.merge == "finetuned":
+        test = {t: {"accuracy": r["test_accuracy"], "entropy": r["entropy"], "ece": r["ece"]} for t, r in reference.items()}
+        diagnostics = {"task_vectors": {t: {"norm": r["norm"], "entropy": r["entropy"]} for t, r in reference.items()}}
+        return CellResult(_summaries(tasks, test, reference), base_params, diagnostics)
+    recipe = Recipe.parse(cell.recipe)
+    states = [models.finetuned(t)[0] for t in tasks]
+    steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
+    index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
+    grid = cell.grid or (steps[index][1]["scaling"],)
+    curve, best = [], None
+    for scaling in grid:
+        trial = list(steps)
+        trial[index] = (trial[index][0], {**trial[index][1], "scaling": scaling})
+        result = run_recipe(Recipe(trial), models.pretrained, states, RecipeInputs(progress=False, device=device))
+        val = models.evaluate(result.state_dict, tasks, "validation", max_items=evaluation.max_validation, device=device)
+        avg_acc = sum(val[t]["accuracy"] for t in tasks) / len(tasks)
+        avg_norm = sum(val[t]["accuracy"] / max(reference[t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
+        curve.append({"scaling": scaling, "avg_acc": avg_acc, "avg_norm_acc": avg_norm})
+        if best is None or avg_norm > best[0]:
+            best = (avg_norm, scaling, result)
+    _, scaling, result = best
+    test = models.evaluate(result.state_dict, tasks, "test", device=device)
+    metrics = {**_summaries(tasks, test, reference), "selected_scaling": float(scaling)}
+    logged = {**base_params, "grid": json.dumps(list(grid)), f"{recipe.merge.name}.scaling": json.dumps(scaling)}
+    for step in recipe.steps:
+        logged.update(_flat_params(step.name, step.params.model_dump(mode="json")))
+    artifacts = _jsonable_diagnostics(result.diagnostics, None)
+    if len(grid) > 1:
+        artifacts["scaling_curve"] = curve
+    artifacts["task_vectors"] = {t: {"norm": reference[t]["norm"], "entropy": reference[t]["entropy"]} for t in tasks}
+    return CellResult(metrics, logged, artifacts)
+
+
 def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str = "cpu") -> CellResult:
-    """Merge → calibrate → evaluate one cell (vision track)."""
+    """Merge → calibrate → evaluate one cell."""
+    if cell.track == "text":
+        return run_text_cell(cell, params, root, device=device)
     from ..calibrations.probing import SensitivityRanking
     from ..recipe import Recipe
     from ..run_recipe import RecipeInputs, run_recipe

@@ -1,0 +1,143 @@
+"""The MiniLM text track of the pipeline: the packaged pretrained encoder, one fine-tuned encoder + head per
+task, merged encoders scored with each task's own head.
+
+    data/text/                                          the text suite (mergecal.data.text)
+    models/<backbone>/finetuned/standard/<task>.safetensors (+ .json)   encoder keys that training changed,
+                                                        plus ``head.*`` (the task's own head)
+    models/<backbone>/references.json                   each fine-tuned model's validation/test scores
+
+Only weight-space chains run on this track (merge, SVC, WSC without a probed ranking): DisTaC and FSC need a
+task-model adapter for text that is not built yet, so the pipeline skips those chains here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checkpoint import atomic_write_text, load_state_dict, save_state_dict
+from .config import Params
+
+HEAD = "head."
+SUPPORTED_STEPS = ("svc", "wsc")
+
+
+def data_root(root: str | Path) -> Path:
+    return Path(root) / "data" / "text"
+
+
+def models_root(params: Params, root: str | Path) -> Path:
+    return Path(root) / "models" / params.text.backbone
+
+
+def finetuned_path(params: Params, root: str | Path, task: str) -> Path:
+    return models_root(params, root) / "finetuned" / "standard" / f"{task}.safetensors"
+
+
+def split(root: str | Path, task: str, name: str, max_items: int | None = None):
+    """(texts, labels); ``validation`` is the held-out part of train, ``train`` the rest."""
+    from ..data.text import load_text_split
+    from ..data.vision import validation_indices
+
+    texts, labels = load_text_split(data_root(root), task, "train" if name in ("train", "validation") else name)
+    if name in ("train", "validation"):
+        val = validation_indices(len(labels))
+        keep = np.zeros(len(labels), dtype=bool)
+        keep[val] = True
+        keep = keep if name == "validation" else ~keep
+        texts, labels = [t for t, k in zip(texts, keep) if k], labels[keep]
+    if max_items is not None:
+        texts, labels = texts[:max_items], labels[:max_items]
+    return texts, labels
+
+
+def n_classes(root: str | Path, task: str) -> int:
+    manifest = json.loads((data_root(root) / "manifest.json").read_text())
+    return len(manifest["tasks"][task]["classnames"])
+
+
+def build_data(params: Params, root: str | Path = ".") -> dict:
+    from ..data.text import TextSuiteConfig, build_text_suite
+
+    return build_text_suite(data_root(root), TextSuiteConfig(**{"seed": params.seed, **params.text.data}))
+
+
+def finetune(params: Params, task: str, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
+    from ..backbones.hf_text import load_encoder
+    from ..train.finetune_text import TextFinetuneConfig, evaluate_text, finetune_text_task
+
+    config = TextFinetuneConfig(**{"seed": params.seed, **params.text.finetune})
+    encoder, _ = load_encoder()
+    pretrained = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
+    texts, labels = split(root, task, "train")
+    classes = n_classes(root, task)
+    start = time.perf_counter()
+    enc, head, history = finetune_text_task(pretrained, texts, labels, classes, config, progress=progress, device=device)
+    seconds = time.perf_counter() - start
+    changed = {k: v.contiguous() for k, v in enc.items() if not torch.equal(v, pretrained[k])}
+    val_texts, val_labels = split(root, task, "validation")
+    val = evaluate_text(enc, head, val_texts, val_labels, classes, max_length=config.max_length, device=device)
+    manifest = json.loads((data_root(root) / "manifest.json").read_text())
+    metadata = {"backbone": params.text.backbone, "task": task, "variant": "standard",
+                "hyperparameters": asdict(config), "data_digest": manifest["tasks"][task]["digests"]["train"],
+                "seconds": round(seconds, 2), "final_loss": history[-1]["loss"], "val_accuracy": val["accuracy"],
+                "layout": "encoder keys changed by fine-tuning (others equal the packaged MiniLM) + head.*"}
+    out = finetuned_path(params, root, task)
+    save_state_dict({**changed, **{HEAD + k: v.contiguous() for k, v in head.items()}}, out,
+                    {"mergecal": json.dumps(metadata)})
+    atomic_write_text(out.with_suffix(".json"), json.dumps(metadata, indent=2))
+    return metadata
+
+
+class TextModels:
+    def __init__(self, params: Params, root: str | Path = "."):
+        self.params, self.root = params, Path(root)
+        self.max_length = params.text.finetune.get("max_length", 32)
+
+    @cached_property
+    def pretrained(self) -> dict[str, torch.Tensor]:
+        from ..backbones.hf_text import load_encoder
+
+        encoder, _ = load_encoder()
+        return {k: v.detach().clone() for k, v in encoder.state_dict().items() if v.is_floating_point()}
+
+    def finetuned(self, task: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(full encoder state, head state) of a task's fine-tuned model."""
+        stored = load_state_dict(finetuned_path(self.params, self.root, task))
+        head = {k[len(HEAD):]: v for k, v in stored.items() if k.startswith(HEAD)}
+        encoder = {**self.pretrained, **{k: v for k, v in stored.items() if not k.startswith(HEAD)}}
+        return encoder, head
+
+    def evaluate(self, encoder: dict[str, torch.Tensor], tasks, which: str, *, max_items: int | None = None,
+                 device: str = "cpu") -> dict[str, dict[str, float]]:
+        from ..train.finetune_text import evaluate_text
+
+        out = {}
+        for task in tasks:
+            _, head = self.finetuned(task)
+            texts, labels = split(self.root, task, which, max_items)
+            out[task] = evaluate_text(encoder, head, texts, labels, n_classes(self.root, task),
+                                      max_length=self.max_length, device=device)
+        return out
+
+
+def references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict:
+    """Each task's own fine-tuned model on validation and test (normalized accuracy's denominator), the
+    pretrained encoder with each head (the text track's ``zeroshot`` row: no fine-tuned encoder) and norms."""
+    models = TextModels(params, root)
+    report = {}
+    for task in params.text.tasks:
+        encoder, _ = models.finetuned(task)
+        val = models.evaluate(encoder, [task], "validation", device=device)[task]
+        test = models.evaluate(encoder, [task], "test", device=device)[task]
+        norm = float(sum((encoder[k] - v).double().pow(2).sum() for k, v in models.pretrained.items()) ** 0.5)
+        report[task] = {"norm": norm, "entropy": test["entropy"], "ece": test["ece"], "val_accuracy": val["accuracy"],
+                        "test_accuracy": test["accuracy"]}
+    atomic_write_text(models_root(params, root) / "references.json", json.dumps(report, indent=2))
+    return report

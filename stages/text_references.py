@@ -1,0 +1,14 @@
+"""DVC stage: each fine-tuned text model's own scores (normalized accuracy's denominator) and norms."""
+
+from stages._common import device, run
+
+
+def stage(params, root, args):
+    from mergecal.pipeline import text
+
+    report = text.references(params, root, device=device(params))
+    print("fine-tuned test accuracy: " + ", ".join(f"{t} {r['test_accuracy']:.3f}" for t, r in report.items()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(stage))
