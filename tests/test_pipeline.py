@@ -247,3 +247,11 @@ def test_concurrent_logging_from_several_processes_keeps_the_store_consistent(tm
 def test_smoke_params_file_is_what_the_workspace_uses(tmp_path):
     root = create_workspace(tmp_path / "ws", git=False)
     assert load_params(root / "params.yaml") == parse_params(yaml.safe_load(SMOKE_PARAMS.read_text()))
+
+
+def test_svc_takes_the_authors_alpha_per_merge_method():
+    params = parse_params({"benchmark": {"merges": {"tsv_m": {}, "ties": {}}, "chains": ["{merge}>svc", "{merge}>svc(alpha=0.5)"]}})
+    recipes = {c.label: c.recipe for c in cells_mod.enumerate_cells(params) if c.regime == "standard"}
+    assert "svc(alpha=1.0," in recipes["tsv_m>svc"]  # suppression only after TSV-M
+    assert "svc(alpha=None," in recipes["ties>svc"]  # 1/K
+    assert "svc(alpha=0.5," in recipes["tsv_m>svc(alpha=0.5)"]  # an explicit value wins
