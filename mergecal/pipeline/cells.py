@@ -55,6 +55,16 @@ def _calibration_name(chain: str) -> str:
     return ">".join(p.strip() for p in parts) or "none"
 
 
+def merge_values(values: dict[str, Any] | None) -> tuple[dict[str, Any], tuple[float, ...]]:
+    """A method's params.yaml entry -> (parameters at the grid's first scaling, the scaling grid or ())."""
+    values = dict(values or {})
+    grid = values.get("scaling")
+    grid = tuple(float(g) for g in grid) if isinstance(grid, list) else ()
+    if grid:
+        values["scaling"] = grid[0]
+    return values, grid
+
+
 def enumerate_cells(params: Params) -> list[Cell]:
     from ..recipe import Recipe
     from .vision import distac_params
@@ -65,11 +75,7 @@ def enumerate_cells(params: Params) -> list[Cell]:
         for ref in REFERENCES:
             cells.append(Cell("vision", track.backbone, track.task_set, tuple(track.tasks), regime, ref, ""))
         for merge, values in params.benchmark.merges.items():
-            values = dict(values or {})
-            grid = values.get("scaling")
-            grid = tuple(float(g) for g in grid) if isinstance(grid, list) else ()
-            if grid:
-                values["scaling"] = grid[0]
+            values, grid = merge_values(values)
             for chain in params.benchmark.chains:
                 recipe = Recipe.parse(chain.replace("{merge}", merge))
                 steps = []
@@ -106,11 +112,7 @@ def _text_cells(params: Params) -> list[Cell]:
     for ref in REFERENCES:
         out.append(Cell("text", track.backbone, track.task_set, tuple(track.tasks), "standard", ref, ""))
     for merge, values in params.benchmark.merges.items():
-        values = dict(values or {})
-        grid = values.get("scaling")
-        grid = tuple(float(g) for g in grid) if isinstance(grid, list) else ()
-        if grid:
-            values["scaling"] = grid[0]
+        values, grid = merge_values(values)
         for chain in params.benchmark.chains:
             recipe = Recipe.parse(chain.replace("{merge}", merge))
             if any(s.phase != "merge" and s.name not in SUPPORTED_STEPS for s in recipe.steps):
