@@ -197,6 +197,13 @@ def _summaries(tasks, test: dict[str, dict[str, float]], reference: dict[str, di
     return metrics
 
 
+def _finetuned_reference(tasks, reference: dict, base_params: dict[str, str]) -> CellResult:
+    """The ``finetuned`` row: each task scored by its own fine-tuned model (from the references file)."""
+    test = {t: {"accuracy": r["test_accuracy"], "entropy": r["entropy"], "ece": r["ece"]} for t, r in reference.items()}
+    diagnostics = {"task_vectors": {t: {"norm": r["norm"], "entropy": r["entropy"]} for t, r in reference.items()}}
+    return CellResult(_summaries(tasks, test, reference), base_params, diagnostics)
+
+
 def _flat_params(prefix: str, values: dict[str, Any]) -> dict[str, str]:
     return {f"{prefix}.{k}": json.dumps(v) if not isinstance(v, str) else v for k, v in values.items()}
 
@@ -236,9 +243,7 @@ def run_text_cell(cell: Cell, params: Params, root: str | Path, *, device: str =
         test = models.evaluate(models.pretrained, tasks, "test", device=device)
         return CellResult(_summaries(tasks, test, reference), base_params)
     if cell.merge == "finetuned":
-        test = {t: {"accuracy": r["test_accuracy"], "entropy": r["entropy"], "ece": r["ece"]} for t, r in reference.items()}
-        diagnostics = {"task_vectors": {t: {"norm": r["norm"], "entropy": r["entropy"]} for t, r in reference.items()}}
-        return CellResult(_summaries(tasks, test, reference), base_params, diagnostics)
+        return _finetuned_reference(tasks, reference, base_params)
     recipe = Recipe.parse(cell.recipe)
     states = [models.finetuned(t)[0] for t in tasks]
     steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
@@ -291,9 +296,7 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
                               batch_size=evaluation.batch_size, device=device)
         return CellResult(_summaries(tasks, test, reference), base_params)
     if cell.merge == "finetuned":
-        test = {t: {"accuracy": r["test_accuracy"], "entropy": r["entropy"], "ece": r["ece"]} for t, r in reference.items()}
-        diagnostics = {"task_vectors": {t: {"norm": r["norm"], "entropy": r["entropy"]} for t, r in reference.items()}}
-        return CellResult(_summaries(tasks, test, reference), base_params, diagnostics)
+        return _finetuned_reference(tasks, reference, base_params)
 
     recipe = Recipe.parse(cell.recipe)
     pre_steps = recipe.phase("pre")
