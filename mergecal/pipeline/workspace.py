@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ def create_workspace(dest: str | Path, overrides: dict[str, Any] | None = None, 
     (dest / "params.yaml").write_text(yaml.safe_dump(full_params(overrides), sort_keys=False))
     if git and not (dest / ".git").exists():
         subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
-        subprocess.run(["dvc", "init", "-q"], cwd=dest, check=True)
-        subprocess.run(["dvc", "config", "core.analytics", "false"], cwd=dest, check=True)
+        # this interpreter's DVC, so the workspace works without an activated environment
+        subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=dest, check=True)
+        subprocess.run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], cwd=dest, check=True)
     return dest

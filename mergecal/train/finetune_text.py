@@ -89,6 +89,31 @@ def finetune_text_task(encoder_state: Mapping[str, torch.Tensor], texts: Sequenc
 
 
 @torch.no_grad()
+def classifier_logits(model: torch.nn.Module, encoded: Mapping[str, torch.Tensor], *, batch_size: int = 128,
+                      device: str = "cpu") -> torch.Tensor:
+    """Logits of ``model`` on tokenized inputs, in their order. Rows are batched longest first and each batch
+    drops the padding columns none of its rows uses: with the attention mask and masked mean pooling the
+    result is the padded computation's (up to float rounding), at the cost of the real lengths."""
+    mask = encoded["attention_mask"]
+    order = torch.argsort(mask.sum(1), descending=True, stable=True)
+    chunks = []
+    for i in range(0, len(order), batch_size):
+        idx = order[i:i + batch_size]
+        ids, batch_mask = _trim(encoded["input_ids"][idx], mask[idx])
+        chunks.append(model(ids.to(device), batch_mask.to(device)).float().cpu())
+    logits = torch.cat(chunks) if chunks else torch.empty(0)
+    out = torch.empty_like(logits)
+    out[order] = logits
+    return out
+
+
+def text_scores(logits: torch.Tensor, labels: np.ndarray) -> dict[str, float]:
+    targets = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    return {"accuracy": float((logits.argmax(-1) == targets).float().mean()),
+            "entropy": prediction_entropy(logits), "ece": expected_calibration_error(logits, targets)}
+
+
+@torch.no_grad()
 def evaluate_text(encoder_state: Mapping[str, torch.Tensor], head_state: Mapping[str, torch.Tensor],
                   texts: Sequence[str], labels: np.ndarray, n_classes: int, *, max_length: int = 64,
                   batch_size: int = 128, device: str = "cpu") -> dict[str, float]:
@@ -96,9 +121,4 @@ def evaluate_text(encoder_state: Mapping[str, torch.Tensor], head_state: Mapping
     model = build_classifier(encoder_state, head_state, n_classes).to(device).eval()
     _, tokenizer = load_encoder()
     encoded = tokenize(tokenizer, texts, max_length)
-    logits = torch.cat([model(encoded["input_ids"][i:i + batch_size].to(device),
-                              encoded["attention_mask"][i:i + batch_size].to(device)).cpu()
-                        for i in range(0, len(texts), batch_size)])
-    targets = torch.as_tensor(np.asarray(labels), dtype=torch.long)
-    return {"accuracy": float((logits.argmax(-1) == targets).float().mean()),
-            "entropy": prediction_entropy(logits), "ece": expected_calibration_error(logits, targets)}
+    return text_scores(classifier_logits(model, encoded, batch_size=batch_size, device=device), labels)
