@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import uuid
 from pathlib import Path
@@ -136,8 +135,10 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
     futures: list = [None] * len(cells)
     for i in sorted(range(len(cells)), key=lambda i: sources[i] is not None):
         source = futures[sources[i]] if sources[i] is not None else None
-        futures[i] = runnable.submit(keys[i], cells[i].to_dict(), params_dict, str(root_path), parent, invocation_id,
-                                     source=source)
+        # named after the cell, so Prefect's log and UI show which cell started, finished or failed
+        named = runnable.with_options(task_run_name=f"{cells[i].track}/{cells[i].regime}/{cells[i].label}")
+        futures[i] = named.submit(keys[i], cells[i].to_dict(), params_dict, str(root_path), parent, invocation_id,
+                                  source=source)
     manifest, summary, failed, cached = {}, [], 0, 0
     for i, (key, cell, future) in enumerate(zip(keys, cells, futures), 1):
         future.wait()

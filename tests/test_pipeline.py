@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from mergecal.errors import ParameterError
@@ -355,3 +356,21 @@ def test_a_calibrated_cell_calibrates_the_merge_at_the_given_scaling(built):
     assert fixed.grid == () and fixed.scaling_from == ""
     assert cells_mod.run_cell(fixed, fixed_params, root).metrics == given
     assert given["selected_scaling"] == 1.0
+
+
+@pytest.mark.parametrize("method", ["weight_averaging", "task_arithmetic", "ties", "dare", "consensus", "tsv_m", "iso_c",
+                                    "iso_cts"])
+def test_a_grid_merged_once_and_rescaled_equals_merging_at_each_value(method, pretrained, finetuned):
+    from mergecal.recipe import Recipe
+    from mergecal.run_recipe import RecipeInputs, run_recipe
+
+    grid = (0.3, 0.7, 1.5)
+    steps = [(method, {"scaling": grid[0]})]
+    trial = cells_mod.recipe_trials(steps, 0, pretrained, finetuned, RecipeInputs(progress=False), grid)
+    for value in grid:
+        direct = run_recipe(Recipe([(method, {"scaling": value})]), pretrained, finetuned, RecipeInputs(progress=False))
+        rescaled = trial(value).state_dict
+        assert rescaled.keys() == direct.state_dict.keys()
+        for key in direct.state_dict:
+            assert torch.equal(rescaled[key], direct.state_dict[key]), (method, value, key)
+            assert rescaled[key].dtype == direct.state_dict[key].dtype

@@ -304,6 +304,37 @@ def select_scaling(grid: tuple[float, ...], trial, validate) -> tuple[float, Any
     return best[1], best[2], curve
 
 
+def recipe_trials(steps: list[tuple[str, dict]], merge_index: int, pretrained, states, inputs, grid):
+    """``value -> RecipeResult`` of the recipe with its merge at that scaling. A recipe that is only a merge and
+    is tried at several values is merged once, at scaling 1, then rescaled: the scaling multiplies the merged
+    task vector (``mergecal/merge.py``), so every state equals the merge at that value bit for bit."""
+    from ..recipe import Recipe, iter_weight_space
+    from ..run_recipe import RecipeResult, run_recipe
+    from ..task_vectors import COMPUTE_DTYPE, TaskVectorSet
+
+    def at(value: float) -> Recipe:
+        chosen = list(steps)
+        chosen[merge_index] = (chosen[merge_index][0], {**chosen[merge_index][1], "scaling": value})
+        return Recipe(chosen)
+
+    if len(steps) > 1 or len(grid) == 1:
+        return lambda value: run_recipe(at(value), pretrained, states, inputs)
+    tvs = TaskVectorSet.from_models(pretrained, states, device=inputs.device)
+    unit = dict(iter_weight_space(at(1.0), tvs))
+
+    def rescaled(value: float):
+        state = {}
+        for key, tensor in pretrained.items():
+            if key in unit:  # as run_recipe adds the merged update
+                merged = tensor.to(device=inputs.device, dtype=COMPUTE_DTYPE) + unit[key] * value
+                state[key] = merged.to(tensor.dtype).cpu()
+            else:
+                state[key] = tensor.clone()
+        return RecipeResult(recipe=at(value), state_dict=state)
+
+    return rescaled
+
+
 def _validation_averages(val: dict[str, dict[str, float]], reference: dict, tasks: list[str]) -> tuple[float, float]:
     avg_acc = sum(val[t]["accuracy"] for t in tasks) / len(tasks)
     avg_norm = sum(val[t]["accuracy"] / max(reference[t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
@@ -322,7 +353,7 @@ def run_text_cell(cell: Cell, params: Params, root: str | Path, *, device: str =
                   scaling: float | None = None) -> CellResult:
     """Text track: merge the task encoders (weight-space chain), score every task with its own head."""
     from ..recipe import Recipe
-    from ..run_recipe import RecipeInputs, run_recipe
+    from ..run_recipe import RecipeInputs
     from .text import TextModels, models_root
 
     models, tasks = TextModels(params, root), list(cell.tasks)
@@ -341,10 +372,7 @@ def run_text_cell(cell: Cell, params: Params, root: str | Path, *, device: str =
     index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
     grid = _cell_grid(cell, steps[index][1]["scaling"], scaling)
 
-    def trial(value: float):
-        chosen = list(steps)
-        chosen[index] = (chosen[index][0], {**chosen[index][1], "scaling": value})
-        return run_recipe(Recipe(chosen), models.pretrained, states, RecipeInputs(progress=False, device=device))
+    trial = recipe_trials(steps, index, models.pretrained, states, RecipeInputs(progress=False, device=device), grid)
 
     def validate(result) -> tuple[float, float]:
         val = models.evaluate(result.state_dict, tasks, "validation", max_items=evaluation.max_validation, device=device)
@@ -372,7 +400,7 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
         return run_text_cell(cell, params, root, device=device, scaling=scaling)
     from ..calibrations.probing import SensitivityRanking
     from ..recipe import Recipe
-    from ..run_recipe import RecipeInputs, run_recipe
+    from ..run_recipe import RecipeInputs
     from ..task_vectors import task_vector
     from .vision import VisionModels, evaluate_tasks, preprocessed, task_split
 
@@ -431,10 +459,10 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
     merge_index = next(i for i, (name, _) in enumerate(rest) if recipe.merge.name == name)
     grid = _cell_grid(cell, rest[merge_index][1]["scaling"], scaling)
 
+    run_trial = recipe_trials(rest, merge_index, pre_visual, states, inputs, grid)
+
     def trial(value: float):
-        steps = list(rest)
-        steps[merge_index] = (steps[merge_index][0], {**steps[merge_index][1], "scaling": value})
-        result = run_recipe(Recipe(steps), pre_visual, states, inputs)
+        result = run_trial(value)
         return (result.model if result.model is not None else models.model(result.state_dict)), result.diagnostics
 
     def validate(outcome) -> tuple[float, float]:

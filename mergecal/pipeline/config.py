@@ -253,7 +253,7 @@ def _one_line(err: ValidationError, source: str) -> str:
             field = model.model_fields.get(str(part)) if isinstance(model, type) else None
             model = field.annotation if field is not None else None
         allowed = ", ".join(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else ""
-        message = f"unknown key" + (f"; allowed: {allowed}" if allowed else "")
+        message = "unknown key" + (f"; allowed: {allowed}" if allowed else "")
     elif first["type"] == "literal_error":
         message = f"{message} (got {first.get('input')!r})"
     return f"{source}: {where or '(top level)'}: {message}"
