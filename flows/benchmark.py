@@ -6,7 +6,10 @@
 * Retries for transient failures (``runner.retries``); a cell that still fails is recorded in MLflow with its
   error and the rest of the matrix goes on.
 * Task runner (``runner.kind``): threads (default), processes, or prefect-dask's DaskTaskRunner (a local
-  cluster, or ``runner.address`` of an existing one).
+  cluster, or ``runner.address`` of an existing one). A cell on CUDA leases one GPU while it runs
+  (``mergecal.pipeline.devices``): one cell per GPU, whatever the runner.
+* Calibrated chains under ``benchmark.calibrated_scaling: selected`` receive the future of the cell that
+  chooses their scaling: they run after it, and are recorded as not run when it failed.
 * Tracking: see ``mergecal.pipeline.tracking``.
 
 Run it through DVC (``dvc repro``; stage ``benchmark``) or directly: ``python -m flows.benchmark``.
