@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from mergecal.errors import ParameterError
+from mergecal.errors import MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
 from mergecal.pipeline import text, vision
 from mergecal.pipeline.config import load_params, parse_params
@@ -345,7 +345,7 @@ def test_a_calibrated_cell_calibrates_the_merge_at_the_given_scaling(built):
     cells = {(c.track, c.label): c for c in cells_mod.enumerate_cells(params) if c.regime == "standard"}
     cell = cells[("vision", "task_arithmetic>svc")]
     assert cell.scaling_from == "{merge}" and len(cell.grid) == 2
-    with pytest.raises(Exception, match="needs the scaling chosen by its source cell"):
+    with pytest.raises(MergecalError, match="needs the scaling chosen by its source cell"):
         cells_mod.run_cell(cell, params, root)
     given = cells_mod.run_cell(cell, params, root, scaling=1.0).metrics
     data = params.model_dump(mode="json")
