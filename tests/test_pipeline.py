@@ -320,6 +320,7 @@ def test_selected_scaling_needs_the_uncalibrated_chain():
                                              r"the scaling chosen by the uncalibrated chain '\{merge\}'"):
         parse_params({"benchmark": {"chains": ["{merge}>svc"]}})
     parse_params({"benchmark": {"chains": ["{merge}>svc"], "calibrated_scaling": "grid"}})
+    parse_params({"benchmark": {"chains": ["{merge}>svc"], "merges": {"ties": {"scaling": 0.5}}}})  # nothing to select
 
 
 def test_calibrated_cells_take_their_scaling_from_the_uncalibrated_cell():

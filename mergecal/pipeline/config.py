@@ -183,7 +183,9 @@ class Benchmark(Strict):
     def _selected_needs_an_uncalibrated_chain(self) -> "Benchmark":
         from .cells import scaling_source
 
-        if self.calibrated_scaling == "selected":
+        # only a scaling grid has a value to select; fixed scalings need no source chain
+        has_grid = any(isinstance((values or {}).get("scaling"), list) for values in self.merges.values())
+        if self.calibrated_scaling == "selected" and has_grid:
             for chain in self.chains:
                 if scaling_source(chain, self.chains) is None:
                     raise ValueError(f"chain {chain!r}: calibrated_scaling 'selected' takes the scaling chosen by "
