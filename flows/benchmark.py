@@ -126,7 +126,9 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
                 "runner": params.runner.kind, "device": params.device})
     logger.info("benchmark %s: %d cells (MLflow %s)", invocation_id, len(cells), tracker.uri)
 
-    # result storage must be a block saved on the (local) Prefect server; one block per repository root
+    # Prefect takes a task's result storage only as a saved block: saved on whichever server runs this flow,
+    # one per repository root. Cached cells are found by key under this directory, so results computed under
+    # one Prefect server are reused under another (tests/test_pipeline.py, worker-process runners).
     storage = LocalFileSystem(basepath=str(root_path / CELL_CACHE))
     storage.save(f"mergecal-cells-{hashlib.sha256(str(root_path).encode()).hexdigest()[:12]}", overwrite=True)
     runnable = compute_cell.with_options(retries=params.runner.retries,

@@ -258,6 +258,41 @@ def test_a_failed_source_cell_fails_the_cells_that_take_its_scaling(built, prefe
     assert result["cells"] - result["failed"] == sum("avg_acc" in r for r in result["rows"])
 
 
+def test_worker_process_runners_compute_and_reuse_cells_across_prefect_servers(built, prefect_server):
+    """Cells computed in a process pool come back to the flow; a rerun on a local Dask cluster against a
+    different Prefect server (another database, as a deployment's would be) reuses every one of them from the
+    result storage and computes only the cell that is new: nothing recomputed, nothing logged twice."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.benchmark import run_benchmark as benchmark
+
+    root, params = built
+    data = params.model_dump(mode="json")
+    # a small matrix of its own (new cell ids: nothing comes from the other tests' cache)
+    data["benchmark"]["evaluation"]["max_validation"] = 13
+    data["benchmark"]["merges"] = {"task_arithmetic": data["benchmark"]["merges"]["task_arithmetic"]}
+    data["benchmark"]["chains"] = ["{merge}", "{merge}>svc"]
+    data["vision"]["regimes"], data["text"]["enabled"] = ["standard"], False
+    data["runner"] = {**data["runner"], "kind": "processes", "max_workers": 2}
+    data["tracking"]["store"] = "mlruns-workers"
+    (root / "params-processes.yaml").write_text(yaml.safe_dump(data))
+    first = benchmark(params_path="params-processes.yaml", root=str(root), output="results/processes.json")
+    n_first = len(cells_mod.enumerate_cells(parse_params(data)))
+    assert (first["cells"], first["failed"], first["cached"]) == (n_first, 0, 0)
+
+    data["benchmark"]["chains"].append("{merge}>dsc")
+    data["runner"]["kind"] = "dask"
+    (root / "params-dask.yaml").write_text(yaml.safe_dump(data))
+    with prefect_test_harness(server_startup_timeout=120):
+        second = benchmark(params_path="params-dask.yaml", root=str(root), output="results/dask.json")
+    assert (second["cells"], second["failed"], second["cached"]) == (n_first + 1, 0, n_first)
+    assert {r["label"]: r["avg_acc"] for r in first["rows"]}.items() <= \
+        {r["label"]: r["avg_acc"] for r in second["rows"]}.items()
+    with sqlite3.connect(root / "mlruns-workers" / "mlruns.db") as con:
+        cell_runs = con.execute("select count(*) from tags where key = 'mergecal.cell_id'").fetchone()[0]
+    assert cell_runs == n_first + 1
+
+
 def _log_many(args):
     root, worker = args
     from mergecal.pipeline.tracking import Tracker

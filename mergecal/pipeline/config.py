@@ -200,8 +200,8 @@ class Tracking(Strict):
 
 
 class Runner(Strict):
-    """How the Prefect flow runs cells: ``threads`` (default), ``processes`` (needs a Prefect server, see
-    README) or ``dask`` (prefect-dask's DaskTaskRunner; ``address`` of an existing cluster, else a local one)."""
+    """How the Prefect flow runs cells: ``threads`` (default), ``processes`` (a process pool) or ``dask``
+    (prefect-dask's DaskTaskRunner; ``address`` of an existing cluster, else a local one)."""
 
     kind: Literal["threads", "processes", "dask"] = "threads"
     max_workers: int = Field(1, ge=1)
