@@ -41,7 +41,7 @@ def _pattern(key: str) -> str:
     return re.sub(r"\.\d+\.", ".#.", key)
 
 
-@pytest.mark.parametrize("arch", ["mergecal-vit-tiny", "mergecal-vit-micro"])
+@pytest.mark.parametrize("arch", ["mergecal-vit-tiny", "mergecal-vit-tiny-p8", "mergecal-vit-micro"])
 def test_custom_arch_has_vit_b32_parameter_names(arch):
     ours = {_pattern(k) for k in create_clip(arch).state_dict()}
     vit_b32 = {_pattern(k) for k in open_clip.create_model("ViT-B-32", pretrained=None).state_dict()}

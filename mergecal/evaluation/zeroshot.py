@@ -35,8 +35,11 @@ def predict_logits(model: torch.nn.Module, head: torch.Tensor, images: np.ndarra
     was_training = model.training
     model.eval().to(device)
     size = image_size(model)
-    out = [logits(model, head, preprocess(images[i:i + batch_size], size).to(device)).float().cpu()
-           for i in range(0, len(images), batch_size)]
+    # inference mode (no autograd bookkeeping at all) is about a tenth faster than no_grad on CPU; the model
+    # was moved before entering it, so its parameters stay ordinary tensors
+    with torch.inference_mode():
+        out = [logits(model, head, preprocess(images[i:i + batch_size], size).to(device)).float().cpu()
+               for i in range(0, len(images), batch_size)]
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0, head.shape[1])
 

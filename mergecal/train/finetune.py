@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..backbones.open_clip_vit import image_size, logits, preprocess
 from ..data.vision import validation_indices
 from ..errors import ParameterError, UnknownNameError
 from .schedule import cosine_lr, set_lr
@@ -39,9 +38,9 @@ LOW_CONFIDENCE_LOSSES = ("label_smoothing", "mixup", "focal")
 
 @dataclass
 class FinetuneConfig:
-    """Defaults sized for the tiny ViT on 2 CPU cores: 17 fine-tunes (8 standard, 8 low-confidence, 1 norm
-    mismatch) x 200 steps at about 0.08 s/step. lr 1e-3 because the tiny model starts from a weak pretraining
-    (the real CLIP's 1e-5 would barely move it)."""
+    """Library defaults for the tiny ViT on 2 CPU cores (the pipeline's default benchmark sets its own, shorter
+    fine-tunes in params.yaml, ``vision.finetune``). lr 1e-3 because the tiny model starts from a weak
+    pretraining (the real CLIP's 1e-5 would barely move it)."""
 
     steps: int = 200
     batch_size: int = 64
@@ -96,6 +95,8 @@ def _check_config(config: FinetuneConfig) -> None:
 
 def _step_loss(model, head, x, y, config: FinetuneConfig, generator: torch.Generator) -> torch.Tensor:
     """The training loss of one batch under the config's regime (plain cross-entropy unless low_confidence)."""
+    from ..backbones.open_clip_vit import logits
+
     kind = config.low_confidence_loss if REGIMES[config.regime]["low_confidence"] else "cross_entropy"
     if kind == "mixup":
         mixed, partner, lam = mixup(x, generator)
@@ -108,6 +109,8 @@ def _step_loss(model, head, x, y, config: FinetuneConfig, generator: torch.Gener
 
 
 def _accuracy(model: torch.nn.Module, head: torch.Tensor, x: torch.Tensor, y: torch.Tensor, device: str) -> float:
+    from ..backbones.open_clip_vit import logits
+
     if len(y) == 0:
         return float("nan")
     model.eval()
@@ -126,6 +129,8 @@ def finetune(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, lab
     history ``{"loss", "lr"}`` per step plus ``"val_accuracy"`` (one value, at the end, on the held-out split).
     """
     from tqdm.auto import tqdm
+
+    from ..backbones.open_clip_vit import image_size, preprocess
 
     config = config or FinetuneConfig()
     _check_config(config)

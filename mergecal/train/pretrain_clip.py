@@ -15,7 +15,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..backbones.open_clip_vit import create_clip, get_tokenizer, image_size, preprocess
 from ..errors import ParameterError
 from .schedule import cosine_lr, set_lr  # noqa: F401  (re-exported: mergecal.train.cosine_lr)
 
@@ -25,7 +24,7 @@ MAX_LOGIT_SCALE = math.log(100.0)
 @dataclass
 class PretrainConfig:
     arch: str = "mergecal-vit-tiny"
-    steps: int = 600  # about 110 s on 2 idle cores (0.18 s/step at batch 128)
+    steps: int = 600  # library default; the pipeline sets its own in params.yaml (vision.pretrain)
     batch_size: int = 128
     lr: float = 2e-3
     weight_decay: float = 0.1
@@ -53,6 +52,8 @@ def pretrain_clip(images: np.ndarray, captions: list[str], config: PretrainConfi
     history ``{"loss": [...], "lr": [...], "logit_scale": [...]}`` per step.
     """
     from tqdm.auto import tqdm
+
+    from ..backbones.open_clip_vit import create_clip, get_tokenizer, image_size, preprocess
 
     config = config or PretrainConfig()
     if len(images) != len(captions) or len(images) < 2:
