@@ -25,8 +25,10 @@ from .task_vectors import COMPUTE_DTYPE, SourceLike, TaskVectorSet
 
 
 def iter_merge(task_vectors: TaskVectorSet, method: MergeMethod, keys: Sequence[str] | None = None,
-               progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(key, merged task vector)`` in float32 for every float key (or the given ``keys``)."""
+               progress: bool = False, skip_zero_keys: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, merged task vector)`` in float32 for every float key (or the given ``keys``). A key whose
+    task vectors are all exactly zero merges to zero without calling the method (``skip_zero_keys``); the
+    method's ``fit`` still sees every key, so global statistics (TIES's top-k threshold) are unchanged."""
     keys = list(task_vectors.keys if keys is None else keys)
     unknown = [k for k in keys if k not in set(task_vectors.keys)]
     if unknown:
@@ -34,6 +36,11 @@ def iter_merge(task_vectors: TaskVectorSet, method: MergeMethod, keys: Sequence[
     method.fit(task_vectors, keys)
     for key in tqdm(keys, desc=f"merge {method.name}", unit="key", disable=not progress, leave=False):
         taus = task_vectors.load(key)
+        if skip_zero_keys and not any(bool(tau.any()) for tau in taus):
+            # no task moved this key (a frozen embedding, say): every method's combine gives exactly zero
+            # here (tests/test_methods.py), so skip its work (SVDs of a 30522 x 384 matrix for MiniLM's)
+            yield key, torch.zeros_like(taus[0], dtype=COMPUTE_DTYPE)
+            continue
         merged = method.combine(key, taus)
         if any(merged.data_ptr() == tau.data_ptr() for tau in taus):  # never scale an input in place
             merged = merged.clone()

@@ -96,6 +96,34 @@ def test_logits_and_evaluate(model, head, scenes):
     assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["entropy"] <= np.log(8) + 1e-6
 
 
+
+def test_evaluating_leaves_the_model_trainable(head, scenes):
+    """predict_logits runs in inference mode; the model's own parameters must stay ordinary tensors."""
+    model = create_clip(ARCH, seed=0)
+    predict_logits(model, head, scenes["images"][:4], batch_size=2)
+    assert not any(p.is_inference() for p in model.parameters())
+    model.train()
+    loss = F.cross_entropy(logits(model, head, preprocess(scenes["images"][:4])), torch.as_tensor(scenes["color"][:4]))
+    loss.backward()
+    assert model.visual.conv1.weight.grad is not None and torch.isfinite(model.visual.conv1.weight.grad).all()
+
+
+def test_importing_backbones_or_validating_params_does_not_import_open_clip():
+    """Every DVC stage validates params.yaml and the text stages import hf_text: neither may pay for open_clip
+    (torchvision, transformers: seconds per stage). A fresh interpreter, so earlier imports do not count."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys; from mergecal.pipeline.config import load_params; load_params('params.yaml'); "
+            "import mergecal.backbones, mergecal.backbones.hf_text, mergecal.train.finetune_text; "
+            "print('open_clip' in sys.modules); from mergecal.backbones import create_clip; "
+            "print('open_clip' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
+
+
 def _finetune(model, head, scenes, regime="standard", seed=0, steps=12):
     config = FinetuneConfig(steps=steps, batch_size=16, lr=3e-3, warmup_steps=2, regime=regime, seed=seed)
     return finetune(model, head, scenes["images"], scenes["color"], config, progress=False)

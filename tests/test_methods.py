@@ -45,6 +45,25 @@ def test_single_task_and_zero_task_vectors_stay_finite(method, task_vectors):
     assert all(torch.isfinite(v).all() for v in with_zero.values())
 
 
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_skipping_keys_no_task_moved_is_exact(method, task_vectors):
+    """iter_merge skips a key whose task vectors are all zero (a frozen embedding): the method's own combine
+    must give exactly zero there, and every other key must be unchanged (fit still sees the frozen key)."""
+    from mergecal import iter_merge
+    from mergecal.task_vectors import TaskVectorSet
+
+    frozen_key = next(k for k, v in task_vectors[0].items() if v.dim() == 2)
+    frozen = [{**t, frozen_key: torch.zeros_like(t[frozen_key])} for t in task_vectors]
+    tvs = TaskVectorSet.from_task_vectors(frozen)
+    skipped = dict(iter_merge(tvs, get_merge_method(method)))
+    computed = dict(iter_merge(tvs, get_merge_method(method), skip_zero_keys=False))
+    assert list(skipped) == list(computed)
+    for key in computed:
+        assert torch.equal(skipped[key], computed[key]), key
+    assert not computed[frozen_key].any()
+
+
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_merged_model_is_pretrained_plus_merged_task_vector(method, pretrained, finetuned, task_vectors):
     merged_tau = merge_task_vectors(task_vectors, method)
