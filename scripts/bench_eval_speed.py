@@ -6,7 +6,7 @@
    ``mergecal.train.finetune_text.classifier_logits`` run in ``torch.inference_mode``): the same forward
    passes under ``torch.no_grad`` and under ``torch.inference_mode``, alternated, on the vision backbones
    (2400 images, 8 tasks x 300) and on MiniLM (800 generated sentences).
-2. Vision backbone: ``mergecal-vit-tiny`` (8x8 = 64 image tokens) against ``mergecal-vit-tiny-p8`` (4x4 = 16),
+2. Vision backbone: ``mergecal-vit-tiny`` (4-pixel patches: 64 image tokens) against ``mergecal-vit-tiny-p8`` (8-pixel: 16),
    evaluation and one fine-tuning step (batch 64, forward + backward + AdamW).
 
 Models are randomly initialised and inputs random (speed does not depend on the weights). Prints the median

@@ -96,7 +96,6 @@ def test_logits_and_evaluate(model, head, scenes):
     assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["entropy"] <= np.log(8) + 1e-6
 
 
-
 def test_evaluating_leaves_the_model_trainable(head, scenes):
     """predict_logits runs in inference mode; the model's own parameters must stay ordinary tensors."""
     model = create_clip(ARCH, seed=0)

@@ -45,7 +45,6 @@ def test_single_task_and_zero_task_vectors_stay_finite(method, task_vectors):
     assert all(torch.isfinite(v).all() for v in with_zero.values())
 
 
-
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_skipping_keys_no_task_moved_is_exact(method, task_vectors):
     """iter_merge skips a key whose task vectors are all zero (a frozen embedding): the method's own combine
