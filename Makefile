@@ -54,8 +54,10 @@ run: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/mergecal bench --calibrations --streaming --models --output reports/bench/merging.md
 
+# the default suite, then the end-to-end runs that a plain `pytest` leaves out (marker `slow`)
 test: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -m slow
 
 clean:
 	rm -rf $(VENV) .pytest_cache

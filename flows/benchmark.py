@@ -2,7 +2,9 @@
 
 * Caching: a cell's cache key is its content hash (``mergecal.pipeline.cells.cell_id``); results persist as
   JSON under ``<root>/.mergecal/cells`` so interrupted or repeated runs reuse finished cells. A result file cut
-  short by a kill does not deserialize and Prefect treats it as absent, so the cell is simply recomputed.
+  short by a kill does not deserialize and Prefect treats it as absent. A cell without a result file whose
+  MLflow run was already logged (killed in between, or the result directory deleted) is taken from that run,
+  not computed again; either way it counts as cached.
 * Retries for transient failures (``runner.retries``); a cell that still fails is recorded in MLflow with its
   error and the rest of the matrix goes on.
 * Task runner (``runner.kind``): threads (default), processes, or prefect-dask's DaskTaskRunner (a local
@@ -59,6 +61,12 @@ def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: s
     threads_from_env()
     settings = parse_params(params, "params")
     cell_obj = Cell(**{**cell, "tasks": tuple(cell["tasks"]), "grid": tuple(cell["grid"])})
+    tracker = Tracker(root, settings.tracking.experiment, settings.tracking.store)
+    logged = tracker.finished_cell(key)
+    if logged is not None:
+        run_id, metrics = logged
+        return {"cell_id": key, "run_id": run_id, "status": "ok", "label": cell_obj.label, "regime": cell_obj.regime,
+                "metrics": metrics, "from_run": True}
     scaling = source["metrics"]["selected_scaling"] if source is not None else None
     # one cell per GPU: a CUDA cell holds a device lease while it runs (mergecal.pipeline.devices)
     with device_lease(resolve_device(settings.device), Path(root) / DEVICE_LOCKS) as device:
@@ -70,7 +78,6 @@ def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: s
         metrics = {**result.metrics, "seconds": seconds, "peak_rss_mib": peak_mib}
         if device.startswith("cuda"):
             metrics["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-    tracker = Tracker(root, settings.tracking.experiment, settings.tracking.store)
     run_id = tracker.log_cell(parent_run_id=parent_run_id, invocation_id=invocation_id, cell_id=key,
                               tags={**cell_tags(cell_obj), "mergecal.device": device}, params=result.params,
                               metrics=metrics, artifacts=result.diagnostics)
@@ -155,7 +162,7 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
             outcome = (f"not run: the cell it takes its scaling from ({source.label}, {source.regime}) failed"
                        if source is not None else f"not run (state {state.name})")
         if state.is_completed() and isinstance(outcome, dict):
-            was_cached = state.name == "Cached"
+            was_cached = state.name == "Cached" or outcome.get("from_run", False)
             cached += was_cached
             manifest[key] = {"status": "ok", "run_id": outcome["run_id"], "cached": was_cached, "label": cell.label,
                              "regime": cell.regime}

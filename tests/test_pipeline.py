@@ -3,6 +3,7 @@ caching, failures and MLflow tracking (no duplicate runs, concurrent logging).""
 
 import json
 import multiprocessing as mp
+import shutil
 import sqlite3
 from collections import Counter
 from pathlib import Path
@@ -134,6 +135,24 @@ def test_cell_id_follows_input_bytes(built, tmp_path):
     assert cells_mod.cell_id(cell, params, root) == before
 
 
+def test_cell_code_digest_follows_cell_code_only(tmp_path):
+    package = tmp_path / "mergecal"
+    shutil.copytree(cells_mod.PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
+    digest = cells_mod.cell_code_digest.__wrapped__
+    before = digest(package)
+    assert before == cells_mod.cell_code_digest() == digest(cells_mod.PACKAGE_DIR)
+    for edited in ("reports/leaderboard.py", "cli.py", "bench/merging.py"):  # no effect on any cell's result
+        (package / edited).write_text((package / edited).read_text() + "\n# edited\n")
+    assert digest(package) == before
+    for edited in ("methods/ties.py", "calibrations/svc.py", "evaluation/zeroshot.py", "pipeline/cells.py"):
+        original = (package / edited).read_text()
+        (package / edited).write_text(original.replace("\n", "\n\n", 1))
+        assert digest(package) != before, edited
+        (package / edited).write_text(original)
+    (package / "methods" / "new_method.py").write_text("X = 1\n")
+    assert digest(package) != before
+
+
 def test_same_params_give_identical_results(built):
     root, params = built
     chosen = [c for c in cells_mod.enumerate_cells(params) if c.merge == "ties"
@@ -178,7 +197,12 @@ def _cell_runs(root):
             "where t.key = 'mergecal.cell_id'").fetchall()
 
 
-def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server):
+def _must_not_run(cell, *args, **kwargs):
+    raise AssertionError(f"cell {cell.label} ({cell.regime}) was computed again")
+
+
+def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server, monkeypatch):
+    import flows.benchmark as flow_module
     from flows.benchmark import run_benchmark as benchmark
 
     root, params = built
@@ -193,6 +217,16 @@ def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server):
     assert [r.get("avg_acc") for r in first["rows"]] == [r.get("avg_acc") for r in second["rows"]]
     summary = json.loads((root / "results" / "benchmark.json").read_text())
     assert summary["invocation_id"] == second["invocation_id"]
+
+    # without Prefect's result files (as after a kill between logging a cell and persisting its result), the
+    # logged MLflow runs are the cache: nothing is computed (run_cell would fail) and nothing is logged twice
+    shutil.rmtree(root / ".mergecal" / "cells")
+    monkeypatch.setattr(flow_module, "run_cell", _must_not_run)
+    third = benchmark(root=str(root))
+    assert third["cached"] == third["cells"] and third["failed"] == 0
+    assert len(_cell_runs(root)) == first["cells"]
+    assert [r.get("avg_acc") for r in first["rows"]] == [r.get("avg_acc") for r in third["rows"]]
+    monkeypatch.undo()
 
     # calibrated chains calibrate the scaling that their uncalibrated cell selected on validation
     from mergecal.pipeline.tracking import Tracker

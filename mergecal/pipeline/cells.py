@@ -3,8 +3,10 @@
 A cell is (track, regime, merge method, calibration chain), plus two reference cells per (track, regime):
 ``zeroshot`` (the pretrained model) and ``finetuned`` (each task scored by its own fine-tuned model; the
 denominator of normalized accuracy). A cell's id hashes everything its result depends on: the canonical
-recipe (every hyperparameter), the scaling grid, the evaluation settings, and the bytes of every input file
-(checkpoints, heads, DisTaC-conditioned models, sensitivity ranking, data manifest). Equal ids, equal results.
+recipe (every hyperparameter), the scaling grid, the evaluation settings, the bytes of every input file
+(checkpoints, heads, DisTaC-conditioned models, sensitivity ranking, data manifest) and the source of the
+library that computes it (``cell_code_digest``). Equal ids, equal results: an edited method recomputes its
+cells instead of reusing results of the old code.
 """
 
 from __future__ import annotations
@@ -172,6 +174,23 @@ def file_digest(path: str | Path) -> str:
     return _file_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# parts of the package that never change a cell's result: reports, speed benchmarks, the command line
+NOT_CELL_CODE = ("reports", "bench", "cli.py", "ui.py")
+
+
+@lru_cache(maxsize=8)
+def cell_code_digest(package_dir: Path = PACKAGE_DIR) -> str:
+    """SHA-256 over the package's Python sources (relative path and bytes) that compute cells."""
+    h = hashlib.sha256()
+    for path in sorted(package_dir.rglob("*.py")):
+        relative = path.relative_to(package_dir).as_posix()
+        if relative.split("/")[0] in NOT_CELL_CODE:
+            continue
+        h.update(relative.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def cell_inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, str]:
     """The files a cell reads, by role."""
     from .vision import paths_for, regime_variants
@@ -207,7 +226,7 @@ def cell_id(cell: Cell, params: Params, root: str | Path, source_id: str | None 
         raise MergecalError(f"cell {cell.label!r}: the id of its scaling source is {'missing' if cell.scaling_from else 'unexpected'}")
     digests = {role: file_digest(path) for role, path in cell_inputs(cell, params, root).items()}
     payload = {"cell": cell.to_dict(), "inputs": digests, "evaluation": params.benchmark.evaluation.model_dump(),
-               "arch": params.vision.arch if cell.track == "vision" else params.text.finetune, "mergecal": __version__,
+               "arch": params.vision.arch if cell.track == "vision" else params.text.finetune, "code": cell_code_digest(),
                "scaling_source": source_id}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -360,7 +379,7 @@ def run_text_cell(cell: Cell, params: Params, root: str | Path, *, device: str =
     evaluation = params.benchmark.evaluation
     reference = json.loads((models_root(params, root) / "references.json").read_text())
     base_params = {"track": cell.track, "backbone": cell.backbone, "regime": cell.regime, "recipe": cell.recipe,
-                   "mergecal_version": __version__}
+                   "mergecal_version": __version__, "mergecal_code": cell_code_digest()[:16]}
     if cell.merge == "zeroshot":  # the pretrained encoder with each task's head (no zero-shot head exists)
         test = models.evaluate(models.pretrained, tasks, "test", device=device)
         return CellResult(_summaries(tasks, test, reference), base_params)
@@ -410,7 +429,7 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
     evaluation = params.benchmark.evaluation
     reference = json.loads((paths.task_vectors(cell.regime) / "diagnostics.json").read_text())
     base_params = {"track": cell.track, "backbone": cell.backbone, "regime": cell.regime, "recipe": cell.recipe,
-                   "mergecal_version": __version__}
+                   "mergecal_version": __version__, "mergecal_code": cell_code_digest()[:16]}
 
     if cell.merge == "zeroshot":
         test = evaluate_tasks(models.model({}), models.heads, paths.data, tasks, "test",

@@ -5,6 +5,8 @@ A cell's run is created only once its result is complete, and everything is logg
 right before the run is ended, so a killed benchmark leaves at most one unfinished run, which the next
 invocation marks KILLED (reports read FINISHED runs only). A cell whose id already has a FINISHED run is not
 logged again: cached and repeated cells never duplicate runs; the invocation's manifest points at the run.
+That run is also a cache: a cell killed after its run was logged but before Prefect persisted its result is
+taken from the run (``finished_cell``) instead of being computed again.
 """
 
 from __future__ import annotations
@@ -83,12 +85,17 @@ class Tracker:
         self.client.set_terminated(run_id, "FINISHED")
 
     # -- cells -------------------------------------------------------------------------------------------
-    def finished_cell_run(self, cell_id: str) -> str | None:
+    def finished_cell(self, cell_id: str) -> tuple[str, dict[str, float]] | None:
+        """The run id and metrics of the cell's FINISHED ok run, if it has one."""
         runs = self.client.search_runs(
             [self.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
             filter_string=f"tags.`mergecal.cell_id` = '{cell_id}' and attributes.status = 'FINISHED' "
                           f"and tags.`mergecal.status` = 'ok'")
-        return runs[0].info.run_id if runs else None
+        return (runs[0].info.run_id, dict(runs[0].data.metrics)) if runs else None
+
+    def finished_cell_run(self, cell_id: str) -> str | None:
+        found = self.finished_cell(cell_id)
+        return found[0] if found else None
 
     def log_cell(self, *, parent_run_id: str, invocation_id: str, cell_id: str, tags: dict[str, str],
                  params: dict[str, str], metrics: dict[str, float], artifacts: dict[str, Any], status: str = "ok",

@@ -42,4 +42,5 @@ def create_workspace(dest: str | Path, overrides: dict[str, Any] | None = None, 
         # this interpreter's DVC, so the workspace works without an activated environment
         subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=dest, check=True)
         subprocess.run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], cwd=dest, check=True)
+        shutil.copy2(REPO / ".dvcignore", dest / ".dvcignore")  # bytecode caches are not stage inputs
     return dest
