@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -188,6 +189,25 @@ def _contiguous_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu").contiguous()
 
 
+def _sort_metadata(path: str | os.PathLike) -> None:
+    """Rewrite a just-saved file's header with ``__metadata__`` in key order. safetensors 0.8 writes that
+    map in a per-process random order (safetensors#584), so the same tensors and metadata would give
+    different bytes, and DVC different hashes, from run to run. The header keeps its length (same entries,
+    compact JSON, space padding as safetensors pads it), so the tensor data does not move."""
+    with open(path, "r+b") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+        metadata = header.get("__metadata__")
+        if not metadata or len(metadata) < 2:
+            return
+        header["__metadata__"] = dict(sorted(metadata.items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > length:  # cannot happen for the same entries; never corrupt the file over it
+            raise CheckpointError(f"{path}: re-serialized safetensors header is longer than the original")
+        fh.seek(8)
+        fh.write(text.ljust(length, b" "))
+
+
 def save_state_dict(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
     """Write one ``.safetensors`` file atomically (temporary file in the same directory, then rename)."""
     path = Path(path)
@@ -196,6 +216,7 @@ def save_state_dict(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike
     os.close(fd)
     try:
         save_file({k: _contiguous_cpu(v) for k, v in tensors.items()}, tmp, metadata=dict(metadata or {}))
+        _sort_metadata(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -237,6 +258,7 @@ class ShardedCheckpointWriter:
     def _flush(self) -> None:
         name = f"shard-{len(self._shards):05d}.safetensors"
         save_file(self._buffer, str(self._staging / name), metadata=self.metadata)
+        _sort_metadata(self._staging / name)
         self._shards.append((name, list(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0
 

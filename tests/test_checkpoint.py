@@ -20,6 +20,23 @@ def test_single_file_round_trip_preserves_values_and_dtypes(tmp_path, pretrained
     assert source.metadata() == {"backbone": "tiny"}
 
 
+def test_same_tensors_and_metadata_give_the_same_bytes(tmp_path, pretrained):
+    """safetensors writes __metadata__ in a random order (safetensors#584); saved files must not."""
+    metadata = {f"key{i:02d}": f"value {i} é" for i in range(16)}
+    single = [save_state_dict(pretrained, tmp_path / f"m{i}.safetensors", metadata=metadata).read_bytes()
+              for i in range(6)]
+    assert len(set(single)) == 1
+    header = json.loads(single[0][8:8 + int.from_bytes(single[0][:8], "little")])
+    assert list(header["__metadata__"]) == sorted(metadata)
+    assert SafetensorsSource(tmp_path / "m0.safetensors").metadata() == metadata
+    loaded = load_state_dict(tmp_path / "m0.safetensors")
+    assert all(torch.equal(loaded[k], pretrained[k]) for k in pretrained)
+    sharded = [{p.name: p.read_bytes() for p in
+                save_checkpoint(pretrained, tmp_path / f"c{i}", max_shard_bytes=600, metadata=metadata).iterdir()}
+               for i in range(4)]
+    assert len(sharded[0]) > 2 and all(s == sharded[0] for s in sharded)
+
+
 def test_sharded_checkpoint_is_written_in_bounded_shards_and_read_back_lazily(tmp_path, pretrained):
     out = save_checkpoint(pretrained, tmp_path / "ckpt", max_shard_bytes=600)
     index = json.loads((out / "model.safetensors.index.json").read_text())
