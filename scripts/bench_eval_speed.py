@@ -29,16 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mergecal.backbones.open_clip_vit import create_clip, logits, preprocess  # noqa: E402
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def alternate(fns: dict, repeats: int) -> dict[str, float]:
     """Median seconds of each function, run in turn (a, b, a, b, ...) so machine load hits both alike."""
     for fn in fns.values():
@@ -95,25 +85,25 @@ def main(argv: list[str] | None = None) -> int:
           f"  ratio {t['no_grad'] / t['inference_mode']:.2f}")
 
     print("\n2. backbone: mergecal-vit-tiny (64 tokens) vs mergecal-vit-tiny-p8 (16 tokens) (median s; ratio = tiny / p8)")
-    out = {}
+    evals, steps = {}, {}
     for arch in ("mergecal-vit-tiny", "mergecal-vit-tiny-p8"):
         model = create_clip(arch)
         head = torch.nn.functional.normalize(torch.randn(64, 10), dim=0)
         x = preprocess(images[:64], 32)
         y = torch.as_tensor(rng.integers(0, 10, size=64))
-        params = [p for n, p in model.named_parameters() if n.startswith("visual.")]
-        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        optimizer = torch.optim.AdamW([p for n, p in model.named_parameters() if n.startswith("visual.")], lr=1e-3)
 
-        def step():
+        def step(model=model, head=head, x=x, y=y, optimizer=optimizer):
             model.train()
             loss = torch.nn.functional.cross_entropy(logits(model, head, x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
 
-        out[arch] = {"eval": median_seconds(lambda: vision_eval(model.eval(), head, images, torch.inference_mode),
-                                            args.repeats),
-                     "step": median_seconds(step, args.repeats * 4)}
+        evals[arch] = lambda model=model, head=head: vision_eval(model.eval(), head, images, torch.inference_mode)
+        steps[arch] = step
+    evals, steps = alternate(evals, args.repeats), alternate(steps, args.repeats * 4)
+    out = {arch: {"eval": evals[arch], "step": steps[arch]} for arch in evals}
     tiny, p8 = out["mergecal-vit-tiny"], out["mergecal-vit-tiny-p8"]
     print(f"   eval of 2400 images     tiny {tiny['eval']:.3f}  p8 {p8['eval']:.3f}  ratio {tiny['eval'] / p8['eval']:.2f}")
     print(f"   fine-tuning step (b=64) tiny {tiny['step']:.4f}  p8 {p8['step']:.4f}  ratio {tiny['step'] / p8['step']:.2f}")
