@@ -30,18 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mergecal import merge_models  # noqa: E402
 from mergecal.backbones import get_tokenizer, load_clip, save_clip, zero_shot_head  # noqa: E402
-from mergecal.data.vision import (SMOKE_SUITE, TASKS, SuiteConfig, build_vision_suite, load_split,  # noqa: E402
-                                  validation_indices)
+from mergecal.data.vision import SMOKE_SUITE, TASKS, SuiteConfig, build_vision_suite, load_split  # noqa: E402
 from mergecal.evaluation import evaluate  # noqa: E402
+from mergecal.pipeline.vision import task_split  # noqa: E402  (the one owner of train/validation/test splits)
 from mergecal.train import FinetuneConfig, PretrainConfig, finetune, pretrain_clip  # noqa: E402
 from mergecal.train.finetune import SMOKE_FINETUNE  # noqa: E402
 from mergecal.train.pretrain_clip import SMOKE_PRETRAIN  # noqa: E402
-
-
-def task_split(root: Path, name: str, split: str) -> tuple[np.ndarray, np.ndarray]:
-    spec = TASKS[name]
-    data = load_split(root, spec.dataset, split)
-    return data["images"], data[spec.label]
 
 
 def stamp(label: str, start: float) -> float:
@@ -95,12 +89,11 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = get_tokenizer(arch)
     pre_sd = {k: v.clone() for k, v in model.state_dict().items()}
     heads = {name: zero_shot_head(model, tokenizer, spec.classnames, spec.templates) for name, spec in TASKS.items()}
-    data = {name: {split: task_split(root, name, split) for split in ("train", "test")} for name in TASKS}
+    data = {name: {split: task_split(root, name, split) for split in ("train", "validation", "test")} for name in TASKS}
 
     def split_eval(m, name):
-        (x, y), (xt, yt) = data[name]["train"], data[name]["test"]
-        val = validation_indices(len(y))
-        return evaluate(m, heads[name], x[val], y[val])["accuracy"], evaluate(m, heads[name], xt, yt)
+        (xv, yv), (xt, yt) = data[name]["validation"], data[name]["test"]
+        return evaluate(m, heads[name], xv, yv)["accuracy"], evaluate(m, heads[name], xt, yt)
 
     rows = {name: {"chance": 1.0 / len(spec.classnames), "zeroshot": split_eval(model, name)[1]["accuracy"]}
             for name, spec in TASKS.items()}

@@ -137,7 +137,25 @@ def test_finetune_changes_only_visual_keys_and_is_deterministic(model, head, sce
     assert changed and all(k.startswith("visual.") for k in changed)
     assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
     assert any(not torch.equal(sd1[k], sd3[k]) for k in sd1)
-    assert len(hist["loss"]) == 12 and len(hist["val_accuracy"]) == 1
+    assert len(hist["loss"]) == 12 and "val_accuracy" not in hist  # no validation data given
+
+
+def test_finetune_trains_on_every_image_given_and_validates_on_the_given_split(model, head, scenes, monkeypatch):
+    """Splits are the caller's (regression: finetune removed 10% of what it received again, as 'validation')."""
+    import sys
+
+    ft = sys.modules["mergecal.train.finetune"]  # the module (the package exports a function of the same name)
+    seen = []
+    real = ft._step_loss
+    monkeypatch.setattr(ft, "_step_loss", lambda m, h, x, y, *a: (seen.append(len(y)), real(m, h, x, y, *a))[1])
+    n = len(scenes["color"])
+    config = FinetuneConfig(steps=1, batch_size=n, lr=1e-3, warmup_steps=0)
+    x_val, y_val = scenes["images"][:7], scenes["color"][:7]
+    state, hist = finetune(model, head, scenes["images"], scenes["color"], config, validation=(x_val, y_val),
+                           progress=False)
+    assert seen == [n]
+    expected = evaluate(load_clip(ARCH, state), head, x_val, y_val)["accuracy"]
+    assert hist["val_accuracy"] == [pytest.approx(expected)]
 
 
 def _task_vector_norm(pre, ft):

@@ -89,6 +89,25 @@ def built(tmp_path_factory):
     return root, params
 
 
+def test_finetune_stage_reports_accuracy_on_the_true_validation_split(built):
+    """Regression: the validation split was taken twice (pipeline, then finetune again), so the stage trained on
+    about 81% of train and printed an accuracy measured on training images."""
+    from mergecal.backbones import load_clip
+    from mergecal.checkpoint import load_state_dict
+    from mergecal.evaluation import evaluate
+
+    root, params = built
+    paths = vision.paths_for(params, root)
+    task = params.vision.tasks[0]
+    meta = json.loads(paths.finetuned("standard", task).with_suffix(".json").read_text())
+    state = {**load_state_dict(paths.pretrained), **load_state_dict(paths.finetuned("standard", task))}
+    images, labels = vision.task_split(paths.data, task, "validation")
+    expected = evaluate(load_clip(params.vision.arch, state), load_state_dict(paths.heads)[task], images, labels)
+    assert meta["val_accuracy"] == pytest.approx(expected["accuracy"])
+    train = vision.task_split(paths.data, task, "train")[0]
+    assert not {bytes(x) for x in images} & {bytes(x) for x in train}
+
+
 def test_cells_cover_the_matrix_with_distinct_ids(built):
     root, params = built
     cells = cells_mod.enumerate_cells(params)

@@ -165,7 +165,8 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
     head = load_state_dict(paths.heads)[task]
     images, labels = task_split(paths.data, task, "train")
     start = time.perf_counter()
-    state, history = finetune_clip(model, head, images, labels, config, device=device, progress=progress)
+    state, history = finetune_clip(model, head, images, labels, config, validation=task_split(paths.data, task, "validation"),
+                                   device=device, progress=progress)
     seconds = time.perf_counter() - start
     visual = {k: v.contiguous() for k, v in state.items() if is_visual(k)}
     manifest = json.loads((paths.data / "manifest.json").read_text())

@@ -12,7 +12,8 @@ Regimes (the source-model conditions studied by DisTaC, ../shared/papers/distac-
   ``low_confidence_loss``: ``label_smoothing`` (0.1, the paper's main setting), ``mixup`` (one mixing coefficient
   per step drawn from U(0, 1), the paper's appendix) or ``focal`` (focal loss, gamma 10 in the appendix).
 
-The validation split is ``validation_indices(n_train)`` (10% of train, fixed seed); it is held out of training.
+Splits are the caller's: every image given is trained on, and the accuracy reported at the end is measured on the
+``validation`` images given (the pipeline passes its held-out validation split, ``pipeline.vision.task_split``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..data.vision import validation_indices
 from ..errors import ParameterError, UnknownNameError
 from .schedule import cosine_lr, set_lr
 
@@ -120,13 +120,14 @@ def _accuracy(model: torch.nn.Module, head: torch.Tensor, x: torch.Tensor, y: to
 
 
 def finetune(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, labels: np.ndarray,
-             config: FinetuneConfig | None = None, *, device: str = "cpu",
-             progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, list[float]]]:
-    """Fine-tune a COPY of ``model``'s image encoder on a task's train split (uint8 ``images``, int ``labels``)
-    with the frozen zero-shot ``head`` [embed_dim, C].
+             config: FinetuneConfig | None = None, *, validation: tuple[np.ndarray, np.ndarray] | None = None,
+             device: str = "cpu", progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, list[float]]]:
+    """Fine-tune a COPY of ``model``'s image encoder on all of ``images`` (uint8) / ``labels`` (int) with the
+    frozen zero-shot ``head`` [embed_dim, C].
 
     Returns the fine-tuned model's full state dict (text tower and logit scale unchanged, on CPU) and the
-    history ``{"loss", "lr"}`` per step plus ``"val_accuracy"`` (one value, at the end, on the held-out split).
+    history ``{"loss", "lr"}`` per step, plus ``"val_accuracy"`` (one value, at the end) when ``validation``
+    (images, labels) is given.
     """
     from tqdm.auto import tqdm
 
@@ -145,10 +146,7 @@ def finetune(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, lab
 
     x_all = preprocess(images, image_size(model))
     y_all = torch.as_tensor(np.asarray(labels), dtype=torch.long)
-    val = torch.as_tensor(validation_indices(len(y_all)), dtype=torch.long)
-    train_mask = torch.ones(len(y_all), dtype=torch.bool)
-    train_mask[val] = False
-    train_idx = torch.nonzero(train_mask).squeeze(1)
+    train_idx = torch.arange(len(y_all))
 
     params = [p for n, p in model.named_parameters() if n.startswith("visual.")]
     optimizer = torch.optim.AdamW(params, lr=base_lr, weight_decay=config.weight_decay)
@@ -173,6 +171,9 @@ def finetune(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, lab
         optimizer.step()
         history["loss"].append(float(loss.detach()))
         history["lr"].append(lr)
-    history["val_accuracy"] = [_accuracy(model, head, x_all[val], y_all[val], device)]
+    if validation is not None:
+        x_val = preprocess(validation[0], image_size(model))
+        y_val = torch.as_tensor(np.asarray(validation[1]), dtype=torch.long)
+        history["val_accuracy"] = [_accuracy(model, head, x_val, y_val, device)]
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return state, history
