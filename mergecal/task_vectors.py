@@ -175,3 +175,36 @@ def apply_task_vector(pretrained: SourceLike, tau: Mapping[str, torch.Tensor], s
         else:
             out[key] = base.clone()
     return out
+
+
+# Layer types of a transformer checkpoint, by key name (open_clip and Hugging Face spellings), for reporting
+# where a task vector's norm sits. The first pattern that matches wins.
+LAYER_TYPES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("layer_norm", ("ln_", "layernorm", "layrnorm", "layer_norm", "norm.")),  # HF CLIP spells pre_layrnorm
+    ("attention", ("attn", "attention")),
+    ("mlp", ("mlp", "intermediate", "output.dense")),
+    ("embedding", ("conv1", "class_embedding", "positional_embedding", "position_embedding", "patch_embedding",
+                   "embeddings", "embed_tokens")),
+    ("projection", ("proj", "lm_head", "head")),
+)
+
+
+def layer_type(key: str) -> str:
+    """The layer type of a parameter name (``LAYER_TYPES``), ``other`` when none matches."""
+    lowered = key.lower()
+    for name, patterns in LAYER_TYPES:
+        if any(p in lowered for p in patterns):
+            return name
+    return "other"
+
+
+def relative_norms(tau: Mapping[str, torch.Tensor], pretrained: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """||tau|| / ||theta_0|| over all keys of ``tau`` (``all``) and per layer type, in float64: the size of a
+    fine-tune relative to the weights it starts from, the figure DisTaC's norm analysis is about."""
+    sums: dict[str, list[float]] = {}
+    for key, value in tau.items():
+        for group in ("all", layer_type(key)):
+            acc = sums.setdefault(group, [0.0, 0.0])
+            acc[0] += float(value.double().pow(2).sum())
+            acc[1] += float(pretrained[key].double().pow(2).sum())
+    return {group: (t / p) ** 0.5 if p > 0 else float("nan") for group, (t, p) in sums.items()}

@@ -1,4 +1,4 @@
-"""DVC stage (one per task x variant): fine-tune the image encoder on one task."""
+"""DVC stage: fine-tune the image encoder on every task in every variant, in one process."""
 
 from stages._common import device, run
 
@@ -6,8 +6,7 @@ from stages._common import device, run
 def stage(params, root, args):
     from mergecal.pipeline import vision
 
-    meta = vision.finetune(params, args.task, args.variant, root, device=device(params))
-    print(f"{args.task} ({args.variant}): validation accuracy {meta['val_accuracy']:.3f} in {meta['seconds']:.0f} s")
+    vision.finetune_all(params, root, device=device(params), progress=False)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Layout under the repository root (every file is a DVC output, written atomically
     models/<backbone>/heads.safetensors           zero-shot heads, one per task and the probe task
     models/<backbone>/finetuned/<variant>/<task>.safetensors (+ .json metadata)
         variants: standard, low_confidence (every task), norm_mismatch (one task at 10x lr)
+    models/<backbone>/finetuned.json              every fine-tune's metadata (committed; the models are not)
         Image encoder keys only, as task_vectors' ImageEncoder checkpoints: the text tower is not trained.
     models/<backbone>/task_vectors/<regime>/<task>.safetensors, diagnostics.json
     models/<backbone>/distac/<regime>/<task>.safetensors, distac.json
@@ -182,6 +183,25 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
     return metadata
 
 
+def finetune_runs(track: VisionTrack) -> list[tuple[str, str]]:
+    """Every (task, variant) the track fine-tunes: each task in each variant, plus the norm-mismatch task."""
+    return [*((t, v) for v in track.finetune_variants for t in track.tasks), (track.norm_mismatch_task, "norm_mismatch")]
+
+
+def finetune_all(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True,
+                 log=print) -> dict:
+    """Every fine-tune of the track in one process (one start-up and one import of open_clip instead of one per
+    model), then ``finetuned.json``: each model's metadata, the figures a reader of the repository wants."""
+    runs = finetune_runs(params.vision)
+    summary: dict[str, dict] = {}
+    for i, (task, variant) in enumerate(runs, start=1):
+        meta = finetune(params, task, variant, root, device=device, progress=progress)
+        summary.setdefault(variant, {})[task] = meta
+        log(f"[{i}/{len(runs)}] {task} ({variant}): validation accuracy {meta['val_accuracy']:.3f}")
+    atomic_write_text(paths_for(params, root).models / "finetuned.json", json.dumps(summary, indent=2))
+    return summary
+
+
 class VisionModels:
     """Loads what a regime's cells need: pretrained state, zero-shot heads, the K fine-tuned states."""
 
@@ -260,7 +280,7 @@ def task_vectors(params: Params, root: str | Path = ".", *, device: str = "cpu")
     """Per regime: each task's vector tau = theta_ft - theta_0 (image encoder), and DisTaC's diagnostics plus the
     reference figures every cell is normalised by: the task's own fine-tuned accuracy (validation and test),
     prediction entropy and ECE."""
-    from ..task_vectors import task_vector
+    from ..task_vectors import relative_norms, task_vector
 
     track, models = params.vision, VisionModels(params, root)
     pre_visual = models.visual_pretrained()
@@ -279,7 +299,8 @@ def task_vectors(params: Params, root: str | Path = ".", *, device: str = "cpu")
                                     device=device)[task]
             test = evaluate_tasks(model, models.heads, models.paths.data, [task], "test", batch_size=batch,
                                   device=device)[task]
-            diagnostics[task] = {"norm": norm, "entropy": test["entropy"], "ece": test["ece"],
+            diagnostics[task] = {"norm": norm, "relative_norms": relative_norms(tau, pre_visual),
+                                 "entropy": test["entropy"], "ece": test["ece"],
                                  "val_accuracy": scores["accuracy"], "test_accuracy": test["accuracy"]}
         atomic_write_text(out_dir / "diagnostics.json", json.dumps(diagnostics, indent=2))
         report[regime] = diagnostics
