@@ -2,14 +2,14 @@
 
 A ``TensorSource`` exposes key names, shapes and dtypes from metadata and loads one tensor at a
 time, so a merge can walk a 7B-class model key by key without holding whole models in memory.
-Nothing here unpickles: safetensors only.
+Nothing here unpickles: safetensors only. Checkpoint directories are written through
+``mergecal.outputs.OutputDir``: never over an input or a directory mergecal did not write.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .errors import CheckpointError
+from .outputs import INDEX_SUFFIX, MARKER, OutputDir, umask  # noqa: F401  (MARKER: re-exported)
 
 # safetensors dtype codes -> torch dtypes (what safe_open's get_slice().get_dtype() reports)
 _SAFETENSORS_DTYPES = {
@@ -38,7 +39,14 @@ _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 
-INDEX_SUFFIX = ".index.json"
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def convert_hint(path: Path) -> str:
+    """A one-line conversion of a pickled state dict to safetensors, loading tensors only."""
+    out = path.with_suffix(".safetensors")
+    return (f"convert it with: python -c \"import torch; from safetensors.torch import save_file; "
+            f"save_file({{k: v.contiguous() for k, v in torch.load('{path}', weights_only=True).items()}}, '{out}')\"")
 
 
 @runtime_checkable
@@ -110,6 +118,10 @@ class SafetensorsSource:
                 singles = sorted(path.glob("*.safetensors"))
                 indexes = sorted(path.glob(f"*{INDEX_SUFFIX}"))
                 found = indexes or singles
+            pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            if not found and pickles:
+                raise CheckpointError(f"{path}: holds only pickled weights ({pickles[0].name}), and pickled "
+                                      f"checkpoints are not read (unpickling can run code); {convert_hint(pickles[0])}")
             if len(found) != 1:
                 raise CheckpointError(
                     f"{path}: expected exactly one *.safetensors file or *{INDEX_SUFFIX} in the directory, "
@@ -124,6 +136,9 @@ class SafetensorsSource:
                 weight_map = index["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 raise CheckpointError(f"{path}: not a safetensors index (expected a JSON object with 'weight_map'): {err}") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                got = type(weight_map).__name__ if not isinstance(weight_map, dict) else "a non-string shard"
+                raise CheckpointError(f"{path}: 'weight_map' must map tensor names to shard files, got {got}")
             files = {}
             for key, shard in weight_map.items():
                 shard_path = path.parent / shard
@@ -131,10 +146,11 @@ class SafetensorsSource:
                     raise CheckpointError(f"{path}: shard {shard!r} for key {key!r} not found at {shard_path}")
                 files[key] = shard_path
             return files
+        if path.suffix in PICKLE_SUFFIXES:
+            raise CheckpointError(f"{path}: pickled checkpoints are not read here (unpickling can run code); "
+                                  f"{convert_hint(path)}")
         if path.suffix != ".safetensors":
-            raise CheckpointError(
-                f"{path}: expected a .safetensors file or a *{INDEX_SUFFIX} (pickled checkpoints are not read here)"
-            )
+            raise CheckpointError(f"{path}: expected a .safetensors file or a *{INDEX_SUFFIX}")
         handle = SafetensorsSource._open_file(path)
         return {key: path for key in handle.keys()}
 
@@ -208,6 +224,11 @@ def _sort_metadata(path: str | os.PathLike) -> None:
         fh.write(text.ljust(length, b" "))
 
 
+def _readable(path: str | os.PathLike) -> None:
+    """safetensors and mkstemp create files 0600; a checkpoint gets the permissions of any new file (umask)."""
+    os.chmod(path, 0o666 & ~umask())
+
+
 def save_state_dict(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
     """Write one ``.safetensors`` file atomically (temporary file in the same directory, then rename)."""
     path = Path(path)
@@ -217,6 +238,7 @@ def save_state_dict(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike
     try:
         save_file({k: _contiguous_cpu(v) for k, v in tensors.items()}, tmp, metadata=dict(metadata or {}))
         _sort_metadata(tmp)
+        _readable(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -231,21 +253,25 @@ class ShardedCheckpointWriter:
     staging directory beside ``out_dir`` that replaces ``out_dir`` only in ``close()``: an interrupted
     write leaves no half-written checkpoint at ``out_dir``. One shard is written as ``model.safetensors``;
     more as ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (HF's layout).
+    ``out_dir`` must not hold any of ``inputs``; an existing directory that mergecal did not write is
+    replaced only with ``overwrite=True`` (``mergecal.outputs``). Extra files may be put in ``staging``
+    after ``finish()`` and before ``close()``.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3, metadata: Mapping[str, str] | None = None):
+    def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3, metadata: Mapping[str, str] | None = None,
+                 *, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False):
         if max_shard_bytes <= 0:
             raise CheckpointError(f"max_shard_bytes: expected a positive number of bytes, got {max_shard_bytes}")
-        self.out_dir = Path(out_dir)
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes
         self.metadata = dict(metadata or {})
-        self._staging = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.", suffix=".staging", dir=self.out_dir.parent))
+        self._output = OutputDir(out_dir, inputs=inputs, overwrite=overwrite)
+        self.out_dir = self._output.target
+        self.staging = self._output.staging
         self._buffer: dict[str, torch.Tensor] = {}
         self._buffer_bytes = 0
         self._shards: list[tuple[str, list[str]]] = []
         self._total_bytes = 0
-        self._closed = False
+        self._finished = False
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -257,31 +283,41 @@ class ShardedCheckpointWriter:
 
     def _flush(self) -> None:
         name = f"shard-{len(self._shards):05d}.safetensors"
-        save_file(self._buffer, str(self._staging / name), metadata=self.metadata)
-        _sort_metadata(self._staging / name)
+        save_file(self._buffer, str(self.staging / name), metadata=self.metadata)
+        _sort_metadata(self.staging / name)
+        _readable(self.staging / name)
         self._shards.append((name, list(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0
 
-    def close(self) -> Path:
+    def finish(self) -> None:
+        """Write the last shard and the index into ``staging`` (``close`` then commits)."""
+        if self._finished:
+            return
         if self._buffer or not self._shards:
             self._flush()
         n = len(self._shards)
         if n == 1:
-            os.replace(self._staging / self._shards[0][0], self._staging / "model.safetensors")
+            os.replace(self.staging / self._shards[0][0], self.staging / "model.safetensors")
         else:
             weight_map = {}
             for i, (name, keys) in enumerate(self._shards, start=1):
                 final = f"model-{i:05d}-of-{n:05d}.safetensors"
-                os.replace(self._staging / name, self._staging / final)
+                os.replace(self.staging / name, self.staging / final)
                 weight_map.update(dict.fromkeys(keys, final))
             index = {"metadata": {"total_size": self._total_bytes, **self.metadata}, "weight_map": weight_map}
-            (self._staging / f"model.safetensors{INDEX_SUFFIX}").write_text(json.dumps(index, indent=2))
-        _replace_dir(self._staging, self.out_dir)
-        self._closed = True
-        return self.out_dir
+            (self.staging / f"model.safetensors{INDEX_SUFFIX}").write_text(json.dumps(index, indent=2))
+        self._finished = True
+
+    def close(self) -> Path:
+        try:
+            self.finish()
+        except BaseException:
+            self.abort()
+            raise
+        return self._output.commit()
 
     def abort(self) -> None:
-        shutil.rmtree(self._staging, ignore_errors=True)
+        self._output.abort()
 
     def __enter__(self) -> "ShardedCheckpointWriter":
         return self
@@ -293,22 +329,15 @@ class ShardedCheckpointWriter:
             self.abort()
 
 
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move ``new`` into place at ``target``; an existing ``target`` is swapped out first, then removed."""
-    if target.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-        os.replace(target, trash / "old")
-        os.replace(new, target)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(new, target)
-
-
 def save_checkpoint(items: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], out_dir: str | os.PathLike,
-                    max_shard_bytes: int = 2 * 1024**3, metadata: Mapping[str, str] | None = None) -> Path:
-    """Write ``(key, tensor)`` pairs (e.g. a streaming merge) as a (possibly sharded) checkpoint directory."""
+                    max_shard_bytes: int = 2 * 1024**3, metadata: Mapping[str, str] | None = None, *,
+                    inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False) -> Path:
+    """Write ``(key, tensor)`` pairs (e.g. a streaming merge) as a (possibly sharded) checkpoint directory.
+    ``inputs``: the checkpoints the pairs are read from (the output may not hold them); ``overwrite``: replace
+    an existing directory that mergecal did not write (see ``ShardedCheckpointWriter``)."""
     pairs = items.items() if isinstance(items, Mapping) else items
-    with ShardedCheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, metadata=metadata) as writer:
+    with ShardedCheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, metadata=metadata, inputs=inputs,
+                                 overwrite=overwrite) as writer:
         for key, tensor in pairs:
             writer.add(key, tensor)
     return Path(out_dir)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +51,21 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from .merge import merge_checkpoints, parse_dtype
+    from .methods import MERGE_METHODS
+    from .recipe import ARROW, Recipe
 
     params = parse_assignments(args.set)
-    out = merge_checkpoints(args.pretrained, args.finetuned, args.method, args.out, out_dtype=parse_dtype(args.dtype),
-                            device=args.device, max_shard_bytes=parse_size(args.max_shard_size), progress=True, **params)
+    if args.recipe is not None:
+        if params:
+            raise ParameterError("--set: give a recipe's parameters inside it, e.g. --recipe \"ties(top_k=0.3)>svc\"")
+        method = Recipe.parse(args.recipe)
+    elif args.method not in MERGE_METHODS and any(sep in args.method for sep in (">", ARROW)):
+        raise ParameterError(f"unknown merge method {args.method!r}; a chain of steps is given with --recipe")
+    else:
+        method = args.method
+    out = merge_checkpoints(args.pretrained, args.finetuned, method, args.out, out_dtype=parse_dtype(args.dtype),
+                            device=args.device, max_shard_bytes=parse_size(args.max_shard_size), progress=True,
+                            overwrite=args.overwrite, **params)
     print(f"merged checkpoint written to {out}")
     return 0
 
@@ -84,8 +97,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from .ui import serve_ui
+    from .ui import check_port_number, serve_ui
 
+    check_port_number(args.mlflow_port, "--mlflow-port")
+    check_port_number(args.prefect_port, "--prefect-port")
     _, _, uri = _pipeline(args)
     return serve_ui(uri, mlflow_port=args.mlflow_port, prefect_port=args.prefect_port, prefect=not args.no_prefect)
 
@@ -120,12 +135,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("methods", help="list merge methods with their hyperparameters and defaults")
     p.set_defaults(func=cmd_methods)
 
-    p = sub.add_parser("merge", help="merge safetensors checkpoints (single files, directories or sharded indexes)")
+    p = sub.add_parser(
+        "merge", help="merge safetensors checkpoints (single files, directories or sharded indexes)",
+        description="Merge checkpoints key by key. The CLI reads safetensors only (a single file, a directory or a "
+                    "sharded *.index.json): it never unpickles a file, since unpickling can run code. Convert a "
+                    "pickled state dict once with python -c \"import torch; from safetensors.torch import save_file; "
+                    "save_file(torch.load('m.pt', weights_only=True), 'm.safetensors')\".")
     p.add_argument("--pretrained", required=True, help="the pretrained checkpoint theta_0")
     p.add_argument("--finetuned", required=True, nargs="+", help="the K fine-tuned checkpoints")
-    p.add_argument("--method", required=True, help="merge method name (see `mergecal methods`)")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--method", help="merge method name (see `mergecal methods`)")
+    how.add_argument("--recipe", help='a data-free recipe: a merge method then svc and/or wsc steps, e.g. '
+                                      '"tsv_m>svc(alpha=1.0)" (wsc without sensitive=[...] applies its scaling both '
+                                      'ways); distac, fsc and dsc need data: use the pipeline or mergecal.run_recipe')
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a hyperparameter (repeatable)")
-    p.add_argument("--out", required=True, help="output checkpoint directory (written atomically)")
+    p.add_argument("--out", required=True,
+                   help="output checkpoint directory, written atomically; it may not be or hold an input, and an "
+                        "existing directory that mergecal did not write is kept unless --overwrite is given")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out that mergecal did not write (inputs are still never replaced)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], help="output dtype of float keys")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--max-shard-size", default="2GB", help="shard size of the output (default 2GB)")
@@ -166,13 +194,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM as an exception, so that writers remove their staging directories as on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def _os_error(err: OSError) -> str:
+    if err.filename is None:
+        return str(err)
+    return f"{err.filename}: {err.strerror or err}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main_thread else None
     try:
         return args.func(args)
     except MergecalError as err:
         print(f"mergecal: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        print(f"mergecal: error: {_os_error(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"mergecal: error: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

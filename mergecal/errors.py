@@ -27,3 +27,8 @@ class UnknownNameError(MergecalError):
 
 class ParameterError(MergecalError):
     """A hyperparameter has an invalid value."""
+
+
+class OutputError(MergecalError):
+    """An output cannot be written safely: it holds inputs or files mergecal did not write, another
+    process is writing it, or the operating system refused."""

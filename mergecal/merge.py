@@ -21,6 +21,7 @@ from .checkpoint import save_checkpoint
 from .errors import CheckpointError, ParameterError
 from .methods import get_merge_method
 from .methods.base import MergeMethod
+from .recipe import Recipe, iter_weight_space
 from .task_vectors import COMPUTE_DTYPE, SourceLike, TaskVectorSet
 
 
@@ -57,7 +58,12 @@ def merge_task_vectors(task_vectors: Sequence[SourceLike] | TaskVectorSet, metho
 
 def _iter_merged_model(tvs: TaskVectorSet, method: MergeMethod, out_dtype: torch.dtype | None,
                        progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    merged = iter_merge(tvs, method, progress=progress)
+    return _iter_model(tvs, iter_merge(tvs, method, progress=progress), out_dtype)
+
+
+def _iter_model(tvs: TaskVectorSet, merged: Iterator[tuple[str, torch.Tensor]],
+                out_dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """theta_0 + merged tau, key by key, from a stream of ``(key, merged tau)`` over ``tvs.keys``."""
     float_keys = set(tvs.keys)
     for key in tvs.all_keys:
         if key not in float_keys:  # integer buffers come from the pretrained model
@@ -79,22 +85,46 @@ def merge_models(pretrained: SourceLike, finetuned: Sequence[SourceLike], method
     return {key: value.cpu() for key, value in _iter_merged_model(tvs, method, out_dtype, progress)}
 
 
+def require_data_free(recipe: Recipe) -> None:
+    """Reject recipe steps that need models and data (DisTaC, FSC and so DSC): only weight space streams."""
+    for step in recipe.steps:
+        if step.phase in ("pre", "feature"):
+            raise ParameterError(
+                f"recipe {recipe.label!r}: step {step.name!r} needs models and data, so it runs through the pipeline "
+                "or mergecal.run_recipe; checkpoints on disk take a merge method followed by svc and/or wsc")
+
+
 def merge_checkpoints(pretrained: str | os.PathLike, finetuned: Sequence[str | os.PathLike],
-                      method: str | MergeMethod, out_dir: str | os.PathLike, *, out_dtype: torch.dtype | None = None,
-                      device: str | None = None, max_shard_bytes: int = 2 * 1024**3, progress: bool = False,
+                      method: str | MergeMethod | Recipe, out_dir: str | os.PathLike, *,
+                      out_dtype: torch.dtype | None = None, device: str | None = None,
+                      max_shard_bytes: int = 2 * 1024**3, progress: bool = False, overwrite: bool = False,
                       **params: Any) -> Path:
     """Merge safetensors checkpoints (single or sharded) into ``out_dir``, streaming key by key.
 
-    The output directory appears only when complete (see ``ShardedCheckpointWriter``); its metadata
-    records the method ID.
+    ``method`` is a merge method, or a data-free ``Recipe`` (a merge followed by ``svc`` / ``wsc`` steps, which
+    also stream key by key). The output directory appears only when complete (see ``ShardedCheckpointWriter``);
+    its metadata records the method ID (and the recipe ID). ``out_dir`` may not be or hold an input, and an
+    existing directory that mergecal did not write is replaced only with ``overwrite=True``.
     """
-    method = get_merge_method(method, **params)
-    if Path(out_dir).resolve() in {Path(p).resolve() for p in [pretrained, *finetuned]}:
-        raise ParameterError(f"out_dir={out_dir}: must not be one of the input checkpoints")
+    if isinstance(method, Recipe):
+        if params:
+            raise ParameterError(f"recipe {method.label!r}: give parameters inside the recipe, e.g. svc(alpha=1.0), "
+                                 f"not as keywords ({sorted(params)[0]!r})")
+        require_data_free(method)
+        recipe, method_id = method, method.merge.id
+    else:
+        recipe, method = None, get_merge_method(method, **params)
+        method_id = method.id
     tvs = TaskVectorSet.from_models(pretrained, finetuned, device=device)
-    metadata = {"mergecal_method": method.id, "mergecal_num_models": str(tvs.K)}
-    return save_checkpoint(_iter_merged_model(tvs, method, out_dtype, progress), out_dir,
-                           max_shard_bytes=max_shard_bytes, metadata=metadata)
+    metadata = {"mergecal_method": method_id, "mergecal_num_models": str(tvs.K)}
+    if recipe is None:
+        merged = iter_merge(tvs, method, progress=progress)
+    else:
+        merged = iter_weight_space(recipe, tvs, progress=progress)
+        metadata["mergecal_recipe"] = recipe.id
+    paths = [p for p in [pretrained, *finetuned] if isinstance(p, (str, os.PathLike))]
+    return save_checkpoint(_iter_model(tvs, merged, out_dtype), out_dir, max_shard_bytes=max_shard_bytes,
+                           metadata=metadata, inputs=paths, overwrite=overwrite)
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:

@@ -22,10 +22,25 @@ SourceLike = TensorSource | Mapping[str, torch.Tensor] | str | os.PathLike
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """CPU by default; CUDA only when asked for, with a clear error when it is not available."""
-    device = torch.device(device or "cpu")
+    try:
+        device = torch.device(device or "cpu")
+    except (RuntimeError, TypeError):  # torch's message is several lines about every backend it knows
+        raise ParameterError(f"device={device!r}: expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ParameterError(f"device={str(device)!r}: expected cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ParameterError(f"device={device}: CUDA was requested but torch.cuda.is_available() is False")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ParameterError(f"device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def _require_models(models: object, what: str) -> None:
+    """A single path or state dict where a list is expected would be iterated character by character."""
+    if isinstance(models, (str, os.PathLike)):
+        raise ParameterError(f"{what}: expected a list of models, got a single path {str(models)!r}; pass [path]")
+    if isinstance(models, Mapping):
+        raise ParameterError(f"{what}: expected a list of models, got a single state dict; pass [state_dict]")
 
 
 def validate_compatible(sources: Sequence[TensorSource]) -> list[str]:
@@ -103,12 +118,14 @@ class TaskVectorSet:
 
     @classmethod
     def from_models(cls, pretrained: SourceLike, finetuned: Sequence[SourceLike], **kwargs) -> "TaskVectorSet":
+        _require_models(finetuned, "finetuned")
         pre = as_source(pretrained, name="pretrained")
         fts = [as_source(ft, name=f"finetuned[{i}]") for i, ft in enumerate(finetuned)]
         return cls(fts, pre, **kwargs)
 
     @classmethod
     def from_task_vectors(cls, task_vectors: Sequence[SourceLike], **kwargs) -> "TaskVectorSet":
+        _require_models(task_vectors, "task_vectors")
         tvs = [as_source(tv, name=f"task_vector[{i}]") for i, tv in enumerate(task_vectors)]
         return cls(tvs, None, **kwargs)
 

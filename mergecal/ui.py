@@ -51,7 +51,13 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def check_port_number(port: int, option: str) -> None:
+    if not 1 <= port <= 65535:  # socket.bind raises OverflowError above 65535
+        raise ParameterError(f"{option} {port}: expected a port number from 1 to 65535")
+
+
 def check_port_free(port: int, option: str) -> None:
+    check_port_number(port, option)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((HOST, port))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergecal.checkpoint import SafetensorsSource, ShardedCheckpointWriter, load_state_dict, save_checkpoint, save_state_dict
+from mergecal.checkpoint import MARKER, SafetensorsSource, ShardedCheckpointWriter, load_state_dict, save_checkpoint, save_state_dict
 from mergecal.errors import CheckpointError
 
 
@@ -54,7 +54,7 @@ def test_sharded_checkpoint_is_written_in_bounded_shards_and_read_back_lazily(tm
 
 def test_one_shard_is_written_as_model_safetensors(tmp_path, pretrained):
     out = save_checkpoint(pretrained, tmp_path / "ckpt")
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "model.safetensors"]  # MARKER: mergecal wrote it
 
 
 def test_interrupted_write_leaves_nothing_behind(tmp_path, pretrained):

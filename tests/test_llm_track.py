@@ -12,7 +12,7 @@ from mergecal.backbones.hf_causal_lm import (causal_lm_state_dict, load_causal_l
                                              weights_digest)
 from mergecal.data.llm import (CATEGORIES, LlmSuiteConfig, build_llm_suite, knowledge_words, load_records,
                                number_pairs)
-from mergecal.errors import CheckpointError
+from mergecal.errors import CheckpointError, OutputError
 from mergecal.train.lm import (LmTrainConfig, TinyLlamaShape, create_tiny_llama, encode_examples, finetune_lm,
                                read_metadata, train_tokenizer)
 
@@ -130,7 +130,7 @@ def test_merged_state_dict_saves_as_a_loadable_model(micro, tmp_path):
     again = causal_lm_state_dict(streamed)
     assert again.keys() == merged.keys() and all(torch.equal(again[k], merged[k]) for k in merged)
     assert load_causal_lm(streamed)[0].config.vocab_size == model.config.vocab_size
-    with pytest.raises(CheckpointError, match="must not be one of the inputs"):
+    with pytest.raises(OutputError, match="must not be one of the input checkpoints"):
         merge_causal_lms(path, dirs, "task_arithmetic", dirs[0])
 
 

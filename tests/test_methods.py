@@ -36,7 +36,8 @@ def test_inputs_are_never_mutated(method, task_vectors, pretrained, finetuned):
 
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_single_task_and_zero_task_vectors_stay_finite(method, task_vectors):
-    single = merge_task_vectors(task_vectors[:1], method)
+    one_model = {"min_agreement": 1} if method == "consensus" else {}  # consensus rejects k > K (issue #13)
+    single = merge_task_vectors(task_vectors[:1], method, **one_model)
     assert all(torch.isfinite(v).all() for v in single.values())
     zeros = [{k: torch.zeros_like(v) for k, v in task_vectors[0].items()} for _ in range(3)]
     merged = merge_task_vectors(zeros, method)
@@ -227,8 +228,8 @@ def test_consensus_keeps_coordinates_that_two_tall_masks_keep():
     torch.testing.assert_close(merged["x"], torch.tensor([0.0, 1.0, 0.0]))
     ta = merge_task_vectors(taus, "consensus", mask_lambda=0.5, scaling=1.0, min_agreement=0)
     torch.testing.assert_close(ta["x"], torch.tensor([3.0, 1.0, 1.2]))
-    none = merge_task_vectors(taus, "consensus", min_agreement=3)
-    assert torch.count_nonzero(none["x"]) == 0
+    with pytest.raises(ParameterError, match="'min_agreement'=3 exceeds the number of models K=2"):
+        merge_task_vectors(taus, "consensus", min_agreement=3)  # would keep nothing (issue #13)
     per_task = merge_task_vectors(taus, "consensus", mask_lambda=[0.5, 0.1], scaling=1.0)
     torch.testing.assert_close(per_task["x"], torch.tensor([3.0, 1.0, 1.2]))  # task 2 now keeps 0 and 2
     with pytest.raises(ParameterError, match="'mask_lambda' has 3 values but there are 2 tasks"):

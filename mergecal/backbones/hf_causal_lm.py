@@ -16,15 +16,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import INDEX_SUFFIX, SafetensorsSource, ShardedCheckpointWriter, _replace_dir, load_state_dict
-from ..errors import CheckpointError
+from ..checkpoint import INDEX_SUFFIX, SafetensorsSource, ShardedCheckpointWriter, load_state_dict
+from ..errors import CheckpointError, ParameterError
 from .loading import load_weights_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,10 +71,13 @@ def _pickle_state_dict(path: Path, allow_unsafe_pickle: bool) -> dict[str, torch
     index = path / "pytorch_model.bin.index.json"
     if index.exists():
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"{index}: not a weights index (expected a JSON object with 'weight_map'): "
                                   f"{err}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
+        files = sorted(set(weight_map.values()))
     elif (path / "pytorch_model.bin").exists():
         files = ["pytorch_model.bin"]
     else:
@@ -190,20 +192,18 @@ def merge_keys(model_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = Fals
     )
 
 
-def _stage_path(out_dir: Path) -> Path:
-    return out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:8]}.stage"
-
-
 def save_causal_lm_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                            out_dir: str | os.PathLike, *, like: str | os.PathLike | None = None,
                            model=None, tokenizer=None, max_shard_bytes: int = 2 * 1024**3,
-                           metadata: Mapping[str, str] | None = None) -> Path:
+                           metadata: Mapping[str, str] | None = None, inputs: Sequence[str | os.PathLike] = (),
+                           overwrite: bool = False) -> Path:
     """Write ``tensors`` (a state dict or streamed ``(key, tensor)`` pairs, e.g. a merge) as a loadable model
     directory. The config and tokenizer come from the model directory ``like`` (files copied) or from
     ``model``/``tokenizer`` objects (``save_pretrained``). For a tied model a given ``lm_head.weight`` is dropped.
-    Everything is written to a staging directory that replaces ``out_dir`` only when complete."""
+    Everything is written to a staging directory that replaces ``out_dir`` only when complete; ``out_dir`` may
+    not hold ``like`` or ``inputs`` (the models streamed), and a directory mergecal did not write is replaced
+    only with ``overwrite=True`` (``mergecal.outputs``)."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     if like is not None:
         from transformers import AutoConfig
 
@@ -214,14 +214,15 @@ def save_causal_lm_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[
     else:
         raise CheckpointError(f"{out_dir}: give the base model directory (like=...) or a model to take the config from")
     pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
-    stage = _stage_path(out_dir)
-    writer = ShardedCheckpointWriter(stage, max_shard_bytes=max_shard_bytes,
-                                     metadata={**(metadata or {}), **SAFETENSORS_METADATA})
-    try:
+    with ShardedCheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes,
+                                 metadata={**(metadata or {}), **SAFETENSORS_METADATA},
+                                 inputs=[*inputs, *([like] if like is not None else [])],
+                                 overwrite=overwrite) as writer:
         for key, tensor in pairs:
             if not (tied and key == "lm_head.weight"):
                 writer.add(key, tensor)
-        writer.close()  # renames its own staging directory to ``stage``
+        writer.finish()
+        stage = writer.staging
         if like is not None:
             for name in AUX_FILES:
                 if (Path(like) / name).exists():
@@ -232,39 +233,42 @@ def save_causal_lm_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[
                 model.generation_config.save_pretrained(str(stage))
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(stage))
-        _replace_dir(stage, out_dir)
-    except BaseException:
-        writer.abort()
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
     return out_dir
 
 
-def save_causal_lm(model, tokenizer, out_dir: str | os.PathLike, *, max_shard_bytes: int = 2 * 1024**3) -> Path:
+def save_causal_lm(model, tokenizer, out_dir: str | os.PathLike, *, max_shard_bytes: int = 2 * 1024**3,
+                   overwrite: bool = False) -> Path:
     """Save a model object and its tokenizer as a model directory (atomically, sharded safetensors)."""
     return save_causal_lm_weights(stored_state_dict(model), out_dir, model=model, tokenizer=tokenizer,
-                                  max_shard_bytes=max_shard_bytes)
+                                  max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
 
 def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[str | os.PathLike], method: str,
                      out_dir: str | os.PathLike, *, out_dtype: torch.dtype | None = None,
-                     max_shard_bytes: int = 2 * 1024**3, progress: bool = False, **params) -> Path:
+                     max_shard_bytes: int = 2 * 1024**3, progress: bool = False, overwrite: bool = False,
+                     **params) -> Path:
     """Merge local model directories key by key (never more than one key of each model in memory) into a
     loadable model directory with the pretrained model's config and tokenizer; the method ID is recorded in
-    the safetensors metadata."""
+    the safetensors metadata. ``out_dir`` may not hold an input; see ``save_causal_lm_weights``."""
     from ..merge import _iter_merged_model
     from ..methods import get_merge_method
     from ..task_vectors import TaskVectorSet
 
+    if isinstance(expert_dirs, (str, os.PathLike)):
+        raise ParameterError(f"expert_dirs: expected a list of model directories, got a single path "
+                             f"{str(expert_dirs)!r}")
     for path in [pretrained_dir, *expert_dirs]:
         if weight_format(path) != "safetensors":
-            raise _refuse_pickle(Path(path))  # streaming reads safetensors only; convert pickles first
-    if Path(out_dir).resolve() in {Path(p).resolve() for p in [pretrained_dir, *expert_dirs]}:
-        raise CheckpointError(f"{out_dir}: the output directory must not be one of the inputs")
+            # the stream reads safetensors only; the opt-in of load_causal_lm does not apply here
+            raise CheckpointError(
+                f"{path}: pickled weights (pytorch_model*.bin); merge_causal_lms reads safetensors only. Convert the "
+                "directory first: save_causal_lm(*load_causal_lm(path, allow_unsafe_pickle=True), new_dir) for a "
+                "directory you trust")
     merge_method = get_merge_method(method, **params)
     tvs = TaskVectorSet.from_models(str(pretrained_dir), [str(p) for p in expert_dirs])
     return save_causal_lm_weights(_iter_merged_model(tvs, merge_method, out_dtype, progress), out_dir,
-                                  like=pretrained_dir, max_shard_bytes=max_shard_bytes,
+                                  like=pretrained_dir, max_shard_bytes=max_shard_bytes, inputs=expert_dirs,
+                                  overwrite=overwrite,
                                   metadata={"mergecal_method": merge_method.id, "mergecal_num_models": str(tvs.K)})
 
 

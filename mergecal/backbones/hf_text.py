@@ -40,18 +40,21 @@ def _load_pristine(path: Path) -> tuple[nn.Module, object]:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    encoder = AutoModel.from_pretrained(str(path), local_files_only=True)
+    encoder = AutoModel.from_pretrained(str(path), local_files_only=True, use_safetensors=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return encoder.eval(), tokenizer
 
 
 def load_encoder(path: str | os.PathLike | None = None) -> tuple[nn.Module, object]:
-    """``(encoder, tokenizer)`` from a local model directory (default: the packaged MiniLM); never a hub.
-    The files are read once per process; each call returns a fresh copy of the encoder (the tokenizer is
-    shared: tokenize through ``tokenize``, which serialises access to it)."""
+    """``(encoder, tokenizer)`` from a local model directory (default: the packaged MiniLM); never a hub, never
+    a pickle (weights must be safetensors). The files are read once per process; each call returns a fresh
+    copy of the encoder (the tokenizer is shared: tokenize through ``tokenize``, which serialises access)."""
     path = Path(path) if path is not None else minilm_path()
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: not a local Hugging Face model directory (no config.json)")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.safetensors.index.json")):
+        raise CheckpointError(f"{path}: no .safetensors weights (pickled pytorch_model.bin files are never read, "
+                              "since unpickling can run code; convert them to model.safetensors)")
     encoder, tokenizer = _load_pristine(path.resolve())
     return copy.deepcopy(encoder), tokenizer
 

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..checkpoint import INDEX_SUFFIX, load_state_dict
+from ..checkpoint import INDEX_SUFFIX, PICKLE_SUFFIXES, load_state_dict
 from ..errors import CheckpointError
-
-PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def _as_state_dict(obj: object, path: Path) -> dict[str, torch.Tensor]:
@@ -38,6 +37,30 @@ def _as_state_dict(obj: object, path: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{path}: expected a state dict (name -> tensor) or an nn.Module, got {type(obj).__name__}")
 
 
+def _unreadable(path: Path, err: Exception) -> CheckpointError:
+    text = str(err).strip()
+    if "WeightsUnpickler" in text:  # weights_only's own parser met bytes that are no pickle opcode stream
+        reason = "not a pickle"
+    else:
+        reason = text.splitlines()[0].split(". ")[0] if text else type(err).__name__
+    return CheckpointError(f"{path}: not a readable PyTorch checkpoint (corrupt, truncated or another format: "
+                           f"{reason[:120]})")
+
+
+def _torch_load(path: Path, weights_only: bool) -> object:
+    """``torch.load`` with a file that is no checkpoint at all (random bytes, truncated) reported as such."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        # weights_only refuses a well-formed pickle of objects with "Unsupported global"; anything else
+        # means the bytes are not a pickled checkpoint, and the unsafe opt-in would not help
+        if weights_only and "Unsupported global" in str(err):
+            raise
+        raise _unreadable(path, err) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        raise _unreadable(path, err) from None
+
+
 def load_weights_file(path: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> dict[str, torch.Tensor]:
     """The ``{name: tensor}`` stored in a local weights file (see the module docstring)."""
     path = Path(path)
@@ -49,11 +72,12 @@ def load_weights_file(path: str | os.PathLike, *, allow_unsafe_pickle: bool = Fa
         raise CheckpointError(f"{path}: unknown weights format (expected .safetensors, a directory, "
                               f"*{INDEX_SUFFIX} or one of {', '.join(PICKLE_SUFFIXES)})")
     try:
-        return _as_state_dict(torch.load(path, map_location="cpu", weights_only=True), path)
+        return _as_state_dict(_torch_load(path, weights_only=True), path)
     except pickle.UnpicklingError as err:
         if not allow_unsafe_pickle:
+            found = re.search(r"GLOBAL (\S+)", str(err))
+            holds = f" (it holds {found.group(1)})" if found else ""
             raise CheckpointError(
-                f"{path}: a pickled Python object, not plain tensors (weights_only loading refused it: "
-                f"{str(err).splitlines()[0][:120]}); unpickling runs arbitrary code, so pass "
-                "allow_unsafe_pickle=True only for a file you trust") from None
-    return _as_state_dict(torch.load(path, map_location="cpu", weights_only=False), path)
+                f"{path}: a pickled Python object, not plain tensors{holds}; unpickling runs arbitrary code, "
+                "so pass allow_unsafe_pickle=True only for a file you trust") from None
+    return _as_state_dict(_torch_load(path, weights_only=False), path)

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,10 +46,11 @@ from pydantic import Field, ValidationError
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..checkpoint import _replace_dir, load_state_dict, save_state_dict
+from ..checkpoint import load_state_dict, save_state_dict
 from ..errors import CheckpointError, IncompatibleModelsError, ParameterError, UnknownNameError
 from ..families import BackboneFamily, ModuleSpec, is_affine_in_parameters, resolve_family
 from ..methods.base import build_params, format_params
+from ..outputs import OutputDir
 from .base import CalibrationParams
 from .wsc import conservative as xor_rule
 
@@ -566,17 +565,16 @@ def calibrate_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[
 # --- save / load ---------------------------------------------------------------------------------------
 
 
-def save_fsc(model: FeatureCalibratedModel, directory: str | Path) -> Path:
+def save_fsc(model: FeatureCalibratedModel, directory: str | Path, *, overwrite: bool = False) -> Path:
     """Write ``model`` as a directory: merged weights (folds applied), the pretrained copies of the hooked
     modules, the applied and raw ratios (safetensors) and ``fsc.json`` (modules, status, family, shapes,
-    params). Written in a staging directory that then replaces ``directory``."""
+    params). Written in a staging directory that then replaces ``directory``; a directory that mergecal did
+    not write is replaced only with ``overwrite=True`` (``mergecal.outputs``)."""
     if not isinstance(model, FeatureCalibratedModel):
         raise ParameterError(f"fsc: save_fsc expects a FeatureCalibratedModel, got {type(model).__name__}")
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".staging", dir=directory.parent))
     meta = {"format": FORMAT}
-    try:
+    with OutputDir(directory, overwrite=overwrite) as staging:
         save_state_dict({k: v.detach().clone() for k, v in model.model.state_dict().items()}, staging / MODEL_FILE, meta)
         pretrained = {}
         for site in model.sites.values():
@@ -596,10 +594,6 @@ def save_fsc(model: FeatureCalibratedModel, directory: str | Path) -> Path:
                         for n, r in model.records.items()],
         }
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        _replace_dir(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return directory
 
 

@@ -6,7 +6,9 @@ a coordinate where at least k = 2 task masks include it, zeroes it elsewhere, an
 arithmetic: theta = theta_0 + lambda * (consensus_mask * sum_t tau_t).
 
 lambda_t is searched per task on validation in {0.2, ..., 0.6} by the authors; ``mask_lambda`` takes
-one value for all tasks or a list of K values. k = 0 reduces to TA; k > K gives the pretrained model.
+one value for all tasks or a list of K values. k = 0 reduces to TA. k > K would zero every coordinate
+(the pretrained model, silently), so it is rejected. K = 1: the mask of the only task keeps every
+coordinate it moved (|tau| > lambda * 0), so k = 1 gives lambda * tau; the default k = 2 is rejected.
 """
 
 from __future__ import annotations
@@ -44,7 +46,16 @@ class Consensus(MergeMethod):
     key_rule = "all_float"
     summary = "TA restricted to coordinates that >= k TALL masks keep"
 
+    def _check_agreement(self, K: int) -> None:
+        if self.params.min_agreement > K:
+            raise ParameterError(f"consensus: parameter 'min_agreement'={self.params.min_agreement} exceeds the number "
+                                 f"of models K={K}; no coordinate could be kept (use min_agreement <= {K})")
+
+    def fit(self, task_vectors, keys):
+        self._check_agreement(task_vectors.K)  # before any key is merged
+
     def combine(self, key, taus):
+        self._check_agreement(len(taus))
         total = sum_of(taus)
         votes = torch.zeros(total.shape, dtype=torch.int32, device=total.device)
         for tau, lam in zip(taus, _lambdas(self.params.mask_lambda, len(taus))):

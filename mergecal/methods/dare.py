@@ -6,6 +6,7 @@ Rescaling: ``"inverse_keep"`` multiplies survivors by 1/(1-p) (the paper; unbias
 MAGIC authors' code drops 10% by mistake). The random mask of task t at key ``key`` is drawn from a
 generator seeded by sha256(seed, t, key): the result does not depend on key order or on which other
 keys are merged, and the same seed gives the same merge on the same device type.
+K = 1: lambda * the dropped and rescaled task vector (then trimmed, with ``base="ties"``).
 """
 
 from __future__ import annotations

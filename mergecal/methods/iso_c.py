@@ -3,6 +3,7 @@
 Per 2-D key (rule ``matrices_except_text_projection``): SVD of sum_t tau_t, every singular value
 replaced by their mean (a flat spectrum with the same mean), directions kept. Every other float key
 is averaged (mean of tau_t). theta = theta_0 + alpha * merged, alpha = 1 by default (validation).
+K = 1: alpha * the flat-spectrum tau (U mean(S) V^T) on matrices, alpha * tau elsewhere; not tau itself.
 Degenerate input: if the sum is rank-deficient, its null-space singular vectors (completed arbitrarily
 by LAPACK) also receive the mean singular value, exactly as in the original algorithm. Real task-vector
 sums are full-rank.

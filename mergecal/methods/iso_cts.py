@@ -8,6 +8,8 @@ Per 2-D key (rule ``matrices_except_text_projection``), with r = min(m, n):
   * concatenate U's and V's, replace each by its orthogonal polar factor, set every singular value to
     the mean of the concatenated ones, rebuild.
 Every other float key is averaged. theta = theta_0 + alpha * merged, alpha = 1 by default (validation).
+K = 1: the common and the task-specific triplets together span tau's SVD, so the result equals Iso-C's,
+alpha * U mean(S) V^T (up to round-off).
 Degenerate input: rank-deficient residuals contribute LAPACK's arbitrary null-space vectors, which the
 flat spectrum then weights like any other direction, as in the original algorithm.
 """

@@ -1,6 +1,7 @@
 """Task Arithmetic (Ilharco et al., 2023): theta = theta_0 + lambda * sum_t tau_t.
 
 lambda is chosen on validation (grid 0..1); 0.3 is the customary default for 8 ViT tasks.
+K = 1: lambda * tau, the fine-tuned model's task vector scaled.
 """
 
 from __future__ import annotations

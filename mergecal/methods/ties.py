@@ -14,6 +14,7 @@
 3. Disjoint merge: mean of the entries that agree with the elected sign (``disjoint="mean"``, the
    paper; ``"sum"`` as in FusionBench's config; ``"max"`` keeps the largest agreeing magnitude).
 Then theta = theta_0 + lambda * merged, lambda = 1 by default (chosen on validation in the paper).
+K = 1: no sign conflicts, so lambda * the trimmed task vector (its top-k entries; the rest is zero).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ their orthogonal polar factors (SVD(U_cat) = P Sigma Q^T -> P Q^T, likewise for 
 U_orth diag(S_cat) V_orth^T. Every other float key is averaged (mean of tau_t). A 2-D key with
 r < K (floor(r/K) = 0, which never happens in real ViTs) is averaged too rather than zeroed.
 theta = theta_0 + alpha * merged, alpha = 1 by default (chosen on validation up to 3).
+K = 1: every triplet is kept and U, V are already orthonormal, so alpha * tau (up to round-off).
 Degenerate input: a task of rank below floor(r/K) contributes null-space singular vectors that LAPACK
 completes arbitrarily (deterministically for a given input and library); they carry sigma = 0 but enter
 the polar factor, exactly as in the original algorithm. Real task vectors are full-rank.

@@ -1,4 +1,7 @@
-"""Weight Averaging: theta = theta_0 + mean_t tau_t (task arithmetic with lambda = 1/K)."""
+"""Weight Averaging: theta = theta_0 + mean_t tau_t (task arithmetic with lambda = 1/K).
+
+K = 1: scaling * tau (the fine-tuned model itself at the default scaling = 1).
+"""
 
 from __future__ import annotations
 
