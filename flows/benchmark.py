@@ -166,9 +166,10 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
             cached += was_cached
             manifest[key] = {"status": "ok", "run_id": outcome["run_id"], "cached": was_cached, "label": cell.label,
                              "regime": cell.regime}
-            summary.append({"cell_id": key, "label": cell.label, "regime": cell.regime, "merge": cell.merge,
-                            "calibration": cell.calibration, **{k: outcome["metrics"][k] for k in
-                                                                ("avg_acc", "avg_norm_acc") if k in outcome["metrics"]}})
+            summary.append({"cell_id": key, "track": cell.track, "label": cell.label, "regime": cell.regime,
+                            "merge": cell.merge, "calibration": cell.calibration,
+                            **{k: outcome["metrics"][k] for k in ("avg_acc", "avg_norm_acc", "selected_scaling")
+                               if k in outcome["metrics"]}})
             print(f"[{i}/{len(cells)}] {cell.regime:<14} {cell.label:<40} avg {outcome['metrics']['avg_acc']:.3f}"
                   f"{' (cached)' if was_cached else ''}")
         else:
@@ -179,22 +180,24 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
                                       error=error)
             manifest[key] = {"status": "failed", "run_id": run_id, "error": error, "label": cell.label,
                              "regime": cell.regime}
-            summary.append({"cell_id": key, "label": cell.label, "regime": cell.regime, "merge": cell.merge,
-                            "calibration": cell.calibration, "error": error})
+            summary.append({"cell_id": key, "track": cell.track, "label": cell.label, "regime": cell.regime,
+                            "merge": cell.merge, "calibration": cell.calibration, "error": error})
             print(f"[{i}/{len(cells)}] {cell.regime:<14} {cell.label:<40} FAILED: {error}")
     seconds = time.perf_counter() - start
     tracker.finish_invocation(parent, manifest, {"cells": len(cells), "failed_cells": failed, "cached_cells": cached,
                                                  "seconds": seconds})
     result = {"invocation_id": invocation_id, "parent_run_id": parent, "tracking_uri": tracker.uri,
               "experiment": params.tracking.experiment, "cells": len(cells), "failed": failed, "cached": cached,
-              "seconds": round(seconds, 1), "rows": sorted(summary, key=lambda r: (r["regime"], r["label"]))}
+              "seconds": round(seconds, 1), "rows": sorted(summary, key=lambda r: (r["track"], r["regime"], r["label"]))}
     out = root_path / output
     atomic_write_text(out, json.dumps(result, indent=2))
     metrics = {"cells": len(cells), "failed": failed,
-               **{f"{r['regime']}/{r['label']}": round(r["avg_norm_acc"], 4) for r in summary if "avg_norm_acc" in r}}
+               **{f"{r['track']}/{r['regime']}/{r['label']}": round(r["avg_norm_acc"], 4)  # tracks share labels
+                  for r in summary if "avg_norm_acc" in r}}
     atomic_write_text(out.with_name("metrics.json"), json.dumps(metrics, indent=2, sort_keys=True))
-    csv = ["regime,label,avg_acc,avg_norm_acc"] + [f"{r['regime']},{r['label']},{r['avg_acc']:.4f},{r['avg_norm_acc']:.4f}"
-                                                   for r in result["rows"] if "avg_acc" in r]
+    csv = ["track,regime,label,avg_acc,avg_norm_acc"] + [
+        f"{r['track']},{r['regime']},{r['label']},{r['avg_acc']:.4f},{r['avg_norm_acc']:.4f}"
+        for r in result["rows"] if "avg_acc" in r]
     atomic_write_text(out.with_name("leaderboard.csv"), "\n".join(csv) + "\n")
     print(f"benchmark {invocation_id}: {len(cells)} cells, {cached} cached, {failed} failed, {seconds:.1f} s")
     return result

@@ -463,3 +463,37 @@ def test_a_grid_merged_once_and_rescaled_equals_merging_at_each_value(method, pr
         for key in direct.state_dict:
             assert torch.equal(rescaled[key], direct.state_dict[key]), (method, value, key)
             assert rescaled[key].dtype == direct.state_dict[key].dtype
+
+
+def test_testbed_health_reports_each_criterion_from_the_built_files(built):
+    from mergecal.pipeline.testbed import CRITERIA, health_markdown, vision_health
+
+    root, params = built
+    paths = vision.paths_for(params, root)
+    diag = {r: json.loads((paths.task_vectors(r) / "diagnostics.json").read_text()) for r in params.vision.regimes}
+    tasks = params.vision.tasks
+    results = {"rows": [{"track": "vision", "regime": "standard", "label": "task_arithmetic", "avg_acc": 0.5,
+                         "avg_norm_acc": 0.8, "selected_scaling": 0.3},
+                        # a text row with the same label must not be read as the vision track's
+                        {"track": "text", "regime": "standard", "label": "task_arithmetic", "avg_acc": 0.9,
+                         "avg_norm_acc": 0.9, "selected_scaling": 1.0}]}
+    health = vision_health(params, root, results)
+    measured = {c["key"]: c["value"] for c in health["criteria"]}
+    assert [c["key"] for c in health["criteria"]] == [c.key for c in CRITERIA]
+    ft = [100 * diag["standard"][t]["test_accuracy"] for t in tasks]
+    assert measured["min_finetuned"] == pytest.approx(min(ft))
+    assert measured["ta_below_finetuned"] == pytest.approx(sum(ft) / len(ft) - 50.0)
+    hot = params.vision.norm_mismatch_task
+    others = [diag["standard"][t]["norm"] for t in tasks if t != hot]
+    assert measured["norm_mismatch_ratio_min"] == pytest.approx(diag["norm_mismatch"][hot]["norm"] / (sum(others) / len(others)))
+    grid = params.benchmark.merges["task_arithmetic"]["scaling"]
+    assert health["merges"]["task_arithmetic"]["interior"] == (min(grid) < 0.3 < max(grid))
+    baseline = json.loads(paths.sensitivity("standard").read_text())["baseline"]
+    assert measured["probe_over_chance"] == pytest.approx(baseline / 0.05)
+    for check in health["criteria"]:
+        if check["value"] is not None:
+            assert check["holds"] == (check["value"] >= check["threshold"] if check["direction"] == ">="
+                                      else check["value"] <= check["threshold"])
+    assert health["healthy"] == all(c["holds"] for c in health["criteria"])
+    text = health_markdown(health)
+    assert text.count("\n| ") >= len(CRITERIA) + len(tasks) and "Testbed health" in text

@@ -325,3 +325,18 @@ def test_ui_stop_kills_whole_group():
     finally:
         ui.stop(proc, timeout=5)
     assert not ui.group_alive(proc.pid)
+
+
+def test_testbed_health_opens_the_leaderboard_before_any_table(store, tmp_path):
+    from mergecal.reports import markdown_html
+
+    testbed = ("## Testbed health (clip-tiny, seed 0): NOT healthy\n\n| criterion | holds |\n|---|---|\n"
+               "| average fine-tuned accuracy (%) | **no** |\n")
+    write_reports(store, "mergecal", tmp_path, testbed=testbed)
+    markdown = (tmp_path / "leaderboard.md").read_text()
+    assert markdown.index("## Testbed health") < markdown.index("| `tsv_m` |")
+    page = (tmp_path / "leaderboard.html").read_text()
+    assert "<h2>Testbed health (clip-tiny, seed 0): NOT healthy</h2>" in page
+    assert page.index('id="testbed"') < page.index("tsv_m")
+    html_table = markdown_html(testbed)
+    assert html_table.count("<tr>") == 2 and "<th>criterion</th>" in html_table and "<td>no</td>" in html_table

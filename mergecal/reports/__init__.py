@@ -63,11 +63,43 @@ def _figure(plot: Plot) -> str:
             f"<figcaption>{title}</figcaption></figure>")
 
 
-def _html_page(meta: dict, tables: list[Table], plots: list[Plot], history: str, history_figs: list[Plot]) -> str:
+def markdown_html(text: str) -> str:
+    """The small Markdown the testbed report uses (## headings, pipe tables, paragraphs) as HTML."""
+    esc, out, table = html.escape, [], []
+
+    def cells(line: str) -> list[str]:
+        return [esc(c.strip().replace("**", "")) for c in line.strip().strip("|").split("|")]
+
+    def flush() -> None:
+        if table:
+            head, *body = [r for r in table if not set(r.replace("|", "").strip()) <= {"-"}]
+            out.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in cells(head)) + "</tr>"
+                       + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in cells(r)) + "</tr>" for r in body)
+                       + "</table>")
+            table.clear()
+
+    for line in text.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush()
+        if line.startswith("## "):
+            out.append(f"<h2>{esc(line[3:])}</h2>")
+        elif line.strip():
+            out.append(f"<p>{esc(line)}</p>")
+    flush()
+    return "\n".join(out)
+
+
+def _html_page(meta: dict, tables: list[Table], plots: list[Plot], history: str, history_figs: list[Plot],
+               testbed: str | None = None) -> str:
     esc = html.escape
     anchors = [(slug(t.title), t.title) for t in tables]
     body = ["<h1>mergecal leaderboard</h1>", f'<p class="meta">{esc(_meta_line(meta).replace("`", ""))}</p>',
-            f"<p>{esc(LEGEND)}</p>", "<ul>"]
+            f"<p>{esc(LEGEND)}</p>"]
+    if testbed:
+        body.append(f'<section id="testbed">\n{markdown_html(testbed)}</section>')
+    body.append("<ul>")
     body += [f'<li><a href="#{a}">{esc(t)}</a></li>' for a, t in anchors]
     body += ['<li><a href="#diagnostics">Diagnostics</a></li>', '<li><a href="#history">History</a></li>', "</ul>"]
     for (anchor, _), table in zip(anchors, tables):
@@ -85,8 +117,10 @@ def _html_page(meta: dict, tables: list[Table], plots: list[Plot], history: str,
             + "\n".join(body) + "\n</body>\n</html>\n")
 
 
-def _markdown(meta: dict, tables: list[Table], plots: list[Plot]) -> str:
+def _markdown(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None) -> str:
     parts = ["# mergecal leaderboard", "", _meta_line(meta), "", LEGEND.replace("is marked", "is in bold"), ""]
+    if testbed:
+        parts += [testbed]
     parts += [table_markdown(t) for t in tables]
     if plots:
         parts += ["## Diagnostics", ""] + [f"![{p.title}](plots/{p.name}.svg)\n" for p in plots]
@@ -95,9 +129,10 @@ def _markdown(meta: dict, tables: list[Table], plots: list[Plot]) -> str:
 
 def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str | Path = "reports",
                   invocation: str | None = None, *, metric: str = DEFAULT_METRIC,
-                  threshold: float = DEFAULT_THRESHOLD) -> dict[str, Path]:
+                  threshold: float = DEFAULT_THRESHOLD, testbed: str | None = None) -> dict[str, Path]:
     """Write leaderboard.md/.html/.json, history.md and plots/*.svg for ``invocation`` (default: the latest
-    with cells) under ``out_dir``; returns {relative name: path}. SVGs in plots/ that this report did not
+    with cells) under ``out_dir``; returns {relative name: path}. ``testbed`` (the testbed-health Markdown of
+    ``mergecal.pipeline.testbed``) opens the leaderboard, before any calibration row. SVGs in plots/ that this report did not
     produce are removed, so the directory matches the report."""
     out = Path(out_dir)
     runs = load_runs(tracking_uri, experiment)
@@ -122,8 +157,8 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
                             "regressions": [r.describe() for r in regressions]}}
     written["leaderboard.json"] = atomic_write_text(out / "leaderboard.json",
                                                     json.dumps(document, indent=2, sort_keys=True) + "\n")
-    written["leaderboard.md"] = atomic_write_text(out / "leaderboard.md", _markdown(meta, tables, plots))
+    written["leaderboard.md"] = atomic_write_text(out / "leaderboard.md", _markdown(meta, tables, plots, testbed))
     written["history.md"] = atomic_write_text(out / "history.md", history_markdown(runs, metric, threshold))
     written["leaderboard.html"] = atomic_write_text(
-        out / "leaderboard.html", _html_page(meta, tables, plots, history_html(runs, metric, threshold), trend))
+        out / "leaderboard.html", _html_page(meta, tables, plots, history_html(runs, metric, threshold), trend, testbed))
     return dict(sorted(written.items()))
