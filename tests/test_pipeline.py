@@ -2,6 +2,7 @@
 caching, failures and MLflow tracking (no duplicate runs, concurrent logging)."""
 
 import json
+import re
 import multiprocessing as mp
 import shutil
 import sqlite3
@@ -497,3 +498,22 @@ def test_testbed_health_reports_each_criterion_from_the_built_files(built):
     assert health["healthy"] == all(c["holds"] for c in health["criteria"])
     text = health_markdown(health)
     assert text.count("\n| ") >= len(CRITERIA) + len(tasks) and "Testbed health" in text
+
+
+def test_committed_stage_outputs_carry_no_wall_clock_figures(built):
+    """Regression: checkpoints' metadata and JSON sidecars held `seconds`, so every cold run rewrote them."""
+    from safetensors import safe_open
+
+    root, params = built
+    paths = vision.paths_for(params, root)
+    files = [paths.models / "pretrained.json", *sorted(paths.models.glob("finetuned/*/*.json")),
+             *sorted((root / "models" / params.text.backbone).glob("finetuned/*/*.json"))]
+    assert len(files) > 3
+    timing = re.compile(r"second|time|date|elapsed|host", re.I)
+    for path in files:
+        text = path.read_text()
+        assert not timing.search(text), f"{path}: {timing.search(text).group()}"
+        weights = path.with_suffix(".safetensors")
+        if weights.exists():
+            with safe_open(str(weights), "pt") as fh:
+                assert not timing.search(json.dumps(fh.metadata())), weights

@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from html.parser import HTMLParser
 
 import pytest
@@ -62,8 +63,6 @@ def _log_cell(client, exp, parent, inv, recipe, start, regime="standard"):
             "mergecal.tasks": ",".join(TASKS)}
     if failed:
         tags["mergecal.error"] = ERROR
-    if inv == "inv-2" and recipe == "zeroshot":
-        tags["mergecal.cached"] = "true"
     run = client.create_run(exp, start_time=start, tags=tags)
     rid = run.info.run_id
     metrics = []
@@ -93,6 +92,7 @@ def _log_cell(client, exp, parent, inv, recipe, start, regime="standard"):
             client.log_dict(rid, {"cars": {"norm": 2.5, "entropy": 0.3}, "dtd": {"norm": 1.5, "entropy": 0.6}},
                             "diagnostics/task_vectors.json")
     client.set_terminated(rid, "FINISHED" if not failed else "FAILED", end_time=start + 1000)
+    return rid
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,15 @@ def store(tmp_path_factory):
         parent = client.create_run(exp, start_time=start, tags={
             "mergecal.kind": "invocation", "mergecal.invocation_id": inv, "mergecal.code_version": f"sha{i}"})
         for j, recipe in enumerate(CELLS):
-            _log_cell(client, exp, parent.info.run_id, inv, recipe, start + 10 * (j + 1))
+            if inv == "inv-2" and recipe == "zeroshot":
+                # reused, as the flow records it: no run of its own, the earlier run listed in the manifest
+                client.log_dict(parent.info.run_id, {"zeroshot-standard-hash": {
+                    "status": "ok", "run_id": zeroshot_run, "cached": True, "label": "zeroshot",
+                    "regime": "standard"}}, "cells.json")
+                continue
+            rid = _log_cell(client, exp, parent.info.run_id, inv, recipe, start + 10 * (j + 1))
+            if recipe == "zeroshot":
+                zeroshot_run = rid
         _log_cell(client, exp, parent.info.run_id, inv, "tsv_m", start + 500, regime="norm_mismatch")
         client.set_terminated(parent.info.run_id, end_time=start + 2000)
     return uri
@@ -340,3 +348,13 @@ def test_testbed_health_opens_the_leaderboard_before_any_table(store, tmp_path):
     assert page.index('id="testbed"') < page.index("tsv_m")
     html_table = markdown_html(testbed)
     assert html_table.count("<tr>") == 2 and "<th>criterion</th>" in html_table and "<td>no</td>" in html_table
+
+
+def test_reports_read_only_tags_that_the_pipeline_writes():
+    """Regression: the reports read a `mergecal.cached` tag that nothing wrote (reuse is in the manifests)."""
+    from mergecal.reports.runs import PREFIX, TAG_COLUMNS
+
+    root = Path(__file__).resolve().parents[1]
+    writers = (root / "mergecal" / "pipeline" / "tracking.py").read_text() + (root / "flows" / "benchmark.py").read_text()
+    unwritten = [name for name in TAG_COLUMNS if f'"{PREFIX}{name}"' not in writers]
+    assert not unwritten

@@ -13,7 +13,6 @@ task-model adapter for text that is not built yet, so the pipeline skips those c
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict
 from functools import cached_property
 from pathlib import Path
@@ -77,16 +76,14 @@ def finetune(params: Params, task: str, root: str | Path = ".", *, device: str =
     pretrained = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
     texts, labels = split(root, task, "train")
     classes = n_classes(root, task)
-    start = time.perf_counter()
     enc, head, history = finetune_text_task(pretrained, texts, labels, classes, config, progress=progress, device=device)
-    seconds = time.perf_counter() - start
     changed = {k: v.contiguous() for k, v in enc.items() if not torch.equal(v, pretrained[k])}
     val_texts, val_labels = split(root, task, "validation")
     val = evaluate_text(enc, head, val_texts, val_labels, classes, max_length=config.max_length, device=device)
     manifest = json.loads((data_root(root) / "manifest.json").read_text())
     metadata = {"backbone": params.text.backbone, "task": task, "variant": "standard",
                 "hyperparameters": asdict(config), "data_digest": manifest["tasks"][task]["digests"]["train"],
-                "seconds": round(seconds, 2), "final_loss": history[-1]["loss"], "val_accuracy": val["accuracy"],
+                "final_loss": history[-1]["loss"], "val_accuracy": val["accuracy"],
                 "layout": "encoder keys changed by fine-tuning (others equal the packaged MiniLM) + head.*"}
     out = finetuned_path(params, root, task)
     save_state_dict({**changed, **{HEAD + k: v.contiguous() for k, v in head.items()}}, out,

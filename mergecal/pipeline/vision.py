@@ -123,10 +123,8 @@ def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", pro
     track, paths = params.vision, paths_for(params, root)
     config = PretrainConfig(**{"seed": params.seed, **track.pretrain, "arch": track.arch})
     data = load_split(paths.data, "pretrain", "train")
-    start = time.perf_counter()
     model, history = pretrain_clip(data["images"], [str(c) for c in data["captions"]], config, device=device,
                                    progress=progress)
-    seconds = time.perf_counter() - start
     model = model.cpu().eval()
     tokenizer = get_tokenizer(track.arch)
     heads = {}
@@ -139,7 +137,8 @@ def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", pro
             zeroshot.setdefault(task, {})[split] = evaluate(model, heads[task], images, labels)
     save_clip(model, paths.pretrained, {"arch": track.arch, "backbone": track.backbone})
     save_state_dict(heads, paths.heads, {"backbone": track.backbone, "tasks": json.dumps(list(heads))})
-    report = {"arch": track.arch, "config": asdict(config), "seconds": seconds, "final_loss": history["loss"][-1],
+    # no wall-clock figure here: this file is a DVC output committed to git, so it must be the same on every run
+    report = {"arch": track.arch, "config": asdict(config), "final_loss": history["loss"][-1],
               "loss": history["loss"][:: max(1, len(history["loss"]) // 50)], "zeroshot": zeroshot}
     atomic_write_text(paths.models / "pretrained.json", json.dumps(report, indent=2))
     return report
@@ -165,16 +164,14 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
     model = load_clip(track.arch, paths.pretrained)
     head = load_state_dict(paths.heads)[task]
     images, labels = task_split(paths.data, task, "train")
-    start = time.perf_counter()
     state, history = finetune_clip(model, head, images, labels, config, validation=task_split(paths.data, task, "validation"),
                                    device=device, progress=progress)
-    seconds = time.perf_counter() - start
     visual = {k: v.contiguous() for k, v in state.items() if is_visual(k)}
     manifest = json.loads((paths.data / "manifest.json").read_text())
     dataset = TASKS[task].dataset
     metadata = {"backbone": track.backbone, "arch": track.arch, "task": task, "variant": variant,
                 "hyperparameters": asdict(config), "data_digest": manifest["digests"].get(f"{dataset}/train", dataset),
-                "seconds": round(seconds, 2), "final_loss": history["loss"][-1],
+                "final_loss": history["loss"][-1],
                 "val_accuracy": history.get("val_accuracy", [None])[-1],
                 "layout": "open_clip state dict, image encoder keys only (the rest equals pretrained)"}
     out = paths.finetuned(variant, task)
@@ -195,9 +192,11 @@ def finetune_all(params: Params, root: str | Path = ".", *, device: str = "cpu",
     runs = finetune_runs(params.vision)
     summary: dict[str, dict] = {}
     for i, (task, variant) in enumerate(runs, start=1):
+        start = time.perf_counter()
         meta = finetune(params, task, variant, root, device=device, progress=progress)
         summary.setdefault(variant, {})[task] = meta
-        log(f"[{i}/{len(runs)}] {task} ({variant}): validation accuracy {meta['val_accuracy']:.3f}")
+        log(f"[{i}/{len(runs)}] {task} ({variant}): validation accuracy {meta['val_accuracy']:.3f} "
+            f"in {time.perf_counter() - start:.0f} s")
     atomic_write_text(paths_for(params, root).models / "finetuned.json", json.dumps(summary, indent=2))
     return summary
 
@@ -308,19 +307,18 @@ def task_vectors(params: Params, root: str | Path = ".", *, device: str = "cpu")
 
 
 def distac_params(params: Params, regime: str):
-    """The DisTaC step of a regime: its paper preset (``distac.presets``) with the shared overrides."""
+    """The DisTaC step of a regime: the paper's preset for it (``DISTAC_PRESETS``) unless ``distac.preset`` names
+    one, with the shared overrides of params.yaml's ``distac`` section."""
     from ..calibrations.distac import DistacStepParams
     from ..methods.base import build_params
 
     values = dict(params.distac)
-    presets = values.pop("presets", None) or DEFAULT_DISTAC_PRESETS
-    if "preset" not in values:
-        values["preset"] = presets[regime]
+    values.setdefault("preset", DISTAC_PRESETS[regime])
     return build_params(DistacStepParams, "distac", values)
 
 
-DEFAULT_DISTAC_PRESETS = {"standard": "norm_mismatch", "norm_mismatch": "norm_mismatch",
-                          "low_confidence": "low_confidence"}
+# the paper's preset per regime (the standard regime has no failure mode of its own; norm matching is the milder)
+DISTAC_PRESETS = {"standard": "norm_mismatch", "norm_mismatch": "norm_mismatch", "low_confidence": "low_confidence"}
 
 
 def distac(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:

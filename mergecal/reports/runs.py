@@ -21,7 +21,7 @@ from ..errors import MergecalError
 PREFIX = "mergecal."
 # tag (without the prefix) -> DataFrame column
 TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cell_id", "status", "error", "backbone", "task_set",
-               "regime", "merge", "calibration", "recipe", "tasks", "cached")
+               "regime", "merge", "calibration", "recipe", "tasks")
 GROUP = ("backbone", "task_set", "regime")
 DIAGNOSTICS = ("sensitivity", "magic_coefficients", "svc_spectra", "task_vectors", "scaling_curve")
 
@@ -42,7 +42,7 @@ def _row(run) -> dict[str, Any]:
         row["error"] = row["error"] or f"no {PREFIX}status tag (MLflow run status {run.info.status})"
         row["status"] = "incomplete"
     row["tasks"] = tuple(t for t in row["tasks"].split(",") if t)
-    row["cached"] = row["cached"] == "true"
+    row["cached"] = False  # a run is its own invocation's result; reuse is read from manifests (_reused_cells)
     row.update({f"metrics.{k}": float(v) for k, v in run.data.metrics.items()})
     row.update({f"params.{k}": v for k, v in run.data.params.items()})
     return row
