@@ -22,7 +22,7 @@ from .errors import CheckpointError, ParameterError
 from .methods import get_merge_method
 from .methods.base import MergeMethod
 from .recipe import Recipe, iter_weight_space
-from .task_vectors import COMPUTE_DTYPE, SourceLike, TaskVectorSet
+from .task_vectors import COMPUTE_DTYPE, SourceLike, TaskVectorSet, check_finite
 
 
 def iter_merge(task_vectors: TaskVectorSet, method: MergeMethod, keys: Sequence[str] | None = None,
@@ -71,8 +71,10 @@ def _iter_model(tvs: TaskVectorSet, merged: Iterator[tuple[str, torch.Tensor]],
             continue
         merged_key, tau = next(merged)
         assert merged_key == key
-        theta = tvs.load_pretrained(key) + tau
-        yield key, theta.to(out_dtype or tvs.dtype(key))
+        theta = (tvs.load_pretrained(key) + tau).to(out_dtype or tvs.dtype(key))
+        # a scaling too large for the output dtype (1e6 in float16, say) must not be written as a model of Infs
+        check_finite(theta, key, f"the merged model ({theta.dtype})")
+        yield key, theta
 
 
 def merge_models(pretrained: SourceLike, finetuned: Sequence[SourceLike], method: str | MergeMethod, *,

@@ -127,6 +127,8 @@ def _parse_step(text: str) -> tuple[str, dict[str, Any]]:
         key, sep, value = arg.partition("=")
         if not sep:
             raise ParameterError(f"recipe: in step {name!r}, {arg!r} should be param=value")
+        if key.strip() in values:
+            raise ParameterError(f"recipe: in step {name!r}, parameter {key.strip()!r} is given twice")
         values[key.strip()] = _parse_value(value.strip())
     return name, values
 

@@ -13,15 +13,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from pydantic import BaseModel, ConfigDict
-
-from ..methods.base import build_params, format_params
+from ..methods.base import HyperParams, build_params, format_params
 
 
-class CalibrationParams(BaseModel):
-    """Calibration hyperparameters. Unknown names are rejected; values are validated."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class CalibrationParams(HyperParams):
+    """Calibration hyperparameters. Unknown names are rejected; values are validated (``HyperParams``)."""
 
 
 class WeightCalibration(ABC):

@@ -34,13 +34,13 @@ from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoint import DictSource, save_state_dict
 from ..errors import ParameterError, UnknownNameError
-from ..methods.base import build_params
+from ..methods.base import HyperParams, build_params
 from ..task_vectors import check_finite, resolve_device, validate_compatible
 
 StateDict = Mapping[str, torch.Tensor]
@@ -52,7 +52,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class DistacParams(BaseModel):
+class DistacParams(HyperParams):
     """Hyperparameters of DisTaC (Algorithm 1; defaults from Appendix B and the authors' code).
 
     ``kappa``: scaling of the task vector at the anchor; None means the caller must set it (e.g. from
@@ -62,7 +62,6 @@ class DistacParams(BaseModel):
     ``grad_clip``: max global gradient norm (None: no clipping).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     OWNER: ClassVar[str] = "distac"
 
     kappa: float | None = Field(None, gt=0.0)

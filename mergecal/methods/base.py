@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from ..errors import ParameterError, UnknownNameError
 
@@ -25,10 +25,39 @@ if TYPE_CHECKING:
     from ..task_vectors import TaskVectorSet
 
 
-class MergeParams(BaseModel):
-    """Hyperparameters of a merge method. Unknown names are rejected; values are validated."""
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+def _accepts_bool(annotation: Any) -> bool:
+    return annotation is bool or bool in getattr(annotation, "__args__", ())
+
+
+class HyperParams(BaseModel):
+    """Base of every method's and calibration's hyperparameters: unknown names are rejected, floats must be finite
+    and within float32's range (the merges compute in float32, so 1e39 is an infinity there), and a boolean is
+    accepted only where the parameter is a flag (pydantic would read ``top_k=True`` as 1.0)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if not _accepts_bool(cls.model_fields[info.field_name].annotation) and any(isinstance(v, bool) for v in items):
+            raise ValueError("expected a number, not a boolean")
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _within_float32(cls, value: Any) -> Any:  # after parsing: "1e39" from a recipe string is a float by now
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and abs(v) > FLOAT32_MAX for v in items):
+            raise ValueError(f"magnitude beyond float32's range ({FLOAT32_MAX:.3g})")
+        return value
+
+
+class MergeParams(HyperParams):
+    """Hyperparameters of a merge method. Unknown names are rejected; values are validated."""
 
     scaling: float = 1.0
 
