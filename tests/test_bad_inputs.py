@@ -281,23 +281,15 @@ def start_slow_merge(args: list[str], watch: Path) -> subprocess.Popen:
     return proc
 
 
-def test_sigterm_removes_staging_and_is_one_line(inputs_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_removes_staging_and_is_one_line(inputs_dir, tmp_path, sig):
     out = tmp_path / "out"
     proc = start_slow_merge(merge_args(inputs_dir, out), tmp_path)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     err = proc.stderr.read().strip()
-    assert proc.wait(60) == 128 + signal.SIGTERM
-    assert err == "mergecal: error: interrupted by SIGTERM"
+    assert proc.wait(60) == 128 + sig
+    assert err == f"mergecal: error: interrupted by {sig.name}"
     assert not out.exists() and leftovers(tmp_path) == []
-
-
-def test_sigint_removes_staging_and_is_one_line(inputs_dir, tmp_path):
-    out = tmp_path / "out"
-    proc = start_slow_merge(merge_args(inputs_dir, out), tmp_path)
-    proc.send_signal(signal.SIGINT)
-    err = proc.stderr.read().strip()
-    assert proc.wait(60) == 128 + signal.SIGINT
-    assert err == "mergecal: error: interrupted by SIGINT" and leftovers(tmp_path) == []
 
 
 def test_staging_left_by_a_killed_run_is_removed_by_the_next_run(inputs_dir, tmp_path, capsys):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import Params
-from .vision import VisionModels, evaluate_tasks, paths_for, regime_variants
+from .vision import VisionModels, evaluate_tasks, paths_for
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ def vision_health(params: Params, root: str | Path = ".", results: dict | None =
     standard = diagnostics["standard"]
     zs = {t: 100 * zeroshot[t]["test"]["accuracy"] for t in tasks}
     ft = {t: 100 * standard[t]["test_accuracy"] for t in tasks}
-    per_task = {t: {"zeroshot": zs[t], "finetuned": ft[t], "relative_norm": standard[t]["relative_norms"]["all"],
-                    "relative_norms": standard[t]["relative_norms"], "entropy": standard[t]["entropy"]}
+    per_task = {t: {"zeroshot": zs[t], "finetuned": ft[t], "relative_norms": standard[t]["relative_norms"],
+                    "entropy": standard[t]["entropy"]}
                 for t in tasks}
     measured: dict[str, float | None] = {
         "min_finetuned": min(ft.values()), "avg_finetuned": float(np.mean(list(ft.values()))),
