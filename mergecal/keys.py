@@ -2,16 +2,37 @@
 
 The rules follow ../shared/notes/reference-details.md ("Which parameters each method touches").
 A rule sees a key's name, shape and dtype only, so it can be applied to checkpoint metadata
-without loading tensors.
+without loading tensors. The authors wrote their rules for open_clip names; ``key_role`` lets a rule pick the
+same parameters (by role) under HF CLIP, BERT-family and Llama names too.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
+from .backbones.clip_layouts import open_clip_name
 from .errors import UnknownNameError
+
+# Roles that the authors' substring rules single out by open_clip name, as anchored patterns for four layouts:
+# open_clip, HF CLIP (judged by its open_clip counterpart, clip_layouts), BERT family (BertModel alone or under
+# "bert.") and Llama. The layouts' names do not collide, so one table serves all four. The patch embedding
+# (conv1) is a conv layer here, role "other"; LayerNorm/RMSNorm parameters are 1-D and no rule below takes them.
+_ROLES = (
+    ("embedding", re.compile(r"(^|\.)(positional_embedding|class_embedding|token_embedding\.weight"  # open_clip
+                             r"|embeddings\.(word|position|token_type)_embeddings\.weight"  # BERT family
+                             # Llama: lm_head is the output embedding, stored as embed_tokens when tied
+                             r"|embed_tokens\.weight|lm_head\.weight)$")),
+    ("projection", re.compile(r"(^|\.)(visual\.proj|text_projection|pooler\.dense\.weight)$")),  # a tower's last map
+)
+
+
+def key_role(key: str) -> str:
+    """``"embedding"``, ``"projection"`` or ``"other"`` for a parameter name in any of the four layouts."""
+    name = open_clip_name(key)
+    return next((role for role, pattern in _ROLES if pattern.search(name)), "other")
 
 
 @dataclass(frozen=True)
@@ -24,6 +45,7 @@ class KeyRule:
     min_ndim: int = 0
     exclude: tuple[str, ...] = ()  # a key containing any of these substrings is not selected
     require: tuple[str, ...] = ()  # a key must contain every one of these substrings
+    exclude_roles: frozenset[str] = frozenset()  # a key whose key_role is one of these is not selected
 
     def matches(self, key: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> bool:
         if not dtype.is_floating_point:
@@ -34,6 +56,8 @@ class KeyRule:
         if ndim < self.min_ndim:
             return False
         if any(pattern in key for pattern in self.exclude):
+            return False
+        if self.exclude_roles and key_role(key) in self.exclude_roles:
             return False
         return all(pattern in key for pattern in self.require)
 
@@ -51,17 +75,24 @@ KEY_RULES: dict[str, KeyRule] = {
         ),
         KeyRule(
             "svc_authors",
-            "2-D keys whose name contains neither 'text_projection' nor 'embedding' (SVC authors)",
+            "2-D keys whose name contains neither 'text_projection' nor 'embedding' (SVC authors), nor any embedding "
+            "under other names (Llama's embed_tokens and lm_head); final projections stay covered, as visual.proj is",
             ndims=frozenset({2}),
             exclude=("text_projection", "embedding"),
+            exclude_roles=frozenset({"embedding"}),
         ),
         KeyRule("vectors", "1-D keys (biases, LayerNorm parameters, class embedding)", ndims=frozenset({1})),
         KeyRule(
             "wsc_weights",
             "keys containing 'weight' with 2 or more dimensions, reshaped to [out, -1] (MAGIC WSC; "
-            "LayerNorm weights are 1-D and so excluded)",
+            "LayerNorm weights are 1-D and so excluded); embeddings and final projections are left alone in every "
+            "layout, the patch embedding conv1 is covered",
             min_ndim=2,
             require=("weight",),
+            # open_clip spells most embeddings and projections without 'weight', HF names end in '.weight'. The
+            # one open_clip key this takes out is the text tower's token_embedding.weight, which the authors'
+            # substring rule covered with no effect (their text tower is never fine-tuned: a zero update)
+            exclude_roles=frozenset({"embedding", "projection"}),
         ),
     ]
 }

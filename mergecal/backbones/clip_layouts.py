@@ -36,6 +36,12 @@ _HF_BUFFERS = re.compile(r"(^|\.)position_ids$")  # index buffers, rebuilt by th
 _LAYER = re.compile(r"^(vision_model|text_model)\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
+def open_clip_name(key: str) -> str:
+    """The open_clip name of a HF CLIP key outside the encoder layers (embeddings, norms, projections); any other
+    key as it is. Lets the key rules (mergecal.keys) judge a HF CLIP key by its open_clip counterpart."""
+    return _DIRECT.get(key) or _TRANSPOSED.get(key) or key
+
+
 def is_hf_clip(state_dict: Mapping[str, torch.Tensor]) -> bool:
     return any(k.startswith(("vision_model.", "text_model.")) for k in state_dict)
 

@@ -10,9 +10,9 @@ alpha defaults to 1/K; alpha = 1 (suppression only: gamma <= 1) is the authors' 
 
 Options: ``targeted_task`` (the paper's preference calibration: gamma_r = 1/max(alpha, s_t^r), and 1
 where s_t^r <= 0); ``space="row"`` (the paper's row-space ablation, a_i^r = dW_i v_r); ``float64``;
-``key_rule`` ("svc_authors": 2-D keys without 'text_projection'/'embedding'; "matrices": every 2-D key,
-as FusionBench); ``calibrate_vectors`` (the appendix's 1-D form for biases / IA3-style vectors: the
-same rule on the 1 x n matrix, i.e. s_i = <t_m, t_i>/<t_i, t_i>, gamma = K / sum_i max(alpha, s_i); the
+``key_rule`` ("svc_authors": 2-D keys without 'text_projection'/'embedding', nor Llama's embed_tokens/lm_head;
+"matrices": every 2-D key, as FusionBench); ``calibrate_vectors`` (the appendix's 1-D form for biases /
+IA3-style vectors: the same rule on the 1 x n matrix, i.e. s_i = <t_m, t_i>/<t_i, t_i>, gamma = K / sum_i max(alpha, s_i); the
 alpha floor, which the appendix's formula omits, keeps gamma finite and positive when sum_i s_i <= 0).
 
 ``roundoff_guard`` (default on): a task whose response ||a_i^r|| is below 100 eps ||dW_i||_F has no

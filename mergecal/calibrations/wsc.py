@@ -2,8 +2,8 @@
 (Algorithm 2, Eq. 20-22) and the authors' code (../shared/notes/reference-details.md).
 
 For every covered key (rule ``wsc_weights``: keys containing 'weight' with >= 2 dimensions, reshaped to
-[out, -1], so conv1 is included; 1-D keys, LayerNorms, class/positional embeddings and projections are
-left alone), xi is computed PER OUTPUT ROW. For merged row d and the K task rows a_k:
+[out, -1], so conv1 is included; 1-D keys, LayerNorms, embeddings and final projections are left alone, in
+open_clip, HF CLIP, BERT-family and Llama names alike: mergecal.keys.key_role), xi is computed PER OUTPUT ROW. For merged row d and the K task rows a_k:
     alpha_k = <d, a_k> / (||a_k||^2 + 1e-8);   d_perp = d - sum_k alpha_k a_k;
     xi = 1 / sqrt( sum_k alpha_k^2 + ||d_perp||^2 / ((mean_k ||a_k||)^2 + 1e-8) + 1e-8 )
 i.e. d is scaled onto the hyperellipsoid with semi-axes a_k inside their span and a sphere of radius
