@@ -38,6 +38,8 @@ from mergecal.pipeline.devices import device_lease
 from mergecal.pipeline.tracking import Tracker, code_version
 
 CELL_CACHE = Path(".mergecal") / "cells"
+# beside the summary: this run's invocation id, MLflow parent run, reuse count and seconds (not a DVC output)
+INVOCATION_FILE = "invocation.json"
 DEVICE_LOCKS = Path(".mergecal") / "devices"
 
 
@@ -186,11 +188,16 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
     seconds = time.perf_counter() - start
     tracker.finish_invocation(parent, manifest, {"cells": len(cells), "failed_cells": failed, "cached_cells": cached,
                                                  "seconds": seconds})
-    result = {"invocation_id": invocation_id, "parent_run_id": parent, "tracking_uri": tracker.uri,
-              "experiment": params.tracking.experiment, "cells": len(cells), "failed": failed, "cached": cached,
-              "seconds": round(seconds, 1), "rows": sorted(summary, key=lambda r: (r["track"], r["regime"], r["label"]))}
+    # output (a DVC out) holds only what the cells computed, so a cold run of the same inputs and code writes the
+    # same bytes; what varies per run (ids, paths, reuse, seconds) goes to invocation.json beside it, uncached
+    outcome = {"experiment": params.tracking.experiment, "cells": len(cells), "failed": failed,
+               "rows": sorted(summary, key=lambda r: (r["track"], r["regime"], r["label"]))}
+    invocation = {"invocation_id": invocation_id, "parent_run_id": parent, "tracking_uri": tracker.uri,
+                  "cached": cached, "seconds": round(seconds, 1)}
     out = root_path / output
-    atomic_write_text(out, json.dumps(result, indent=2))
+    atomic_write_text(out, json.dumps(outcome, indent=2))
+    atomic_write_text(out.with_name(INVOCATION_FILE), json.dumps(invocation, indent=2))
+    result = {**invocation, **outcome}
     metrics = {"cells": len(cells), "failed": failed,
                **{f"{r['track']}/{r['regime']}/{r['label']}": round(r["avg_norm_acc"], 4)  # tracks share labels
                   for r in summary if "avg_norm_acc" in r}}

@@ -20,7 +20,7 @@ DEPLOYMENT = "scheduled-benchmark"
 
 @flow(name="mergecal-rerun", log_prints=True)
 def rerun(root: str = ".") -> dict:
-    """``dvc repro`` in ``root``; returns the benchmark summary (results/benchmark.json)."""
+    """``dvc repro`` in ``root``; returns the benchmark summary (results/benchmark.json, invocation.json)."""
     root_path = Path(root).resolve()
     process = subprocess.run(["dvc", "repro"], cwd=root_path, capture_output=True, text=True)
     for line in (process.stdout + process.stderr).splitlines()[-40:]:
@@ -28,7 +28,9 @@ def rerun(root: str = ".") -> dict:
     if process.returncode != 0:
         raise RuntimeError(f"dvc repro failed in {root_path} (exit {process.returncode})")
     summary = json.loads((root_path / "results" / "benchmark.json").read_text())
-    return {k: summary[k] for k in ("invocation_id", "cells", "cached", "failed", "seconds")}
+    invocation = json.loads((root_path / "results" / "invocation.json").read_text())
+    return {"invocation_id": invocation["invocation_id"], "cells": summary["cells"], "cached": invocation["cached"],
+            "failed": summary["failed"], "seconds": invocation["seconds"]}
 
 
 def deployment(cron: str, root: str = "."):

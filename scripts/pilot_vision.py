@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--pretrained", help="safetensors path: loaded if it exists, else written after pretraining")
     p.add_argument("--regimes", default="standard,low_confidence,norm_mismatch")
     p.add_argument("--norm-mismatch-task", default="shapes")
+    p.add_argument("--norm-mismatch-lr-multiplier", type=float, default=15.0)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a default, e.g. finetune.steps=100 or pretrain.lr=1e-3 or suite.n_train=2000")
     p.add_argument("--lambdas", default="0.05,0.1,0.15,0.2,0.3,0.5,0.7,1.0")
@@ -103,8 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
     t = time.time()
     for regime, name in runs:
         t1 = time.time()
-        states[(regime, name)], _ = finetune(model, heads[name], *data[name]["train"],
-                                             dataclasses.replace(ft_cfg, regime=regime), progress=False)
+        # norm mismatch: a standard fine-tune at the pipeline's lr multiple (mergecal.regimes)
+        config = (dataclasses.replace(ft_cfg, lr=ft_cfg.lr * args.norm_mismatch_lr_multiplier)
+                  if regime == "norm_mismatch" else dataclasses.replace(ft_cfg, regime=regime))
+        states[(regime, name)], _ = finetune(model, heads[name], *data[name]["train"], config, progress=False)
         print(f"  fine-tuned {regime:<15} {name:<12} {time.time() - t1:5.1f} s "
               f"({(time.time() - t1) / ft_cfg.steps:.3f} s/step), load {os.getloadavg()[0]:.2f}", flush=True)
     timings["finetunes"] = stamp(f"{len(runs)} fine-tunes", t)

@@ -1,5 +1,7 @@
 """DVC stage: leaderboards (Markdown, HTML, JSON), diagnostic plots and the rerun history, from MLflow."""
 
+import json
+
 from stages._common import run
 
 
@@ -8,9 +10,13 @@ def stage(params, root, args):
     from mergecal.reports import write_reports
 
     testbed = root / "reports" / "testbed.md"
+    # the invocation that wrote results/benchmark.json (the flow writes its id beside it); else the latest
+    run_file = root / "results" / "invocation.json"
+    invocation = json.loads(run_file.read_text())["invocation_id"] if run_file.exists() else None
     written = write_reports(tracking_uri(root, params.tracking.store), params.tracking.experiment, root / "reports",
-                            testbed=testbed.read_text() if testbed.exists() else None)
-    print(f"{len(written)} report files; leaderboard: {root / 'reports' / 'leaderboard.html'}")
+                            invocation, testbed=testbed.read_text() if testbed.exists() else None)
+    print(f"{len(written)} report files for invocation {invocation}; leaderboard: "
+          f"{root / 'reports' / 'leaderboard.html'}, history: {root / 'reports' / 'history.html'}")
 
 
 if __name__ == "__main__":

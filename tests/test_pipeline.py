@@ -44,7 +44,7 @@ def test_repository_params_yaml_is_valid_and_complete_for_dvc():
     ({"benchmark": {"merges": {"ties": {"topk": 0.2}}}}, r"ties: unknown parameter 'topk'; allowed: scaling, top_k"),
     ({"benchmark": {"chains": ["{merge}>svcc"]}}, r"chain '\{merge\}>svcc': unknown recipe step 'svcc'"),
     ({"benchmark": {"chains": ["svc"]}}, r"must contain '\{merge\}' exactly once"),
-    ({"vision": {"finetune": {"stepz": 3}}}, r"unknown field 'stepz' in finetune; allowed: steps"),
+    ({"vision": {"finetune": {"stepz": 3}}}, r"vision.finetune.stepz: unknown field; allowed: steps"),
     ({"runner": {"kind": "celery"}}, r"runner.kind: .*'threads', 'processes' or 'dask' \(got 'celery'\)"),
     ({"distac": {"kapa": 1}}, r"distac: unknown parameter 'kapa'"),
     ({"vision": {"regimes": ["low_confidence"], "finetune_variants": ["standard"]}},
@@ -236,7 +236,11 @@ def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server, monk
     assert len(_cell_runs(root)) == first["cells"]  # nothing logged twice
     assert [r.get("avg_acc") for r in first["rows"]] == [r.get("avg_acc") for r in second["rows"]]
     summary = json.loads((root / "results" / "benchmark.json").read_text())
-    assert summary["invocation_id"] == second["invocation_id"]
+    invocation = json.loads((root / "results" / "invocation.json").read_text())
+    assert invocation["invocation_id"] == second["invocation_id"] and invocation["cached"] == second["cells"]
+    # the DVC output holds what the cells computed, nothing of the run: the same bytes after a rerun
+    assert summary == {k: first[k] for k in ("experiment", "cells", "failed", "rows")}
+    assert not {"invocation_id", "parent_run_id", "tracking_uri", "cached", "seconds"} & set(summary)
 
     # without Prefect's result files (as after a kill between logging a cell and persisting its result), the
     # logged MLflow runs are the cache: nothing is computed (run_cell would fail) and nothing is logged twice

@@ -2,8 +2,10 @@
 fresh workspace; a no-op second repro; one changed calibration parameter recomputes only its cells; a benchmark
 killed with SIGKILL mid-run resumes without losing or duplicating anything; the scheduled-rerun flow."""
 
+import difflib
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -48,6 +50,7 @@ def workspace(tmp_path_factory):
     start = time.perf_counter()
     output = _repro(root)
     print(f"cold dvc repro (smoke): {time.perf_counter() - start:.1f} s")
+    shutil.copy2(root / "dvc.lock", root.parent / "dvc.lock.cold")  # later tests change the workspace
     return root, output
 
 
@@ -71,6 +74,16 @@ def test_cold_repro_builds_everything_and_reports(workspace):
     assert shown.returncode == 0 and "results/metrics.json" in shown.stdout
 
 
+def test_a_cold_repro_elsewhere_writes_the_same_dvc_lock(workspace, tmp_path):
+    """Regression (#13 item 7): nothing measured at run time (ids, dates, paths, seconds) is inside a DVC output,
+    so a cold run in another directory records byte-identical outputs and hashes."""
+    root, _ = workspace
+    other = create_workspace(tmp_path / "elsewhere")
+    _repro(other)
+    first, second = (root.parent / "dvc.lock.cold").read_text(), (other / "dvc.lock").read_text()
+    assert second == first, "".join(difflib.unified_diff(first.splitlines(True), second.splitlines(True), n=8))[:4000]
+
+
 def test_second_repro_does_nothing(workspace):
     root, _ = workspace
     before = (root / "results" / "benchmark.json").read_text()
@@ -91,7 +104,8 @@ def test_changing_one_calibration_parameter_recomputes_only_its_cells(workspace)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     output = _repro(root)
     assert "Running stage 'benchmark'" in output and "Running stage 'finetune" not in output
-    summary = json.loads((root / "results" / "benchmark.json").read_text())
+    summary = {**json.loads((root / "results" / "benchmark.json").read_text()),
+               **json.loads((root / "results" / "invocation.json").read_text())}
     touched = (len(params["vision"]["regimes"]) + params["text"]["enabled"]) * len(params["benchmark"]["merges"])
     assert summary["cells"] - summary["cached"] == touched
     assert len(_cell_runs(root)) == n_before + touched
@@ -120,7 +134,8 @@ def test_sigkill_mid_benchmark_then_rerun_loses_and_duplicates_nothing(workspace
     assert done_before_kill >= 3
 
     _repro(root)
-    summary = json.loads((root / "results" / "benchmark.json").read_text())
+    summary = {**json.loads((root / "results" / "benchmark.json").read_text()),
+               **json.loads((root / "results" / "invocation.json").read_text())}
     assert summary["failed"] == 0 and summary["cached"] >= done_before_kill
     runs = _cell_runs(root)
     finished = Counter(cell for status, cell in runs if status == "FINISHED")

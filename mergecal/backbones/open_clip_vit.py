@@ -26,28 +26,8 @@ import torch.nn.functional as F
 
 from ..checkpoint import load_state_dict, save_state_dict
 from ..errors import CheckpointError, ParameterError
+from .architectures import ARCHITECTURES
 
-# Custom architectures: ViT-B/32's config schema, shrunk for 32x32 images and CPU training.
-ARCHITECTURES: dict[str, dict] = {
-    "mergecal-vit-tiny": {
-        "embed_dim": 64,
-        "vision_cfg": {"image_size": 32, "layers": 4, "width": 64, "head_width": 32, "patch_size": 4},
-        "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
-    },
-    # the default benchmark's backbone: tiny's layers and widths on 8x8 patches, so 16 image tokens instead of
-    # 64: on CPU a fine-tuning step is 2.8-3.2x and evaluation 4.4-5.1x faster (scripts/bench_eval_speed.py)
-    "mergecal-vit-tiny-p8": {
-        "embed_dim": 64,
-        "vision_cfg": {"image_size": 32, "layers": 4, "width": 64, "head_width": 32, "patch_size": 8},
-        "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
-    },
-    # for unit tests only: builds and trains in well under a second per step
-    "mergecal-vit-micro": {
-        "embed_dim": 32,
-        "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},
-        "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-    },
-}
 MEAN = open_clip.OPENAI_DATASET_MEAN
 STD = open_clip.OPENAI_DATASET_STD
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config_types import Count, NonNegativeInt
 from ..checkpoint import atomic_write_text
 from ..errors import CheckpointError, ParameterError
 
@@ -49,10 +50,10 @@ class TextTask:
 
 @dataclass
 class TextSuiteConfig:
-    n_train: int = 2000  # per task, split evenly over its classes (a small class gives what it has)
-    n_test: int = 600
-    bbc_chars: int = 400  # the opening of each article (MiniLM reads 64-128 tokens)
-    seed: int = 0
+    n_train: Count = 2000  # per task, split evenly over its classes (a small class gives what it has)
+    n_test: Count = 600
+    bbc_chars: Count = 400  # the opening of each article (MiniLM reads 64-128 tokens)
+    seed: NonNegativeInt = 0
 
 
 ALL_TASKS = ("wordnet_nouns", "wordnet_verbs", "wordnet_pos", "bbc_topics", "kaomoji_emotions")

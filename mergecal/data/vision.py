@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from ..config_types import Count, NonNegativeInt
 from ..checkpoint import atomic_write_text
 from ..errors import CheckpointError, ParameterError
 
@@ -299,13 +300,13 @@ class SuiteConfig:
     tiny ViT overfits 1000 (train loss 0.75, shapes test accuracy 0.48 in a pilot); rendering is cheap
     (about 2,600 scenes/s and 700 glyphs/s on one core). ``handwritten`` is always sklearn's 1,200/597."""
 
-    n_train: int = 4000
-    n_test: int = 600
-    n_probe: int = 1000
-    n_agnostic: int = 512
-    n_pretrain: int = 8000
-    image_size: int = 32
-    seed: int = 0
+    n_train: Count = 4000
+    n_test: Count = 600
+    n_probe: Count = 1000
+    n_agnostic: Count = 512
+    n_pretrain: Count = 8000
+    image_size: Count = 32
+    seed: NonNegativeInt = 0
 
 
 # CI size: every task keeps a handful of examples per class (handwritten is always the real 1,797 digits).

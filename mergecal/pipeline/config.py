@@ -11,74 +11,104 @@ recipe with ``{merge}`` standing for the merge method, e.g. ``"{merge}>svc"`` or
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..config_types import ConfigValueError, Count, NonNegativeInt, NonNegativeReal, PositiveReal, check_config
 from ..errors import MergecalError, ParameterError
-
-REGIMES = ("standard", "norm_mismatch", "low_confidence")
+from ..regimes import OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "120" is no count and "yes" no flag; reals use config_types.Real, which reads YAML's 1e-5 text
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _check_dataclass(cls: type, values: dict[str, Any], where: str) -> None:
-    """Build the library's dataclass config once, so unknown fields fail at load time with a clear message."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ValueError(f"unknown field {unknown[0]!r} in {where}; allowed: {', '.join(names)}")
-    cls(**values)
+def _check_dataclass(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Validate a section against the library's dataclass config (its fields carry the types and ranges: one
+    source of truth), so a wrong name or value fails at load time naming ``where.field``. Returns the values
+    given, as validated (YAML's text "1e-5" becomes the number)."""
+    try:
+        built = check_config(cls, values)
+    except ConfigValueError as err:
+        raise ConfigValueError(f"{where}.{err.key}" if err.key else where, str(err)) from None
+    return {name: getattr(built, name) for name in values}
+
+
+def _distinct(values: list[str], what: str, at_least: int = 1) -> list[str]:
+    if len(values) < at_least:
+        raise ValueError(f"expected at least {at_least} {what}, got {len(values)}")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{what} must be distinct; {repeated[0]!r} is listed twice")
+    return values
 
 
 class VisionTrack(Strict):
     """The open_clip track: a small ViT pretrained by the project, fine-tuned per task (image encoder only)."""
 
     enabled: bool = True
-    backbone: str = "clip-tiny"
+    backbone: str = Field("clip-tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a directory name under models/
     arch: str = "mergecal-vit-tiny"
     task_set: str = "vision8"
     tasks: list[str] = Field(default_factory=lambda: ["shapes", "colors", "counts", "textures", "digits", "typefaces",
                                                       "inks", "handwritten"])
-    regimes: list[Literal["standard", "norm_mismatch", "low_confidence"]] = Field(default_factory=lambda: list(REGIMES))
+    regimes: list[Regime] = Field(default_factory=lambda: list(REGIMES))
     # fine-tuned for every task (DVC stage `finetune`); `norm_mismatch` adds one task at a higher lr
-    finetune_variants: list[Literal["standard", "low_confidence"]] = Field(
+    finetune_variants: list[Objective] = Field(
         default_factory=lambda: ["standard", "low_confidence"])
     norm_mismatch_task: str = "shapes"
-    norm_mismatch_lr_multiplier: float = Field(10.0, gt=0)
+    norm_mismatch_lr_multiplier: PositiveReal = 10.0
     data: dict[str, Any] = Field(default_factory=dict)
     pretrain: dict[str, Any] = Field(default_factory=dict)
     finetune: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("arch")
+    @classmethod
+    def _arch(cls, arch: str) -> str:
+        from ..backbones.architectures import ARCHITECTURES
+
+        if arch not in ARCHITECTURES:  # the track pretrains its own CLIP: one of the project's architectures
+            raise ValueError(f"unknown architecture {arch!r}; choose from: {', '.join(ARCHITECTURES)}")
+        return arch
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, tasks: list[str]) -> list[str]:
+        from ..data.vision import TASKS
+
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task {unknown[0]!r}; choose from: {', '.join(TASKS)}")
+        return _distinct(tasks, "tasks", at_least=2)
+
+    @field_validator("regimes", "finetune_variants")
+    @classmethod
+    def _lists(cls, values: list[str]) -> list[str]:
+        return _distinct(values, "entries")
+
     @model_validator(mode="after")
     def _check(self) -> "VisionTrack":
-        from ..data.vision import TASKS, SuiteConfig
+        from ..data.vision import SuiteConfig
         from ..train.finetune import FinetuneConfig
         from ..train.pretrain_clip import PretrainConfig
 
-        unknown = [t for t in self.tasks if t not in TASKS]
-        if unknown:
-            raise ValueError(f"unknown task {unknown[0]!r}; choose from: {', '.join(TASKS)}")
-        if len(set(self.tasks)) != len(self.tasks) or len(self.tasks) < 2:
-            raise ValueError("tasks must be at least two distinct task names")
-        needs = {"standard": "standard", "norm_mismatch": "standard", "low_confidence": "low_confidence"}
         for regime in self.regimes:
-            if needs[regime] not in self.finetune_variants:
-                raise ValueError(f"regime {regime!r} needs {needs[regime]!r} in finetune_variants")
+            if OBJECTIVE_OF_REGIME[regime] not in self.finetune_variants:
+                raise ValueError(f"regime {regime!r} needs {OBJECTIVE_OF_REGIME[regime]!r} in finetune_variants")
         if "norm_mismatch" in self.regimes and self.norm_mismatch_task not in self.tasks:
             raise ValueError(f"norm_mismatch_task {self.norm_mismatch_task!r} is not one of the track's tasks")
-        _check_dataclass(SuiteConfig, self.data, "data")
-        _check_dataclass(PretrainConfig, {k: v for k, v in self.pretrain.items() if k != "arch"}, "pretrain")
+        self.data = _check_dataclass(SuiteConfig, self.data, "data")
         if "arch" in self.pretrain:
-            raise ValueError("pretrain.arch: set the architecture once, as 'arch' of the track")
+            raise ConfigValueError("pretrain.arch", "set the architecture once, as 'arch' of the track")
+        self.pretrain = _check_dataclass(PretrainConfig, self.pretrain, "pretrain")
         if "regime" in self.finetune:
-            raise ValueError("finetune.regime: regimes are listed in 'regimes', not set per fine-tune")
-        _check_dataclass(FinetuneConfig, self.finetune, "finetune")
+            raise ConfigValueError("finetune.regime", "regimes are listed in 'regimes', not set per fine-tune")
+        self.finetune = _check_dataclass(FinetuneConfig, self.finetune, "finetune")
         return self
 
 
@@ -86,24 +116,35 @@ class TextTrack(Strict):
     """The MiniLM track: the packaged pretrained encoder, a head per task, merged encoders scored per head."""
 
     enabled: bool = False
-    backbone: str = "minilm"
+    backbone: str = Field("minilm", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     task_set: str = "text4"
     tasks: list[str] = Field(default_factory=lambda: ["wordnet_nouns", "wordnet_verbs", "wordnet_pos", "bbc_topics"])
-    regimes: list[Literal["standard", "low_confidence"]] = Field(default_factory=lambda: ["standard"])
+    regimes: list[Objective] = Field(default_factory=lambda: ["standard"])  # no norm-mismatch variant here
     data: dict[str, Any] = Field(default_factory=dict)
     finetune: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, tasks: list[str]) -> list[str]:
+        from ..data.text import ALL_TASKS
+
+        unknown = [t for t in tasks if t not in ALL_TASKS]
+        if unknown:
+            raise ValueError(f"unknown task {unknown[0]!r}; choose from: {', '.join(ALL_TASKS)}")
+        return _distinct(tasks, "tasks", at_least=2)
+
+    @field_validator("regimes")
+    @classmethod
+    def _regimes(cls, regimes: list[str]) -> list[str]:
+        return _distinct(regimes, "regimes")
 
     @model_validator(mode="after")
     def _check(self) -> "TextTrack":
         from ..data.text import TextSuiteConfig
         from ..train.finetune_text import TextFinetuneConfig
 
-        allowed = ["wordnet_nouns", "wordnet_verbs", "wordnet_pos", "bbc_topics", "kaomoji_emotions"]
-        unknown = [t for t in self.tasks if t not in allowed]
-        if unknown:
-            raise ValueError(f"unknown task {unknown[0]!r}; choose from: {', '.join(allowed)}")
-        _check_dataclass(TextSuiteConfig, self.data, "data")
-        _check_dataclass(TextFinetuneConfig, self.finetune, "finetune")
+        self.data = _check_dataclass(TextSuiteConfig, self.data, "data")
+        self.finetune = _check_dataclass(TextFinetuneConfig, self.finetune, "finetune")
         return self
 
 
@@ -111,17 +152,27 @@ class Probing(Strict):
     """MAGIC's magnitude-sensitivity probe: scale each key's slice of the weight-averaged task vector by
     ``scale`` and rank keys by the accuracy drop on the probe set (which is none of the tasks)."""
 
-    scale: float = 1.1
-    top: int = Field(10, ge=0)
-    max_samples: int = Field(256, ge=1)
+    scale: PositiveReal = 1.1
+    top: NonNegativeInt = 10
+    max_samples: Count = 256
     key_pattern: str | None = None
+
+    @field_validator("key_pattern")
+    @classmethod
+    def _pattern(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"not a regular expression ({err})") from None
+        return pattern
 
 
 class Evaluation(Strict):
-    batch_size: int = Field(256, ge=1)
-    max_validation: int = Field(200, ge=1)  # validation examples per task for choosing the scaling
-    fsc_samples_per_task: int = Field(8, ge=1)  # samples per task that FSC measures its ratios on
-    distac_samples: int = Field(512, ge=1)  # unlabeled train samples per task for DisTaC
+    batch_size: Count = 256
+    max_validation: Count = 200  # validation examples per task for choosing the scaling
+    fsc_samples_per_task: Count = 8  # samples per task that FSC measures its ratios on
+    distac_samples: Count = 512  # unlabeled train samples per task for DisTaC
 
 
 class Benchmark(Strict):
@@ -133,14 +184,15 @@ class Benchmark(Strict):
     merge, then correct it: one merge per cell); ``grid`` searches the grid again with the calibration
     applied (joint search, |grid| merges and calibrations per cell)."""
 
-    merges: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"task_arithmetic": {"scaling": [0.1, 0.3, 0.5]}})
+    merges: dict[str, dict[str, Any] | None] = Field(
+        default_factory=lambda: {"task_arithmetic": {"scaling": [0.1, 0.3, 0.5]}})
     chains: list[str] = Field(default_factory=lambda: ["{merge}"])
     calibrated_scaling: Literal["selected", "grid"] = "selected"
     evaluation: Evaluation = Field(default_factory=Evaluation)
 
     @field_validator("merges")
     @classmethod
-    def _merges(cls, merges: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def _merges(cls, merges: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
         from ..methods import MERGE_METHODS
         from ..methods.base import build_params
 
@@ -151,15 +203,21 @@ class Benchmark(Strict):
                 raise ValueError(f"unknown merge method {name!r}; choose from: {', '.join(MERGE_METHODS)}")
             values = dict(values or {})
             grid = values.get("scaling")
-            if isinstance(grid, list):
-                if not grid or not all(isinstance(v, (int, float)) and v > 0 for v in grid):
-                    raise ValueError(f"{name}.scaling: a grid must be a non-empty list of positive numbers")
-                values["scaling"] = float(grid[0])
-            try:
-                build_params(MERGE_METHODS[name].Params, name, values)
-            except MergecalError as err:
-                raise ValueError(str(err)) from None
-        return merges
+            scalings = grid if isinstance(grid, list) else [grid] if "scaling" in values else []
+            if isinstance(grid, list) and (not grid or len(set(map(repr, grid))) != len(grid)):
+                raise ConfigValueError(f"{name}.scaling", f"a grid must be a non-empty list of distinct numbers, "
+                                                          f"got {grid!r}")
+            # each value as the method's own Params reads it (finite, no boolean), then the benchmark's bound: the
+            # library allows a negative scaling (task negation), a multi-task merge here does not
+            for scaling in scalings or [None]:
+                candidate = {**values, "scaling": scaling} if scaling is not None else values
+                try:
+                    built = build_params(MERGE_METHODS[name].Params, name, candidate)
+                except MergecalError as err:
+                    raise ValueError(str(err)) from None
+                if built.scaling <= 0:
+                    raise ConfigValueError(f"{name}.scaling", f"expected a positive number, got {scaling!r}")
+        return {name: dict(values or {}) for name, values in merges.items()}  # `ties:` with no value: defaults
 
     @field_validator("chains")
     @classmethod
@@ -195,8 +253,16 @@ class Benchmark(Strict):
 
 
 class Tracking(Strict):
-    experiment: str = "mergecal"
+    experiment: str = Field("mergecal", min_length=1)
     store: str = "mlruns"  # directory under the repository: mlruns.db (SQLite) and artifacts/
+
+    @field_validator("store")
+    @classmethod
+    def _inside_repository(cls, store: str) -> str:
+        path = PurePosixPath(store)
+        if not store or path.is_absolute() or ".." in path.parts or store.startswith("~"):
+            raise ValueError(f"expected a relative directory inside the repository (e.g. mlruns), got {store!r}")
+        return store
 
 
 class Runner(Strict):
@@ -204,14 +270,14 @@ class Runner(Strict):
     (prefect-dask's DaskTaskRunner; ``address`` of an existing cluster, else a local one)."""
 
     kind: Literal["threads", "processes", "dask"] = "threads"
-    max_workers: int = Field(1, ge=1)
-    retries: int = Field(1, ge=0)
-    retry_delay_seconds: float = Field(1.0, ge=0)
+    max_workers: Count = 1
+    retries: NonNegativeInt = 1
+    retry_delay_seconds: NonNegativeReal = 1.0
     address: str | None = None
 
 
 class Params(Strict):
-    seed: int = 0
+    seed: NonNegativeInt = 0
     device: str = "auto"
     vision: VisionTrack = Field(default_factory=VisionTrack)
     text: TextTrack = Field(default_factory=TextTrack)
@@ -224,8 +290,8 @@ class Params(Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, device: str) -> str:
-        if device not in ("auto", "cpu") and not device.startswith("cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+            raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {device!r}")
         return device
 
     @field_validator("distac")
@@ -248,6 +314,10 @@ def _one_line(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
     message = first["msg"].removeprefix("Value error, ")
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, ConfigValueError):  # a value below this field: name its dotted key
+        where = ".".join(p for p in (where, cause.key) if p)
+        message = str(cause)
     if first["type"] == "extra_forbidden":
         # name what is allowed at that level
         model: Any = Params

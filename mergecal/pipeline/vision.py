@@ -6,7 +6,7 @@ Layout under the repository root (every file is a DVC output, written atomically
     models/<backbone>/pretrained.safetensors      contrastively pretrained CLIP (+ pretrained.json)
     models/<backbone>/heads.safetensors           zero-shot heads, one per task and the probe task
     models/<backbone>/finetuned/<variant>/<task>.safetensors (+ .json metadata)
-        variants: standard, low_confidence (every task), norm_mismatch (one task at 10x lr)
+        variants: standard, low_confidence (every task), norm_mismatch (one task at the lr multiple)
     models/<backbone>/finetuned.json              every fine-tune's metadata (committed; the models are not)
         Image encoder keys only, as task_vectors' ImageEncoder checkpoints: the text tower is not trained.
     models/<backbone>/task_vectors/<regime>/<task>.safetensors, diagnostics.json
@@ -14,7 +14,8 @@ Layout under the repository root (every file is a DVC output, written atomically
     models/<backbone>/sensitivity/<regime>.json
 
 A regime is the set of K fine-tuned models merged together: ``standard`` and ``low_confidence`` use their
-variant for every task; ``norm_mismatch`` uses ``standard`` except its one task fine-tuned at 10x lr.
+variant for every task; ``norm_mismatch`` uses ``standard`` except its one task fine-tuned at
+``vision.norm_mismatch_lr_multiplier`` x the lr (``mergecal.regimes``).
 """
 
 from __future__ import annotations

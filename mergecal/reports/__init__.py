@@ -2,22 +2,29 @@
 papers' diagnostic plots and the history across invocations.
 
 ``write_reports`` is the one entry point: it reads the store, renders everything in memory and writes
-each file atomically, so a report directory is never half old, half new. Same runs, same bytes.
+each file atomically, so a report directory is never half old, half new. The leaderboard files and plots
+hold only what the cells computed (no invocation id, date or code version), so a cold run of the same inputs
+writes the same bytes and DVC records the same hashes; the history (``history.md``, ``history.html``), which
+lists invocations with their dates and is time-varying by nature, is written beside them and versioned by
+neither git nor DVC.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import json
 from pathlib import Path
 
 from ..checkpoint import atomic_write_text
 from .history import DEFAULT_METRIC, DEFAULT_THRESHOLD, find_regressions, history_frame, history_html, \
-    history_markdown, history_plots, stamp
+    history_markdown, history_plots
 from .leaderboard import Table, build_tables, table_html, table_markdown, tables_json
 from .plots import Plot, diagnostic_plots, slug
 from .runs import cells_of, invocations, load_diagnostics, load_runs, pick_invocation
+
+HISTORY_FILES = ("history.md", "history.html")  # beside the leaderboard, not DVC outputs
 
 __all__ = ["write_reports", "load_runs", "build_tables", "find_regressions", "history_frame", "diagnostic_plots"]
 
@@ -45,15 +52,18 @@ p.meta { color: #555; }
 """
 
 
-def _meta(runs, invocation: str) -> dict:
+def _meta(runs, invocation: str, cells) -> dict:
+    """What identifies the leaderboard's results reproducibly: the cell ids (content hashes of every input and
+    of the library's code) and the counts; the invocation's id, date and git version stay in the history."""
     row = invocations(runs).set_index("invocation_id").loc[invocation]
-    return {"id": invocation, "started": stamp(int(row["start_time"])), "code_version": str(row["code_version"]),
-            "n_cells": int(row["n_cells"]), "n_failed": int(row["n_failed"])}
+    digest = hashlib.sha256("\n".join(sorted(map(str, cells["cell_id"]))).encode()).hexdigest()[:12]
+    return {"results": digest, "n_cells": int(row["n_cells"]), "n_failed": int(row["n_failed"])}
 
 
 def _meta_line(meta: dict) -> str:
-    return (f"Invocation `{meta['id']}`, started {meta['started']}, code `{meta['code_version']}`: "
-            f"{meta['n_cells']} cells, {meta['n_failed']} not ok.")
+    return (f"Results `{meta['results']}` (a digest of the cell ids, which hash every input and the code): "
+            f"{meta['n_cells']} cells, {meta['n_failed']} not ok. Invocations, dates and reruns: history.md / "
+            "history.html beside this file.")
 
 
 def _figure(plot: Plot) -> str:
@@ -91,8 +101,7 @@ def markdown_html(text: str) -> str:
     return "\n".join(out)
 
 
-def _html_page(meta: dict, tables: list[Table], plots: list[Plot], history: str, history_figs: list[Plot],
-               testbed: str | None = None) -> str:
+def _html_page(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None) -> str:
     esc = html.escape
     anchors = [(slug(t.title), t.title) for t in tables]
     body = ["<h1>mergecal leaderboard</h1>", f'<p class="meta">{esc(_meta_line(meta).replace("`", ""))}</p>',
@@ -101,7 +110,7 @@ def _html_page(meta: dict, tables: list[Table], plots: list[Plot], history: str,
         body.append(f'<section id="testbed">\n{markdown_html(testbed)}</section>')
     body.append("<ul>")
     body += [f'<li><a href="#{a}">{esc(t)}</a></li>' for a, t in anchors]
-    body += ['<li><a href="#diagnostics">Diagnostics</a></li>', '<li><a href="#history">History</a></li>', "</ul>"]
+    body += ['<li><a href="#diagnostics">Diagnostics</a></li>', '<li><a href="history.html">History</a></li>', "</ul>"]
     for (anchor, _), table in zip(anchors, tables):
         body.append(f'<section id="{anchor}">\n{table_html(table)}</section>')
     body.append('<section id="diagnostics"><h2>Diagnostics</h2>')
@@ -111,9 +120,12 @@ def _html_page(meta: dict, tables: list[Table], plots: list[Plot], history: str,
         body.append(f"<h3>{esc(' · '.join(group))}</h3>")
         body += [_figure(p) for p in plots if p.group == group]
     body.append("</section>")
-    body.append(f'<section id="history">\n{history}' + "".join(_figure(p) for p in history_figs) + "</section>")
+    return _page("mergecal leaderboard", body)
+
+
+def _page(title: str, body: list[str]) -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-            f"<title>mergecal leaderboard — {esc(meta['id'])}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+            f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
             + "\n".join(body) + "\n</body>\n</html>\n")
 
 
@@ -130,35 +142,35 @@ def _markdown(meta: dict, tables: list[Table], plots: list[Plot], testbed: str |
 def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str | Path = "reports",
                   invocation: str | None = None, *, metric: str = DEFAULT_METRIC,
                   threshold: float = DEFAULT_THRESHOLD, testbed: str | None = None) -> dict[str, Path]:
-    """Write leaderboard.md/.html/.json, history.md and plots/*.svg for ``invocation`` (default: the latest
-    with cells) under ``out_dir``; returns {relative name: path}. ``testbed`` (the testbed-health Markdown of
-    ``mergecal.pipeline.testbed``) opens the leaderboard, before any calibration row. SVGs in plots/ that this report did not
-    produce are removed, so the directory matches the report."""
+    """Write leaderboard.md/.html/.json and plots/*.svg for ``invocation`` (default: the latest with cells),
+    and history.md/.html over every invocation, under ``out_dir``; returns {relative name: path}.
+    ``testbed`` (the testbed-health Markdown of ``mergecal.pipeline.testbed``) opens the leaderboard, before
+    any calibration row. SVGs in plots/ that this report did not produce are removed, so the directory
+    matches the report."""
     out = Path(out_dir)
     runs = load_runs(tracking_uri, experiment)
     chosen = pick_invocation(runs, invocation)
     cells = cells_of(runs, chosen)
-    meta = _meta(runs, chosen)
+    meta = _meta(runs, chosen, cells)
     tables = build_tables(cells)
     ok = cells[cells["status"] == "ok"]
     diagnostics = {rid: load_diagnostics(tracking_uri, uri) for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
     plots = diagnostic_plots(cells, diagnostics)
     trend = history_plots(runs, metric)
-    regressions = find_regressions(history_frame(runs, metric), threshold)
 
     written: dict[str, Path] = {}
-    for plot in plots + trend:
+    for plot in plots:
         written[f"plots/{plot.name}.svg"] = atomic_write_text(out / "plots" / f"{plot.name}.svg", plot.svg)
     for stale in sorted((out / "plots").glob("*.svg")):
         if f"plots/{stale.name}" not in written:
             stale.unlink()
-    document = {"invocation": meta, "leaderboard": tables_json(tables),
-                "history": {"metric": metric, "threshold_points": threshold, "n_regressions": len(regressions),
-                            "regressions": [r.describe() for r in regressions]}}
+    document = {"results": meta, "leaderboard": tables_json(tables)}
     written["leaderboard.json"] = atomic_write_text(out / "leaderboard.json",
                                                     json.dumps(document, indent=2, sort_keys=True) + "\n")
     written["leaderboard.md"] = atomic_write_text(out / "leaderboard.md", _markdown(meta, tables, plots, testbed))
+    written["leaderboard.html"] = atomic_write_text(out / "leaderboard.html", _html_page(meta, tables, plots, testbed))
     written["history.md"] = atomic_write_text(out / "history.md", history_markdown(runs, metric, threshold))
-    written["leaderboard.html"] = atomic_write_text(
-        out / "leaderboard.html", _html_page(meta, tables, plots, history_html(runs, metric, threshold), trend, testbed))
+    history_body = ['<p><a href="leaderboard.html">Leaderboard</a></p>', history_html(runs, metric, threshold)]
+    written["history.html"] = atomic_write_text(out / "history.html", _page(
+        "mergecal history", history_body + [_figure(p) for p in trend]))
     return dict(sorted(written.items()))

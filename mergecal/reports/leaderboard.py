@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from ..regimes import REGIMES
 from .runs import GROUP, metric
 
 REFERENCES = ("zeroshot", "finetuned")
 MERGE_ORDER = ("weight_averaging", "task_arithmetic", "ties", "dare", "consensus", "tsv_m", "iso_c", "iso_cts")
-REGIME_ORDER = ("standard", "norm_mismatch", "low_confidence")
+REGIME_ORDER = REGIMES
 SUMMARY = (("avg_acc", "avg"), ("avg_norm_acc", "norm. avg"))
 
 
@@ -210,7 +211,8 @@ def tables_json(tables: list[Table]) -> dict:
     for table in tables:
         slot = out.setdefault(table.backbone, {}).setdefault(table.task_set, {}).setdefault(table.regime, {})
         for row in table.rows:
-            entry = {"role": row.role, "cell_id": row.cell_id, "cached": row.cached,
+            # no run id or reuse flag: they differ between two runs of the same inputs
+            entry = {"role": row.role, "cell_id": row.cell_id,
                      "values": {k: v for k, v in row.values.items() if v is not None}}
             if row.deltas:
                 entry["delta_points"] = {k: round(v, 6) for k, v in row.deltas.items() if v is not None}

@@ -4,13 +4,15 @@ Only the image encoder (``visual.*``) is trained; the classifier is the task's z
 logits are logit_scale * normalize(encode_image(x)) @ W (reference-details.md, "Evaluation protocol").
 Cross-entropy, AdamW with weight decay 0.1, linear warmup then cosine decay, seeded batches.
 
-Regimes (the source-model conditions studied by DisTaC, ../shared/papers/distac-task-vector-conditioning.txt):
+Objectives (``regime``; the benchmark's regimes are built from them, ``mergecal.regimes``):
 
-* ``standard``: the base learning rate;
-* ``norm_mismatch``: this task fine-tuned at 10x the learning rate (a task vector with a much larger norm);
+* ``standard``: plain cross-entropy;
 * ``low_confidence``: an under-confident source model (higher prediction entropy), made by the loss named in
   ``low_confidence_loss``: ``label_smoothing`` (0.1, the paper's main setting), ``mixup`` (one mixing coefficient
   per step drawn from U(0, 1), the paper's appendix) or ``focal`` (focal loss, gamma 10 in the appendix).
+
+DisTaC's norm-mismatch condition is a ``standard`` fine-tune at a multiple of the learning rate: the caller sets
+``lr`` (the pipeline from ``vision.norm_mismatch_lr_multiplier``); the trainer has no multiplier of its own.
 
 Splits are the caller's: every image given is trained on, and the accuracy reported at the end is measured on the
 ``validation`` images given (the pipeline passes its held-out validation split, ``pipeline.vision.task_split``).
@@ -20,20 +22,19 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..config_types import Count, NonNegativeInt, NonNegativeReal, PositiveReal, Probability
 from ..errors import ParameterError, UnknownNameError
+from ..regimes import OBJECTIVES, Objective
 from .schedule import cosine_lr, set_lr
 
-REGIMES = {
-    "standard": {"lr_multiplier": 1.0, "low_confidence": False},
-    "norm_mismatch": {"lr_multiplier": 10.0, "low_confidence": False},
-    "low_confidence": {"lr_multiplier": 1.0, "low_confidence": True},
-}
-LOW_CONFIDENCE_LOSSES = ("label_smoothing", "mixup", "focal")
+LowConfidenceLoss = Literal["label_smoothing", "mixup", "focal"]
+LOW_CONFIDENCE_LOSSES: tuple[str, ...] = get_args(LowConfidenceLoss)
 
 
 @dataclass
@@ -42,17 +43,17 @@ class FinetuneConfig:
     fine-tunes in params.yaml, ``vision.finetune``). lr 1e-3 because the tiny model starts from a weak
     pretraining (the real CLIP's 1e-5 would barely move it)."""
 
-    steps: int = 200
-    batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
-    regime: str = "standard"
-    low_confidence_loss: str = "label_smoothing"  # used by the low_confidence regime only
-    label_smoothing: float = 0.1
-    focal_gamma: float = 10.0
-    shift_pixels: int = 2  # train augmentation: random translation by up to this many pixels (edge-replicated)
-    seed: int = 0
+    steps: Count = 200
+    batch_size: Count = 64
+    lr: PositiveReal = 1e-3
+    weight_decay: NonNegativeReal = 0.1
+    warmup_steps: NonNegativeInt = 20
+    regime: Objective = "standard"  # the training objective (mergecal.regimes.OBJECTIVES)
+    low_confidence_loss: LowConfidenceLoss = "label_smoothing"  # used by the low_confidence objective only
+    label_smoothing: Probability = 0.1
+    focal_gamma: NonNegativeReal = 10.0
+    shift_pixels: NonNegativeInt = 2  # train augmentation: random translation by up to this many pixels
+    seed: NonNegativeInt = 0
 
 
 def random_shift(x: torch.Tensor, pixels: int, generator: torch.Generator) -> torch.Tensor:
@@ -84,8 +85,9 @@ def mixup(x: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, to
 
 
 def _check_config(config: FinetuneConfig) -> None:
-    if config.regime not in REGIMES:
-        raise UnknownNameError(f"regime={config.regime!r}: choose one of {', '.join(REGIMES)}")
+    if config.regime not in OBJECTIVES:
+        raise UnknownNameError(f"regime={config.regime!r}: choose one of {', '.join(OBJECTIVES)} (norm mismatch is "
+                               "a standard fine-tune at a multiple of lr)")
     if config.low_confidence_loss not in LOW_CONFIDENCE_LOSSES:
         raise UnknownNameError(f"low_confidence_loss={config.low_confidence_loss!r}: choose one of "
                                f"{', '.join(LOW_CONFIDENCE_LOSSES)}")
@@ -97,7 +99,7 @@ def _step_loss(model, head, x, y, config: FinetuneConfig, generator: torch.Gener
     """The training loss of one batch under the config's regime (plain cross-entropy unless low_confidence)."""
     from ..backbones.open_clip_vit import logits
 
-    kind = config.low_confidence_loss if REGIMES[config.regime]["low_confidence"] else "cross_entropy"
+    kind = config.low_confidence_loss if config.regime == "low_confidence" else "cross_entropy"
     if kind == "mixup":
         mixed, partner, lam = mixup(x, generator)
         out = logits(model, head, mixed)
@@ -137,7 +139,6 @@ def finetune(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, lab
     _check_config(config)
     if len(images) != len(labels):
         raise ParameterError(f"finetune: {len(images)} images but {len(labels)} labels")
-    base_lr = config.lr * REGIMES[config.regime]["lr_multiplier"]
 
     model = copy.deepcopy(model).to(device)
     for name, param in model.named_parameters():
@@ -149,7 +150,7 @@ def finetune(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, lab
     train_idx = torch.arange(len(y_all))
 
     params = [p for n, p in model.named_parameters() if n.startswith("visual.")]
-    optimizer = torch.optim.AdamW(params, lr=base_lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     generator = torch.Generator().manual_seed(config.seed)
     mix_generator = torch.Generator().manual_seed(config.seed + 1)  # mixup draws apart from the batch order
     shift_generator = torch.Generator().manual_seed(config.seed + 2)
@@ -162,7 +163,7 @@ def finetune(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, lab
             order, cursor = train_idx[torch.randperm(len(train_idx), generator=generator)], 0
         idx = order[cursor:cursor + batch]
         cursor += batch
-        lr = cosine_lr(step, config.steps, config.warmup_steps, base_lr)
+        lr = cosine_lr(step, config.steps, config.warmup_steps, config.lr)
         set_lr(optimizer, lr)
         x = random_shift(x_all[idx], config.shift_pixels, shift_generator)
         loss = _step_loss(model, head, x.to(device), y_all[idx].to(device), config, mix_generator)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..config_types import Count, Flag, NonNegativeInt, NonNegativeReal, PositiveReal, Probability
 from ..backbones.hf_text import build_classifier, load_encoder, tokenize
 from ..calibrations.confidence import expected_calibration_error, prediction_entropy
 from ..errors import ParameterError
@@ -25,15 +26,15 @@ from .schedule import warmup_cosine
 class TextFinetuneConfig:
     # 80 steps at 2e-4, length 32 (padding trimmed per batch): 4 tasks individual 0.830, TA merged 0.604 in a
     # pilot (the earlier 150 steps at 1e-4, length 48, 5 tasks cost about 4x as much).
-    steps: int = 80
-    batch_size: int = 32
-    lr: float = 2e-4
-    weight_decay: float = 0.1
-    warmup_fraction: float = 0.1
-    label_smoothing: float = 0.0
-    max_length: int = 32
-    freeze_embeddings: bool = True
-    seed: int = 0
+    steps: Count = 80
+    batch_size: Count = 32
+    lr: PositiveReal = 2e-4
+    weight_decay: NonNegativeReal = 0.1
+    warmup_fraction: Probability = 0.1
+    label_smoothing: Probability = 0.0
+    max_length: Count = 32
+    freeze_embeddings: Flag = True
+    seed: NonNegativeInt = 0
 
 
 # CI size: a handful of short steps (the packaged MiniLM is still loaded and trained for real).

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..config_types import Count, NonNegativeInt, NonNegativeReal, PositiveReal
 from ..errors import ParameterError
 from .schedule import cosine_lr, set_lr  # noqa: F401  (re-exported: mergecal.train.cosine_lr)
 
@@ -24,12 +25,12 @@ MAX_LOGIT_SCALE = math.log(100.0)
 @dataclass
 class PretrainConfig:
     arch: str = "mergecal-vit-tiny"
-    steps: int = 600  # library default; the pipeline sets its own in params.yaml (vision.pretrain)
-    batch_size: int = 128
-    lr: float = 2e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 50
-    seed: int = 0
+    steps: Count = 600  # library default; the pipeline sets its own in params.yaml (vision.pretrain)
+    batch_size: Count = 128
+    lr: PositiveReal = 2e-3
+    weight_decay: NonNegativeReal = 0.1
+    warmup_steps: NonNegativeInt = 50
+    seed: NonNegativeInt = 0
 
 
 # CI size: the micro architecture, a few steps.
