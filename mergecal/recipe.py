@@ -7,7 +7,7 @@ A recipe is a chain of steps in four phases, in this order:
 ``dsc`` is MAGIC's dual-space calibration and expands to ``wsc -> fsc``; ``dsc_a`` to ``wsc -> fsc`` on
 task-agnostic data. The written form, e.g. ``distac→tsv_m→svc→dsc``, is kept as ``label``; ``id`` is the
 canonical form with every hyperparameter filled in, e.g.
-``distac(...)→tsv_m(float64=False,...)→svc(alpha=None,...)→wsc(...)→fsc(...)``. ``Recipe.parse(recipe.id)``
+``distac(...)→tsv_m(float64=False,...)→svc(alpha=1.0,...)→wsc(...)→fsc(...)``. ``Recipe.parse(recipe.id)``
 gives the same recipe back, and equal computations have equal ids (used as cache keys and run names).
 Steps accept ``→``, ``->`` or ``>`` as separators; parameters are YAML values: ``svc(alpha=1.0)``.
 """
@@ -146,7 +146,19 @@ class Recipe:
                 expanded.append(Step(name, values))
         self.steps = expanded
         self._validate()
+        self._fill_merge_dependent_defaults()
         self.label = label or ARROW.join(name for name, _ in steps)
+
+    def _fill_merge_dependent_defaults(self) -> None:
+        """SVC without an explicit alpha takes the authors' value for the merge it follows (1 after TSV-M;
+        1/K, kept as None, after the others), written into the step so the id shows the value used."""
+        from .calibrations.svc import AUTHORS_ALPHA
+
+        alpha = AUTHORS_ALPHA.get(self.merge.name)
+        if alpha is None:
+            return
+        self.steps = [Step("svc", {**step.params.model_dump(), "alpha": alpha})
+                      if step.name == "svc" and step.params.alpha is None else step for step in self.steps]
 
     @staticmethod
     def _macro_part(macro: str, sub_name: str, values: Mapping[str, Any]) -> dict[str, Any]:

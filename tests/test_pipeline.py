@@ -521,3 +521,19 @@ def test_committed_stage_outputs_carry_no_wall_clock_figures(built):
         if weights.exists():
             with safe_open(str(weights), "pt") as fh:
                 assert not timing.search(json.dumps(fh.metadata())), weights
+
+
+def test_svc_alpha_default_is_the_libraries_so_api_and_pipeline_agree(pretrained, finetuned):
+    """Regression (#18 defect 4): the authors' alpha after TSV-M lived in the pipeline only, so `run_recipe`
+    on "tsv_m>svc" calibrated with 1/K while the pipeline's cell used 1. Now the recipe itself carries it."""
+    from mergecal.recipe import Recipe
+    from mergecal.run_recipe import run_recipe
+
+    params = parse_params({"benchmark": {"merges": {"tsv_m": {"scaling": 1.0}}, "chains": ["{merge}>svc"]}})
+    cell = next(c for c in cells_mod.enumerate_cells(params) if c.label == "tsv_m>svc" and c.regime == "standard")
+    assert Recipe.parse("tsv_m>svc").id == cell.recipe
+    api = run_recipe("tsv_m>svc", pretrained, finetuned).state_dict
+    explicit = run_recipe("tsv_m>svc(alpha=1.0)", pretrained, finetuned).state_dict
+    one_over_k = run_recipe(f"tsv_m>svc(alpha={1 / len(finetuned)})", pretrained, finetuned).state_dict
+    assert all(torch.equal(api[k], explicit[k]) for k in api)
+    assert any(not torch.equal(api[k], one_over_k[k]) for k in api)

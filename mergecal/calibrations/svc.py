@@ -34,6 +34,11 @@ from ..linalg import svd
 from .base import CalibrationParams, WeightCalibration
 
 
+#: the authors' alpha per merge method it follows, where it is not 1/K (reference-details.md): suppression only
+#: after TSV-M. ``Recipe`` fills it in for an svc step without an explicit alpha, so the API and the pipeline agree.
+AUTHORS_ALPHA = {"tsv_m": 1.0}
+
+
 class SvcParams(CalibrationParams):
     alpha: float | None = Field(None, gt=0.0)  # None: 1/K
     targeted_task: int | None = Field(None, ge=0)

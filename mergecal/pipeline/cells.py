@@ -119,22 +119,13 @@ def enumerate_cells(params: Params) -> list[Cell]:
                     elif step.name == "distac":
                         steps.append(("distac", distac_params(params, regime).model_dump()))
                     else:
-                        steps.append((step.name, _step_values(step, merge)))
+                        steps.append((step.name, step.params.model_dump()))
                 canonical = Recipe(steps).id
                 cells.append(Cell("vision", track.backbone, track.task_set, tuple(track.tasks), regime, merge, chain,
                                   canonical, grid, _calibration_name(chain), _scaling_from(chain, params, grid)))
     if params.text.enabled:
         cells.extend(_text_cells(params))
     return cells
-
-
-def _step_values(step, merge: str) -> dict[str, Any]:
-    """A calibration step's parameters. SVC without an explicit alpha takes the authors' default for the
-    merge method it follows (reference-details.md): alpha = 1 (suppression only) after TSV-M, 1/K otherwise."""
-    values = step.params.model_dump()
-    if step.name == "svc" and values.get("alpha") is None and merge == "tsv_m":
-        values["alpha"] = 1.0
-    return values
 
 
 def _text_cells(params: Params) -> list[Cell]:
@@ -151,7 +142,7 @@ def _text_cells(params: Params) -> list[Cell]:
             recipe = Recipe.parse(chain.replace("{merge}", merge))
             if any(s.phase != "merge" and s.name not in SUPPORTED_STEPS for s in recipe.steps):
                 continue
-            steps = [(s.name, values if s.phase == "merge" else _step_values(s, merge)) for s in recipe.steps]
+            steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
             out.append(Cell("text", track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
                             Recipe(steps).id, grid, _calibration_name(chain), _scaling_from(chain, params, grid)))
     return out
