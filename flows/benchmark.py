@@ -30,8 +30,9 @@ from prefect import flow, get_run_logger, task
 from prefect.filesystems import LocalFileSystem
 
 from mergecal.checkpoint import atomic_write_text
+from mergecal.device import resolve_device
 from mergecal.errors import MergecalError
-from mergecal.pipeline.cells import (Cell, enumerate_cells, matrix_ids, measure, resolve_device, run_cell, source_index,
+from mergecal.pipeline.cells import (Cell, enumerate_cells, matrix_ids, measure, run_cell, source_index,
                                      threads_from_env)
 from mergecal.pipeline.config import Params, load_params, parse_params
 from mergecal.pipeline.devices import device_lease

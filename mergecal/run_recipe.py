@@ -64,38 +64,20 @@ def _require(value: Any, what: str, step: str) -> Any:
 def run_distac_steps(recipe: Recipe, pretrained: StateDict, finetuned: Sequence[StateDict], inputs: RecipeInputs,
                      diagnostics: dict) -> list[StateDict]:
     """The recipe's pre-merge DisTaC steps; returns the (partly) conditioned fine-tuned models."""
-    from .calibrations.distac import distill_task_vector, norm_matching_kappas
-    from .task_vectors import task_vector
+    from .calibrations.distac import condition_models
 
     models = list(finetuned)
     for step in recipe.phase("pre"):
-        params = step.params
         build = _require(inputs.build_task_model, "build_task_model", "distac")
         data = _require(inputs.distac_data, "distac_data", "distac")
         if len(data) != len(models):
             raise ParameterError(f"recipe step 'distac': distac_data has {len(data)} entries for {len(models)} tasks")
-        taus = [task_vector(m, pretrained) for m in models]
-        kappas = norm_matching_kappas(taus) if params.kappa is None else [params.kappa] * len(models)
-        if params.apply_to == "largest_norm":  # the one norm matching shrinks (first on ties)
-            norms = [_norm(tau) for tau in taus]
-            targets = [max(range(len(models)), key=norms.__getitem__)]
-        else:
-            targets = list(range(len(models)))
-        del taus
-        info = diagnostics.setdefault("distac", {"kappas": kappas, "conditioned": [], "history": {}})
-        for t in targets:
-            conditioned, history = distill_task_vector(
-                lambda sd, t=t: build(t, sd), pretrained, models[t], data[t],
-                params.distillation_params().model_copy(update={"kappa": kappas[t]}),
-                trainable=inputs.trainable, progress=inputs.progress, device=inputs.device)
-            models[t] = conditioned
-            info["conditioned"].append(t)
-            info["history"][t] = history
+        models, report = condition_models(step.params, pretrained, models, build, data, trainable=inputs.trainable,
+                                          progress=inputs.progress, device=inputs.device)
+        info = diagnostics.setdefault("distac", {"kappas": report["kappas"], "conditioned": [], "history": {}})
+        info["conditioned"] += report["conditioned"]
+        info["history"].update(report["history"])
     return models
-
-
-def _norm(tau: StateDict) -> float:
-    return float(sum(v.double().pow(2).sum() for v in tau.values()) ** 0.5)
 
 
 def run_recipe(recipe: Recipe | str, pretrained: StateDict, finetuned: Sequence[StateDict],

@@ -13,26 +13,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .checkpoint import TensorSource, as_source
+from .device import resolve_device
 from .errors import CheckpointError, IncompatibleModelsError, NonFiniteError, ParameterError
 
 COMPUTE_DTYPE = torch.float32
 
 SourceLike = TensorSource | Mapping[str, torch.Tensor] | str | os.PathLike
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """CPU by default; CUDA only when asked for, with a clear error when it is not available."""
-    try:
-        device = torch.device(device or "cpu")
-    except (RuntimeError, TypeError):  # torch's message is several lines about every backend it knows
-        raise ParameterError(f"device={device!r}: expected cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ParameterError(f"device={str(device)!r}: expected cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ParameterError(f"device={device}: CUDA was requested but torch.cuda.is_available() is False")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ParameterError(f"device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def _require_models(models: object, what: str) -> None:
@@ -101,7 +87,7 @@ class TaskVectorSet:
                  check_finite: bool = True):
         if len(finetuned) == 0:
             raise ParameterError("finetuned: at least one model (task vector) is required")
-        self.device = resolve_device(device)
+        self.device = torch.device(resolve_device(device))
         self.pretrained = pretrained
         self.sources = list(finetuned)
         self.names = list(names) if names is not None else [s.name for s in self.sources]

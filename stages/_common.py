@@ -7,15 +7,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-OFFLINE = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
 
 
 def setup_env(root: Path) -> None:
     """Must run before prefect/mlflow are imported: their settings are read at import time."""
-    for key, value in OFFLINE.items():
-        os.environ.setdefault(key, value)
+    from mergecal import offline
+
+    offline.apply()
     home = root / ".mergecal" / "prefect"
     home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_HOME", str(home))
@@ -46,6 +44,6 @@ def run(stage: Callable, argv: list[str] | None = None) -> int:
 
 
 def device(params) -> str:
-    from mergecal.pipeline.cells import resolve_device
+    from mergecal.device import resolve_device
 
     return resolve_device(params.device)

@@ -1,11 +1,6 @@
-import os
+from mergecal import offline
 
-# Offline and quiet, as in ../shared/notes/stack.md; tests never need a network.
-for _name, _value in {
-    "DO_NOT_TRACK": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true", "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-}.items():
-    os.environ.setdefault(_name, _value)
+offline.apply()  # offline and quiet, as in ../shared/notes/stack.md; tests never need a network
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -537,3 +537,11 @@ def test_svc_alpha_default_is_the_libraries_so_api_and_pipeline_agree(pretrained
     one_over_k = run_recipe(f"tsv_m>svc(alpha={1 / len(finetuned)})", pretrained, finetuned).state_dict
     assert all(torch.equal(api[k], explicit[k]) for k in api)
     assert any(not torch.equal(api[k], one_over_k[k]) for k in api)
+
+
+def test_stages_write_only_what_a_later_stage_reads(built):
+    """Regression (#18 defect 5): the task_vectors stage wrote tau safetensors that nothing read (cells, DisTaC
+    and probing compute tau from the checkpoints); it writes its diagnostics only."""
+    root, params = built
+    out = vision.paths_for(params, root).models / "task_vectors"
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["diagnostics.json"] * len(params.vision.regimes)

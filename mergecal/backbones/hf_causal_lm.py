@@ -23,11 +23,13 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import INDEX_SUFFIX, SafetensorsSource, ShardedCheckpointWriter, load_state_dict
+from ..device import resolve_device
 from ..errors import CheckpointError, ParameterError
 from .loading import load_weights_file
+from .. import offline
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+offline.apply(offline.HUB_OFFLINE)  # before transformers is imported
+
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 # Files that describe a model directory besides its weights (copied into a merged model's directory).
@@ -35,13 +37,6 @@ AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeniz
              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
              "chat_template.jinja", "chat_template.json")
 SAFETENSORS_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
-
-
-def resolve_device(device: str = "auto") -> str:
-    """``"auto"``: CUDA when present, else CPU."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def weight_format(model_dir: str | os.PathLike) -> str:

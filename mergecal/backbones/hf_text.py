@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from .. import offline
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+offline.apply(offline.HUB_OFFLINE)  # before transformers is imported
 
 
 def minilm_path() -> Path:

@@ -41,7 +41,8 @@ from tqdm.auto import tqdm
 from ..checkpoint import DictSource, save_state_dict
 from ..errors import ParameterError, UnknownNameError
 from ..methods.base import HyperParams, build_params
-from ..task_vectors import check_finite, resolve_device, validate_compatible
+from ..device import resolve_device
+from ..task_vectors import check_finite, validate_compatible
 
 StateDict = Mapping[str, torch.Tensor]
 
@@ -203,7 +204,7 @@ def distill_task_vector(build_model: Callable[[dict[str, torch.Tensor]], nn.Modu
                              "or compute it with norm_matching_kappas")
     if norm_every < 1:
         raise ParameterError(f"distac: parameter 'norm_every' must be >= 1, got {norm_every}")
-    device = resolve_device(device)
+    device = torch.device(resolve_device(device))
     float_keys = _check_state_dicts(pretrained, finetuned)
     is_float = set(float_keys)
     kappa = params.kappa
@@ -334,3 +335,34 @@ class DistacStepParams(DistacParams):
 
     def distillation_params(self) -> DistacParams:
         return DistacParams(**self.model_dump(exclude={"apply_to"}))
+
+
+def condition_models(step: DistacStepParams, pretrained: StateDict, finetuned: Sequence[StateDict],
+                     build_task_model: Callable[[int, StateDict], nn.Module], data: Sequence[Any], *,
+                     trainable: Callable[[str], bool] | None = None, progress: bool = False,
+                     device: str | torch.device | None = None) -> tuple[list[StateDict], dict]:
+    """DisTaC as a pre-merge step over K fine-tuned models: kappa per model (norm matching unless the step fixes
+    kappa), the models it conditions (every one, or with ``apply_to="largest_norm"`` the one whose task vector is
+    longest, the first on ties: the one norm matching shrinks), each distilled on its own unlabeled ``data[t]``
+    (read only for the models conditioned). Returns the models, conditioned where chosen, and a report
+    ``{"kappas", "conditioned": [t], "history": {t: per-step records}}``."""
+    from ..task_vectors import task_vector
+
+    if len(data) != len(finetuned):
+        raise ParameterError(f"distac: {len(data)} unlabeled datasets for {len(finetuned)} models")
+    taus = [task_vector(m, pretrained) for m in finetuned]
+    kappas = norm_matching_kappas(taus) if step.kappa is None else [step.kappa] * len(finetuned)
+    if step.apply_to == "largest_norm":
+        norms = [task_vector_norm(tau) for tau in taus]
+        targets = [max(range(len(norms)), key=lambda i: (norms[i], -i))]
+    else:
+        targets = list(range(len(finetuned)))
+    del taus
+    models, report = list(finetuned), {"kappas": kappas, "conditioned": [], "history": {}}
+    for t in targets:
+        models[t], report["history"][t] = distill_task_vector(
+            lambda sd, t=t: build_task_model(t, sd), pretrained, models[t], data[t],
+            step.distillation_params().model_copy(update={"kappa": kappas[t]}), trainable=trainable,
+            progress=progress, device=device)
+        report["conditioned"].append(t)
+    return models, report

@@ -307,7 +307,3 @@ def load_records(root: str | Path, task: str, split: str) -> list[dict]:
     """A written split's records (``task="pretrain"``, ``split="train"`` for the corpus)."""
     path = split_path(root, task, split)
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-
-
-def file_digest(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -18,14 +18,15 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..backbones.hf_causal_lm import resolve_device, weight_format, weights_digest
+from ..backbones.hf_causal_lm import weight_format, weights_digest
+from ..device import resolve_device
 from ..checkpoint import atomic_write_text
 from ..data.llm import TASKS, split_path
 from ..errors import UnknownNameError
+from .. import offline
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+offline.apply(offline.HUB_OFFLINE)  # before transformers is imported
+
 
 MAX_GEN_TOKS = 8  # answers are a few tokens; generation also stops at a newline or EOS
 

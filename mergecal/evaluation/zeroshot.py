@@ -11,18 +11,8 @@ import torch
 
 from ..backbones.open_clip_vit import image_size, logits, preprocess
 from ..calibrations.confidence import expected_calibration_error, prediction_entropy
+from ..device import resolve_device
 from ..errors import ParameterError
-
-
-def resolve_device(device: str | None) -> str:
-    """``"auto"`` -> CUDA when available, else CPU; ``None`` -> CPU; an explicit ``"cuda"`` needs a GPU."""
-    if device is None:
-        return "cpu"
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ParameterError(f"device={device!r}: CUDA is not available on this machine")
-    return str(device)
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..device import resolve_device
 from ..errors import CheckpointError, MergecalError
 from .config import Params
 
@@ -508,14 +509,6 @@ def measure(fn, *args, **kwargs) -> tuple[Any, float, float]:
     with peak_memory() as peak:
         result = fn(*args, **kwargs)
     return result, time.perf_counter() - start, peak.peak_mb
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise MergecalError(f"device={device!r}: CUDA is not available on this machine")
-    return device
 
 
 def threads_from_env() -> None:

@@ -9,7 +9,7 @@ Layout under the repository root (every file is a DVC output, written atomically
         variants: standard, low_confidence (every task), norm_mismatch (one task at the lr multiple)
     models/<backbone>/finetuned.json              every fine-tune's metadata (committed; the models are not)
         Image encoder keys only, as task_vectors' ImageEncoder checkpoints: the text tower is not trained.
-    models/<backbone>/task_vectors/<regime>/<task>.safetensors, diagnostics.json
+    models/<backbone>/task_vectors/<regime>/diagnostics.json  norms and reference accuracies (no tau files)
     models/<backbone>/distac/<regime>/<task>.safetensors, distac.json
     models/<backbone>/sensitivity/<regime>.json
 
@@ -277,9 +277,10 @@ def evaluate_tasks(model: torch.nn.Module, heads: dict[str, torch.Tensor], data_
 
 
 def task_vectors(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict:
-    """Per regime: each task's vector tau = theta_ft - theta_0 (image encoder), and DisTaC's diagnostics plus the
-    reference figures every cell is normalised by: the task's own fine-tuned accuracy (validation and test),
-    prediction entropy and ECE."""
+    """Per regime, ``diagnostics.json``: each task vector's norms (tau = theta_ft - theta_0, image encoder; the
+    vectors themselves are not written, since cells, DisTaC and probing compute them from the checkpoints as they
+    stream), and the reference figures every cell is normalised by: the task's own fine-tuned accuracy
+    (validation and test), prediction entropy and ECE."""
     from ..task_vectors import relative_norms, task_vector
 
     track, models = params.vision, VisionModels(params, root)
@@ -290,9 +291,7 @@ def task_vectors(params: Params, root: str | Path = ".", *, device: str = "cpu")
         out_dir = models.paths.task_vectors(regime)
         diagnostics = {}
         for task, state in zip(track.tasks, models.finetuned(regime)):
-            tau = task_vector(state, pre_visual)
-            save_state_dict({k: v.contiguous() for k, v in tau.items()}, out_dir / f"{task}.safetensors",
-                            {"task": task, "regime": regime})
+            tau = task_vector(state, pre_visual)  # measured here, not written: every consumer streams its own
             norm = float(sum(v.double().pow(2).sum() for v in tau.values()) ** 0.5)
             model = models.model(state)
             scores = evaluate_tasks(model, models.heads, models.paths.data, [task], "validation", batch_size=batch,
@@ -325,40 +324,28 @@ DISTAC_PRESETS = {"standard": "norm_mismatch", "norm_mismatch": "norm_mismatch",
 def distac(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
     """DisTaC-condition each regime's fine-tuned models (unlabeled train images of each task) once, for every
     cell whose chain starts with ``distac``. Unconditioned tasks are written unchanged, so a cell reads K files."""
-    from ..calibrations.distac import distill_task_vector, norm_matching_kappas
-    from ..task_vectors import task_vector
+    from ..calibrations.distac import condition_models
 
     track, models = params.vision, VisionModels(params, root)
     samples = params.benchmark.evaluation.distac_samples
     report = {}
     for regime in track.regimes:
         step = distac_params(params, regime)
-        states = models.finetuned(regime)
-        pre_visual = models.visual_pretrained()
-        taus = [task_vector(s, pre_visual) for s in states]
-        kappas = norm_matching_kappas(taus) if step.kappa is None else [step.kappa] * len(states)
-        if step.apply_to == "largest_norm":
-            norms = [float(sum(v.double().pow(2).sum() for v in t.values())) for t in taus]
-            targets = [max(range(len(states)), key=norms.__getitem__)]
-        else:
-            targets = list(range(len(states)))
-        del taus
-        out_dir, info = models.paths.distac(regime), {"params": step.model_dump(), "kappas": kappas, "conditioned": [],
-                                                      "history": {}}
-        for t, (task, state) in enumerate(zip(track.tasks, states)):
-            if t in targets:
-                images, _ = task_split(models.paths.data, task, "train", max_items=samples)
-                head = models.heads[task]
-                conditioned, history = distill_task_vector(
-                    lambda sd, head=head: TaskHeadModel(models.model({k: v for k, v in sd.items() if is_visual(k)}),
-                                                        head),
-                    models.pretrained, models.full_state(state), preprocessed(images, track.arch),
-                    step.distillation_params().model_copy(update={"kappa": kappas[t]}), trainable=is_visual,
-                    progress=progress, device=device)
-                state = {k: v.contiguous() for k, v in conditioned.items() if is_visual(k)}
-                info["conditioned"].append(task)
-                info["history"][task] = history[-1] if history else {}
-            save_state_dict(state, out_dir / f"{task}.safetensors", {"distac": step.model_dump_json()})
+        states = [models.full_state(s) for s in models.finetuned(regime)]
+        data = [preprocessed(task_split(models.paths.data, task, "train", max_items=samples)[0], track.arch)
+                for task in track.tasks]
+        heads = [models.heads[task] for task in track.tasks]
+        conditioned, done = condition_models(
+            step, models.pretrained, states,
+            lambda t, sd: TaskHeadModel(models.model({k: v for k, v in sd.items() if is_visual(k)}), heads[t]),
+            data, trainable=is_visual, progress=progress, device=device)
+        out_dir = models.paths.distac(regime)
+        info = {"params": step.model_dump(), "kappas": done["kappas"],
+                "conditioned": [track.tasks[t] for t in done["conditioned"]],
+                "history": {track.tasks[t]: h[-1] if h else {} for t, h in done["history"].items()}}
+        for task, state in zip(track.tasks, conditioned):
+            visual = {k: v.contiguous() for k, v in state.items() if is_visual(k)}
+            save_state_dict(visual, out_dir / f"{task}.safetensors", {"distac": step.model_dump_json()})
         atomic_write_text(out_dir / "distac.json", json.dumps(info, indent=2, default=str))
         report[regime] = info
     return report

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..backbones.hf_causal_lm import load_causal_lm, resolve_device, save_causal_lm
+from ..backbones.hf_causal_lm import load_causal_lm, save_causal_lm
+from ..device import resolve_device
 from ..checkpoint import atomic_write_text
 from ..errors import ParameterError
 from .schedule import cosine_lr, set_lr

@@ -1,0 +1,21 @@
+"""The environment that keeps the stack offline and quiet (../shared/notes/stack.md), defined once. The stage
+scripts and the tests apply all of it; the model loaders apply the hub part before importing transformers or
+lm-eval. The Makefile exports the same variables for dvc and the servers it starts (a test keeps them equal)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+
+# nothing is fetched from a model or dataset hub at run time
+HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# no telemetry, and a temporary Prefect server given time to start on a busy 2-core machine
+QUIET = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+         "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+OFFLINE_ENV = {**HUB_OFFLINE, **QUIET}
+
+
+def apply(variables: Mapping[str, str] = OFFLINE_ENV, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Set each variable unless the environment already sets it (a user's explicit choice wins)."""
+    for name, value in variables.items():
+        environ.setdefault(name, value)
