@@ -108,13 +108,15 @@ def cmd_ui(args: argparse.Namespace) -> int:
 def cmd_schedule(args: argparse.Namespace) -> int:
     import os
 
+    from .pipeline.workspace import checkout_root
+
+    root = checkout_root(args.root)  # before anything is served: the reruns need the checkout's pipeline
     if not os.environ.get("PREFECT_API_URL"):
         raise MergecalError("schedule: set PREFECT_API_URL to a running Prefect server (e.g. `mergecal ui`, then "
                             "export PREFECT_API_URL=http://127.0.0.1:4200/api)")
-    sys.path.insert(0, str(Path(args.root).resolve()))
-    from flows.schedule import serve
+    from .pipeline.schedule import serve
 
-    serve(args.cron, args.root)
+    serve(args.cron, root)
     return 0
 
 
@@ -123,9 +125,9 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
     from .pipeline.workspace import create_workspace
 
-    root = create_workspace(args.dir)
-    print(f"smoke workspace: {root}; running dvc repro")
-    return subprocess.run(["dvc", "repro"], cwd=root).returncode
+    workspace = create_workspace(args.dir, root=args.root)
+    print(f"smoke workspace: {workspace}; running dvc repro")
+    return subprocess.run(["dvc", "repro"], cwd=workspace).returncode
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,13 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefect", action="store_true")
     p.set_defaults(func=cmd_ui)
 
-    p = sub.add_parser("schedule", help="serve a cron-scheduled deployment that reruns `dvc repro`")
-    p.add_argument("--root", default=".")
+    # these two need a mergecal checkout (dvc.yaml, stages/, flows/, mergecal/): an installed wheel has no pipeline
+    p = sub.add_parser("schedule", help="serve a cron-scheduled deployment that reruns `dvc repro` in a checkout")
+    p.add_argument("--root", default=".", help="the mergecal checkout to rerun (default .)")
     p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * 1"')
     p.set_defaults(func=cmd_schedule)
 
-    p = sub.add_parser("smoke", help="copy the pipeline into DIR with the smoke-size params and run dvc repro")
+    p = sub.add_parser("smoke", help="copy a checkout's pipeline into DIR with the smoke-size params and run dvc repro")
     p.add_argument("dir")
+    p.add_argument("--root", default=".", help="the mergecal checkout whose pipeline is copied (default .)")
     p.set_defaults(func=cmd_smoke)
     return parser
 

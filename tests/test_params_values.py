@@ -121,4 +121,4 @@ def test_library_configs_carry_the_types_the_validator_uses():
 
 def test_the_repository_and_smoke_params_load():
     load_params(REPO / "params.yaml")
-    load_params(REPO / "tests" / "smoke_params.yaml")
+    load_params(REPO / "mergecal" / "pipeline" / "smoke_params.yaml")

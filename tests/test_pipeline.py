@@ -17,7 +17,7 @@ from mergecal.errors import MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
 from mergecal.pipeline import text, vision
 from mergecal.pipeline.config import load_params, parse_params
-from mergecal.pipeline.workspace import SMOKE_PARAMS, create_workspace
+from mergecal.pipeline.workspace import PIPELINE_FILES, SMOKE_PARAMS, create_workspace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def built(tmp_path_factory):
     import torch
 
     torch.set_num_threads(1)
-    root = create_workspace(tmp_path_factory.mktemp("pipeline"), git=False)
+    root = create_workspace(tmp_path_factory.mktemp("pipeline"), root=REPO, git=False)
     params = load_params(root / "params.yaml")
     vision.build_data(params, root, progress=False)
     vision.pretrain(params, root, progress=False)
@@ -381,8 +381,26 @@ def test_concurrent_logging_from_several_processes_keeps_the_store_consistent(tm
 
 
 def test_smoke_params_file_is_what_the_workspace_uses(tmp_path):
-    root = create_workspace(tmp_path / "ws", git=False)
+    root = create_workspace(tmp_path / "ws", root=REPO, git=False)
     assert load_params(root / "params.yaml") == parse_params(yaml.safe_load(SMOKE_PARAMS.read_text()))
+    assert all((root / name).exists() for name in PIPELINE_FILES + (".dvcignore",))
+
+
+def test_a_workspace_needs_a_checkout_and_another_directory(tmp_path):
+    with pytest.raises(MergecalError, match=r"is not a mergecal checkout \(no dvc.yaml, stages, flows, mergecal\)"):
+        create_workspace(tmp_path / "ws", root=tmp_path)
+    assert not (tmp_path / "ws").exists()
+    with pytest.raises(MergecalError, match="another directory than the checkout"):
+        create_workspace(REPO, root=REPO)
+
+
+def test_the_scheduled_rerun_deployment_is_built_for_a_checkout_only(tmp_path):
+    from mergecal.pipeline.schedule import deployment
+
+    made = deployment("0 3 * * 1", REPO)
+    assert made.name == "scheduled-benchmark" and made.parameters == {"root": str(REPO)}
+    with pytest.raises(MergecalError, match="is not a mergecal checkout"):
+        deployment("0 3 * * 1", tmp_path)
 
 
 def test_svc_takes_the_authors_alpha_per_merge_method():

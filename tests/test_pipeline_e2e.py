@@ -22,6 +22,7 @@ from mergecal.pipeline.workspace import create_workspace
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _env():
@@ -46,7 +47,7 @@ def _cell_runs(root):
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = create_workspace(tmp_path_factory.mktemp("e2e") / "ws")
+    root = create_workspace(tmp_path_factory.mktemp("e2e") / "ws", root=REPO)
     start = time.perf_counter()
     output = _repro(root)
     print(f"cold dvc repro (smoke): {time.perf_counter() - start:.1f} s")
@@ -78,7 +79,7 @@ def test_a_cold_repro_elsewhere_writes_the_same_dvc_lock(workspace, tmp_path):
     """Regression (#13 item 7): nothing measured at run time (ids, dates, paths, seconds) is inside a DVC output,
     so a cold run in another directory records byte-identical outputs and hashes."""
     root, _ = workspace
-    other = create_workspace(tmp_path / "elsewhere")
+    other = create_workspace(tmp_path / "elsewhere", root=REPO)
     _repro(other)
     first, second = (root.parent / "dvc.lock.cold").read_text(), (other / "dvc.lock").read_text()
     assert second == first, "".join(difflib.unified_diff(first.splitlines(True), second.splitlines(True), n=8))[:4000]
@@ -145,7 +146,7 @@ def test_sigkill_mid_benchmark_then_rerun_loses_and_duplicates_nothing(workspace
 
 
 def test_scheduled_rerun_deployment_and_flow(workspace):
-    from flows.schedule import deployment, rerun
+    from mergecal.pipeline.schedule import deployment, rerun
 
     root, _ = workspace
     made = deployment("0 3 * * 1", str(root))
