@@ -17,7 +17,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test lint fast perf clean
 
 setup: $(STAMP)
 
@@ -51,11 +51,18 @@ run: $(STAMP)
 	@echo "leaderboard: $(CURDIR)/reports/leaderboard.html (also reports/leaderboard.md, reports/history.md)"
 
 # Speed and memory of the merge methods and calibrations on ViT-B/32-shaped task vectors.
-bench: $(STAMP)
-	$(BIN)/mergecal bench --calibrations --streaming --models --output reports/bench/merging.md
+perf: $(STAMP)
+	$(BIN)/mergecal perf --calibrations --streaming --models --output reports/perf/merging.md
 
-# the default suite, then the end-to-end runs that a plain `pytest` leaves out (marker `slow`)
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# the unit tier alone: no Prefect, MLflow, DVC or pipeline builds (about 2 minutes)
+fast: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -m "not slow and not integration"
+
+# lint, the default suite (unit and integration tiers), then the end-to-end runs a plain `pytest` leaves out
+test: lint
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -m slow
 

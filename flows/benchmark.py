@@ -29,30 +29,21 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.filesystems import LocalFileSystem
 
-from mergecal.checkpoint import atomic_write_text
 from mergecal.device import resolve_device
 from mergecal.errors import MergecalError
 from mergecal.pipeline.cells import (Cell, enumerate_cells, matrix_ids, measure, run_cell, source_index,
                                      threads_from_env)
 from mergecal.pipeline.config import Params, load_params, parse_params
 from mergecal.pipeline.devices import device_lease
-from mergecal.pipeline.tracking import Tracker, code_version
+from mergecal.pipeline.results import one_line, summary_row, write_results
+from mergecal.pipeline.tracking import Tracker, cell_tags, code_version, tag
 
 CELL_CACHE = Path(".mergecal") / "cells"
-# beside the summary: this run's invocation id, MLflow parent run, reuse count and seconds (not a DVC output)
-INVOCATION_FILE = "invocation.json"
 DEVICE_LOCKS = Path(".mergecal") / "devices"
 
 
 def _cell_cache_key(context, arguments: dict[str, Any]) -> str:
     return f"cell-{arguments['key']}"
-
-
-def cell_tags(cell: Cell) -> dict[str, str]:
-    return {"mergecal.backbone": cell.backbone, "mergecal.task_set": cell.task_set, "mergecal.regime": cell.regime,
-            "mergecal.merge": cell.merge, "mergecal.calibration": cell.calibration,
-            "mergecal.recipe": cell.label, "mergecal.recipe_id": cell.recipe or cell.merge,
-            "mergecal.tasks": ",".join(cell.tasks), "mergecal.track": cell.track}
 
 
 @task(name="cell", cache_key_fn=_cell_cache_key, persist_result=True, result_serializer="json")
@@ -82,7 +73,7 @@ def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: s
         if device.startswith("cuda"):
             metrics["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     run_id = tracker.log_cell(parent_run_id=parent_run_id, invocation_id=invocation_id, cell_id=key,
-                              tags={**cell_tags(cell_obj), "mergecal.device": device}, params=result.params,
+                              tags={**cell_tags(cell_obj), tag("device"): device}, params=result.params,
                               metrics=metrics, artifacts=result.diagnostics)
     return {"cell_id": key, "run_id": run_id, "status": "ok", "label": cell_obj.label, "regime": cell_obj.regime,
             "metrics": metrics}
@@ -108,11 +99,6 @@ def task_runner(params: Params):
                                           "processes": True, "dashboard_address": None})
 
 
-def _one_line(error: BaseException | Any) -> str:
-    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
-    return text.strip().splitlines()[0][:500] if text.strip() else type(error).__name__
-
-
 @flow(name="mergecal-benchmark", log_prints=True)
 def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "results/benchmark.json") -> dict:
     """Run every cell of the matrix in ``params_path``; write a summary to ``output`` (relative to ``root``)."""
@@ -131,7 +117,7 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
     params_json = json.dumps(params.model_dump(mode="json"), sort_keys=True)
     parent = tracker.start_invocation(
         invocation_id,
-        tags={"mergecal.code_version": code_version(root_path), "mergecal.cells": str(len(cells))},
+        tags={tag("code_version"): code_version(root_path), tag("cells"): str(len(cells))},
         params={"params_sha256": hashlib.sha256(params_json.encode()).hexdigest(), "cells": str(len(cells)),
                 "runner": params.runner.kind, "device": params.device})
     logger.info("benchmark %s: %d cells (MLflow %s)", invocation_id, len(cells), tracker.uri)
@@ -154,7 +140,7 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
         named = runnable.with_options(task_run_name=f"{cells[i].track}/{cells[i].regime}/{cells[i].label}")
         futures[i] = named.submit(keys[i], cells[i].to_dict(), params_dict, str(root_path), parent, invocation_id,
                                   source=source)
-    manifest, summary, failed, cached = {}, [], 0, 0
+    manifest, rows, failed, cached = {}, [], 0, 0
     for i, (key, cell, future) in enumerate(zip(keys, cells, futures), 1):
         future.wait()
         state = future.state
@@ -169,44 +155,25 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
             cached += was_cached
             manifest[key] = {"status": "ok", "run_id": outcome["run_id"], "cached": was_cached, "label": cell.label,
                              "regime": cell.regime}
-            summary.append({"cell_id": key, "track": cell.track, "label": cell.label, "regime": cell.regime,
-                            "merge": cell.merge, "calibration": cell.calibration,
-                            **{k: outcome["metrics"][k] for k in ("avg_acc", "avg_norm_acc", "selected_scaling")
-                               if k in outcome["metrics"]}})
+            rows.append(summary_row(cell, key, outcome["metrics"]))
             print(f"[{i}/{len(cells)}] {cell.regime:<14} {cell.label:<40} avg {outcome['metrics']['avg_acc']:.3f}"
                   f"{' (cached)' if was_cached else ''}")
         else:
             failed += 1
-            error = _one_line(outcome if outcome is not None else state.message)
+            error = one_line(outcome if outcome is not None else state.message)
             run_id = tracker.log_cell(parent_run_id=parent, invocation_id=invocation_id, cell_id=key,
                                       tags=cell_tags(cell), params={}, metrics={}, artifacts={}, status="failed",
                                       error=error)
             manifest[key] = {"status": "failed", "run_id": run_id, "error": error, "label": cell.label,
                              "regime": cell.regime}
-            summary.append({"cell_id": key, "track": cell.track, "label": cell.label, "regime": cell.regime,
-                            "merge": cell.merge, "calibration": cell.calibration, "error": error})
+            rows.append(summary_row(cell, key, error=error))
             print(f"[{i}/{len(cells)}] {cell.regime:<14} {cell.label:<40} FAILED: {error}")
     seconds = time.perf_counter() - start
     tracker.finish_invocation(parent, manifest, {"cells": len(cells), "failed_cells": failed, "cached_cells": cached,
                                                  "seconds": seconds})
-    # output (a DVC out) holds only what the cells computed, so a cold run of the same inputs and code writes the
-    # same bytes; what varies per run (ids, paths, reuse, seconds) goes to invocation.json beside it, uncached
-    outcome = {"experiment": params.tracking.experiment, "cells": len(cells), "failed": failed,
-               "rows": sorted(summary, key=lambda r: (r["track"], r["regime"], r["label"]))}
-    invocation = {"invocation_id": invocation_id, "parent_run_id": parent, "tracking_uri": tracker.uri,
-                  "cached": cached, "seconds": round(seconds, 1)}
-    out = root_path / output
-    atomic_write_text(out, json.dumps(outcome, indent=2))
-    atomic_write_text(out.with_name(INVOCATION_FILE), json.dumps(invocation, indent=2))
-    result = {**invocation, **outcome}
-    metrics = {"cells": len(cells), "failed": failed,
-               **{f"{r['track']}/{r['regime']}/{r['label']}": round(r["avg_norm_acc"], 4)  # tracks share labels
-                  for r in summary if "avg_norm_acc" in r}}
-    atomic_write_text(out.with_name("metrics.json"), json.dumps(metrics, indent=2, sort_keys=True))
-    csv = ["track,regime,label,avg_acc,avg_norm_acc"] + [
-        f"{r['track']},{r['regime']},{r['label']},{r['avg_acc']:.4f},{r['avg_norm_acc']:.4f}"
-        for r in result["rows"] if "avg_acc" in r]
-    atomic_write_text(out.with_name("leaderboard.csv"), "\n".join(csv) + "\n")
+    result = write_results(root_path / output, params.tracking.experiment, len(cells), failed, rows,
+                           {"invocation_id": invocation_id, "parent_run_id": parent, "tracking_uri": tracker.uri,
+                            "cached": cached, "seconds": round(seconds, 1)})
     print(f"benchmark {invocation_id}: {len(cells)} cells, {cached} cached, {failed} failed, {seconds:.1f} s")
     return result
 

@@ -307,7 +307,7 @@ def test_staging_left_by_a_killed_run_is_removed_by_the_next_run(inputs_dir, tmp
 
 def test_unknown_device_is_one_line(inputs_dir, tmp_path, capsys):
     assert main(merge_args(inputs_dir, tmp_path / "out", "--device", "tpu")) == 2
-    assert "device='tpu': expected cpu, cuda or cuda:N" in one_line_error(capsys)
+    assert "device='tpu': expected auto, cpu, cuda or cuda:N" in one_line_error(capsys)
     assert not (tmp_path / "out").exists()
 
 

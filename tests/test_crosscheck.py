@@ -456,7 +456,9 @@ def test_iso_cts_residual_is_against_common_left_space_only():
     for a in mats:
         res = a - uc @ (uc.T @ a) - (a @ vc) @ vc.T + uc @ (uc.T @ a @ vc) @ vc.T
         ut, st, vtt = np.linalg.svd(res)
-        blocks_u.append(ut[:, :per_task]); blocks_v.append(vtt[:per_task]); sig.append(st[:per_task])
+        blocks_u.append(ut[:, :per_task])
+        blocks_v.append(vtt[:per_task])
+        sig.append(st[:per_task])
     two_sided = ref.orthogonal_polar(np.hstack(blocks_u)) * np.concatenate(sig).mean() @ ref.orthogonal_polar(np.vstack(blocks_v))
     assert rel_diff(lib, two_sided) > 1e-2
 

@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 from mergecal import merge_models
 from mergecal.checkpoint import SafetensorsSource
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 
 

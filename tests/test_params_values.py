@@ -11,7 +11,6 @@ from mergecal.data.vision import SuiteConfig
 from mergecal.config_types import ConfigValueError, check_config
 from mergecal.errors import ParameterError
 from mergecal.pipeline.config import load_params
-from mergecal.train.finetune import FinetuneConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,6 +19,8 @@ from mergecal.pipeline import text, vision
 from mergecal.pipeline.config import load_params, parse_params
 from mergecal.pipeline.workspace import PIPELINE_FILES, SMOKE_PARAMS, create_workspace
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -25,6 +25,8 @@ from mergecal.reports.leaderboard import build_tables, table_markdown  # noqa: E
 from mergecal.reports.plots import block_index, diagnostic_plots, natural_key, short_names  # noqa: E402
 from mergecal.reports.runs import cells_of, invocations, load_diagnostics, load_runs, pick_invocation  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 TASKS = ("cars", "dtd")
 DAY = 86_400_000
 T0 = 1_790_000_000_000
@@ -103,6 +105,7 @@ def store(tmp_path_factory):
     uri = f"sqlite:///{root}/mlruns.db"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("mergecal", artifact_location=str(root / "artifacts"))
+    zeroshot_run = None  # inv-1's zeroshot run, which inv-2 reuses
     for i, inv in enumerate(("inv-1", "inv-2")):
         start = T0 + i * DAY
         parent = client.create_run(exp, start_time=start, tags={
@@ -357,11 +360,13 @@ def test_testbed_health_opens_the_leaderboard_before_any_table(store, tmp_path):
 
 def test_reports_read_only_tags_that_the_pipeline_writes():
     """Regression: the reports read a `mergecal.cached` tag that nothing wrote (reuse is in the manifests)."""
-    from mergecal.reports.runs import PREFIX, TAG_COLUMNS
+    from mergecal.pipeline.tracking import TAGS
+    from mergecal.reports.runs import TAG_COLUMNS
 
     root = Path(__file__).resolve().parents[1]
     writers = (root / "mergecal" / "pipeline" / "tracking.py").read_text() + (root / "flows" / "benchmark.py").read_text()
-    unwritten = [name for name in TAG_COLUMNS if f'"{PREFIX}{name}"' not in writers]
+    assert set(TAG_COLUMNS) <= set(TAGS)  # named once, in the tracking module
+    unwritten = [name for name in TAGS if f'tag("{name}")' not in writers]
     assert not unwritten
 
 

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..device import resolve_device
 from ..errors import CheckpointError, MergecalError
 from .config import Params
 

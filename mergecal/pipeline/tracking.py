@@ -22,6 +22,25 @@ from ..errors import MergecalError
 
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
 
+# Every tag the pipeline writes, named once here; the reports read them by these names (mergecal.reports.runs).
+PREFIX = "mergecal."
+TAGS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
+        "regime", "merge", "calibration", "recipe", "recipe_id", "tasks", "track", "device")
+
+
+def tag(name: str) -> str:
+    """The MLflow tag key of one of ``TAGS``."""
+    if name not in TAGS:
+        raise KeyError(f"unknown mergecal tag {name!r}")
+    return PREFIX + name
+
+
+def cell_tags(cell) -> dict[str, str]:
+    """The tags that identify a cell's run (a ``mergecal.pipeline.cells.Cell``)."""
+    return {tag("backbone"): cell.backbone, tag("task_set"): cell.task_set, tag("regime"): cell.regime,
+            tag("merge"): cell.merge, tag("calibration"): cell.calibration, tag("recipe"): cell.label,
+            tag("recipe_id"): cell.recipe or cell.merge, tag("tasks"): ",".join(cell.tasks), tag("track"): cell.track}
+
 
 def store_dir(root: str | Path, store: str) -> Path:
     return (Path(root) / store).resolve()
@@ -69,13 +88,13 @@ class Tracker:
         runs = self.client.search_runs([self.experiment_id], filter_string="attributes.status = 'RUNNING'",
                                        max_results=5000)
         for run in runs:
-            self.client.set_tag(run.info.run_id, "mergecal.status", "killed")
+            self.client.set_tag(run.info.run_id, tag("status"), "killed")
             self.client.set_terminated(run.info.run_id, "KILLED")
         return len(runs)
 
     def start_invocation(self, invocation_id: str, tags: dict[str, str], params: dict[str, str]) -> str:
         run = self.client.create_run(self.experiment_id, run_name=f"benchmark {invocation_id}",
-                                     tags={"mergecal.kind": "invocation", "mergecal.invocation_id": invocation_id, **tags})
+                                     tags={tag("kind"): "invocation", tag("invocation_id"): invocation_id, **tags})
         self._log_batch(run.info.run_id, {}, params, {})
         return run.info.run_id
 
@@ -89,8 +108,8 @@ class Tracker:
         """The run id and metrics of the cell's FINISHED ok run, if it has one."""
         runs = self.client.search_runs(
             [self.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
-            filter_string=f"tags.`mergecal.cell_id` = '{cell_id}' and attributes.status = 'FINISHED' "
-                          f"and tags.`mergecal.status` = 'ok'")
+            filter_string=f"tags.`{tag('cell_id')}` = '{cell_id}' and attributes.status = 'FINISHED' "
+                          f"and tags.`{tag('status')}` = 'ok'")
         return (runs[0].info.run_id, dict(runs[0].data.metrics)) if runs else None
 
     def finished_cell_run(self, cell_id: str) -> str | None:
@@ -105,12 +124,12 @@ class Tracker:
             existing = self.finished_cell_run(cell_id)
             if existing is not None:
                 return existing
-        all_tags = {"mlflow.parentRunId": parent_run_id, "mergecal.kind": "cell", "mergecal.invocation_id": invocation_id,
-                    "mergecal.cell_id": cell_id, "mergecal.status": status, **tags}
+        all_tags = {"mlflow.parentRunId": parent_run_id, tag("kind"): "cell", tag("invocation_id"): invocation_id,
+                    tag("cell_id"): cell_id, tag("status"): status, **tags}
         if error:
-            all_tags["mergecal.error"] = error.replace("\n", " ")[:4000]
-        run = self.client.create_run(self.experiment_id, run_name=f"{tags.get('mergecal.regime', '')} {tags.get('mergecal.recipe', cell_id)}".strip(),
-                                     tags=all_tags)
+            all_tags[tag("error")] = error.replace("\n", " ")[:4000]
+        name = f"{tags.get(tag('regime'), '')} {tags.get(tag('recipe'), cell_id)}".strip()
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
         run_id = run.info.run_id
         try:
             self._log_batch(run_id, metrics, params, {})

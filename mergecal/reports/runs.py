@@ -17,9 +17,9 @@ from typing import Any
 import pandas as pd
 
 from ..errors import MergecalError
+from ..pipeline.tracking import PREFIX
 
-PREFIX = "mergecal."
-# tag (without the prefix) -> DataFrame column
+# tags (named in mergecal.pipeline.tracking, without the prefix) read into DataFrame columns
 TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cell_id", "status", "error", "backbone", "task_set",
                "regime", "merge", "calibration", "recipe", "tasks")
 GROUP = ("backbone", "task_set", "regime")
