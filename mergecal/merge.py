@@ -90,10 +90,13 @@ def merge_models(pretrained: SourceLike, finetuned: Sequence[SourceLike], method
 def require_data_free(recipe: Recipe) -> None:
     """Reject recipe steps that need models and data (DisTaC, FSC and so DSC): only weight space streams."""
     for step in recipe.steps:
-        if step.phase in ("pre", "feature"):
+        if step.needs_data:
+            from .calibrations.registry import all_calibrations
+
+            data_free = " and/or ".join(sorted(n for n, spec in all_calibrations().items() if not spec.needs_data))
             raise ParameterError(
                 f"recipe {recipe.label!r}: step {step.name!r} needs models and data, so it runs through the pipeline "
-                "or mergecal.run_recipe; checkpoints on disk take a merge method followed by svc and/or wsc")
+                f"or mergecal.run_recipe; checkpoints on disk take a merge method followed by {data_free}")
 
 
 def merge_checkpoints(pretrained: str | os.PathLike, finetuned: Sequence[str | os.PathLike],

@@ -4,9 +4,10 @@ A recipe is a chain of steps in four phases, in this order:
 
     pre-merge (distac)*  ->  merge method (exactly one)  ->  weight space (svc | wsc)*  ->  feature space (fsc)?
 
-``dsc`` is MAGIC's dual-space calibration and expands to ``wsc -> fsc``; ``dsc_a`` to ``wsc -> fsc`` on
-task-agnostic data. The written form, e.g. ``distac→tsv_m→svc→dsc``, is kept as ``label``; ``id`` is the
-canonical form with every hyperparameter filled in, e.g.
+Each calibration's phase comes from the registry (``mergecal.calibrations.registry``). ``dsc`` is MAGIC's
+dual-space calibration, a composite that expands to ``wsc -> fsc``; ``dsc_a`` to ``wsc -> fsc`` on task-agnostic
+data (``mergecal.calibrations.dsc``). The written form, e.g. ``distac→tsv_m→svc→dsc``, is kept as ``label``;
+``id`` is the canonical form with every hyperparameter filled in, e.g.
 ``distac(...)→tsv_m(float64=False,...)→svc(alpha=1.0,...)→wsc(...)→fsc(...)``. ``Recipe.parse(recipe.id)``
 gives the same recipe back, and equal computations have equal ids (used as cache keys and run names).
 Steps accept ``→``, ``->`` or ``>`` as separators; parameters are YAML values: ``svc(alpha=1.0)``.
@@ -19,45 +20,25 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
-from pydantic import BaseModel
 
+from .calibrations.registry import calibration_names, get_calibration
 from .errors import ParameterError, UnknownNameError
 from .methods import MERGE_METHODS
 from .methods.base import build_params, format_params
 
 ARROW = "→"
 PHASES = ("pre", "merge", "weight", "feature")
-MACROS = {"dsc": [("wsc", {}), ("fsc", {})], "dsc_a": [("wsc", {}), ("fsc", {"data": "task_agnostic"})]}
-
-
-def _calibration_params(name: str) -> type[BaseModel]:
-    # imported lazily: feature-space and distillation steps pull in heavier modules
-    if name == "svc":
-        from .calibrations.svc import SvcParams
-        return SvcParams
-    if name == "wsc":
-        from .calibrations.wsc import WscParams
-        return WscParams
-    if name == "fsc":
-        from .calibrations.fsc import FscParams
-        return FscParams
-    if name == "distac":
-        from .calibrations.distac import DistacStepParams
-        return DistacStepParams
-    raise KeyError(name)
 
 
 def step_phase(name: str) -> str:
-    if name == "distac":
-        return "pre"
+    """The phase of a recipe step: a merge method, or a calibration's registered phase."""
     if name in MERGE_METHODS:
         return "merge"
-    if name in ("svc", "wsc"):
-        return "weight"
-    if name == "fsc":
-        return "feature"
-    allowed = sorted([*MERGE_METHODS, "distac", "svc", "wsc", "fsc", *MACROS])
-    raise UnknownNameError(f"unknown recipe step {name!r}; choose one of: {', '.join(allowed)}")
+    spec = get_calibration(name)
+    if spec is None:
+        allowed = sorted([*MERGE_METHODS, *calibration_names()])
+        raise UnknownNameError(f"unknown recipe step {name!r}; choose one of: {', '.join(allowed)}")
+    return spec.phase
 
 
 class Step:
@@ -66,12 +47,19 @@ class Step:
     def __init__(self, name: str, values: Mapping[str, Any] | None = None):
         self.name = name
         self.phase = step_phase(name)
-        params_cls = MERGE_METHODS[name].Params if self.phase == "merge" else _calibration_params(name)
+        if self.phase == "composite":  # composites are expanded by Recipe; a Step is one computation
+            raise ParameterError(f"recipe: {name!r} stands for several steps; build it with Recipe")
+        params_cls = MERGE_METHODS[name].Params if self.phase == "merge" else get_calibration(name).Params
         self.params = build_params(params_cls, name, dict(values or {}))
 
     @property
     def id(self) -> str:
         return f"{self.name}({format_params(self.params)})"
+
+    @property
+    def needs_data(self) -> bool:
+        """Whether the step needs models and data beyond the checkpoints (the registry's word; a merge never does)."""
+        return self.phase != "merge" and get_calibration(self.name).needs_data
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Step) and self.id == other.id
@@ -139,9 +127,8 @@ class Recipe:
     def __init__(self, steps: Sequence[tuple[str, Mapping[str, Any]]], label: str | None = None):
         expanded: list[Step] = []
         for name, values in steps:
-            if name in MACROS:
-                for sub_name, sub_values in MACROS[name]:
-                    expanded.append(Step(sub_name, {**sub_values, **self._macro_part(name, sub_name, values)}))
+            if step_phase(name) == "composite":  # dsc, dsc_a: their parts, each with its parameter group
+                expanded.extend(Step(part, part_values) for part, part_values in get_calibration(name).expand(values))
             else:
                 expanded.append(Step(name, values))
         self.steps = expanded
@@ -159,17 +146,6 @@ class Recipe:
             return
         self.steps = [Step("svc", {**step.params.model_dump(), "alpha": alpha})
                       if step.name == "svc" and step.params.alpha is None else step for step in self.steps]
-
-    @staticmethod
-    def _macro_part(macro: str, sub_name: str, values: Mapping[str, Any]) -> dict[str, Any]:
-        """``dsc(wsc={...}, fsc={...})`` passes each part its own parameters."""
-        unknown = set(values) - {"wsc", "fsc"}
-        if unknown:
-            raise ParameterError(f"recipe: {macro} takes 'wsc' and 'fsc' parameter groups, not {sorted(unknown)[0]!r}")
-        part = values.get(sub_name, {}) or {}
-        if not isinstance(part, Mapping):
-            raise ParameterError(f"recipe: {macro}: '{sub_name}' must be a mapping of parameters")
-        return dict(part)
 
     def _validate(self) -> None:
         merges = [s for s in self.steps if s.phase == "merge"]
@@ -231,21 +207,9 @@ class Recipe:
 
 
 def weight_calibrations(recipe: Recipe, sensitive: Sequence[str] | None = None) -> list:
-    """The recipe's weight-space calibrations, in order. A WSC step without its own ``sensitive`` list
-    takes the probed magnitude-sensitive keys given here (None: no conservative rule)."""
-    from .calibrations.svc import Svc
-    from .calibrations.wsc import Wsc
-
-    out = []
-    for step in recipe.phase("weight"):
-        if step.name == "svc":
-            out.append(Svc(step.params))
-        else:
-            params = step.params
-            if params.sensitive is None and sensitive is not None:
-                params = params.model_copy(update={"sensitive": list(sensitive)})
-            out.append(Wsc(params))
-    return out
+    """The recipe's weight-space calibrations, in order. A step that uses a sensitivity ranking (WSC) and has
+    no ``sensitive`` list of its own takes the probed magnitude-sensitive keys given here (None: no rule)."""
+    return [get_calibration(step.name).build(step.params, sensitive) for step in recipe.phase("weight")]
 
 
 def iter_weight_space(recipe: Recipe, task_vectors, *, sensitive: Sequence[str] | None = None,

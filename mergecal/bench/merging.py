@@ -90,10 +90,11 @@ CALIBRATIONS: list[tuple[str, str, dict]] = [
 
 def run_calibration(tvs: TaskVectorSet, merged: dict, name: str, params: dict) -> dict:
     from ..calibrations.base import iter_calibrated
-    from ..calibrations.svc import Svc
-    from ..calibrations.wsc import Wsc
+    from ..calibrations.registry import get_calibration
+    from ..methods.base import build_params
 
-    calibration = (Svc if name == "svc" else Wsc)(**params)
+    spec = get_calibration(name)  # a weight-space calibration: data-free, key by key
+    calibration = spec.build(build_params(spec.Params, name, params))
     checksum = 0.0
     with peak_memory() as mem:
         start = time.perf_counter()

@@ -27,6 +27,12 @@ class WeightCalibration(ABC):
     def __init__(self, params: CalibrationParams | None = None, **values: Any):
         self.params = params if params is not None else build_params(self.Params, self.name, values)
 
+    @classmethod
+    def from_step(cls, params: CalibrationParams, sensitive: Sequence[str] | None = None) -> WeightCalibration:
+        """The calibration for a recipe step with ``params``; ``sensitive`` is the probed magnitude-sensitive
+        keys, for calibrations that use them (see ``Wsc``)."""
+        return cls(params)
+
     @abstractmethod
     def covers(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         """Whether this calibration changes ``key`` (others pass through unchanged)."""

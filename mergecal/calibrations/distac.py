@@ -43,6 +43,7 @@ from ..errors import ParameterError, UnknownNameError
 from ..methods.base import HyperParams, build_params
 from ..device import resolve_device
 from ..task_vectors import check_finite, validate_compatible
+from .registry import register_calibration
 
 StateDict = Mapping[str, torch.Tensor]
 
@@ -307,6 +308,7 @@ def save_conditioned(state_dict: StateDict, path: str | os.PathLike, params: Dis
     return save_state_dict(state_dict, path, meta)
 
 
+@register_calibration("distac", phase="pre", needs_data=True)
 class DistacStepParams(DistacParams):
     """DisTaC as a recipe step: ``DistacParams`` plus which task vectors to condition.
 

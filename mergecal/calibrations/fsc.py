@@ -52,6 +52,7 @@ from ..families import BackboneFamily, ModuleSpec, is_affine_in_parameters, reso
 from ..methods.base import build_params, format_params
 from ..outputs import OutputDir
 from .base import CalibrationParams
+from .registry import register_calibration
 from .wsc import conservative as xor_rule
 
 FORMAT = "mergecal-fsc"
@@ -529,6 +530,7 @@ def build_calibrated_model(merged: nn.Module, pretrained: nn.Module, ratios: Map
     return FeatureCalibratedModel(model, records, pretrained_modules, family=family, params=params)
 
 
+@register_calibration("fsc", phase="feature", needs_data=True)
 class Fsc:
     """FSC as a configured calibration step (``name``/``Params``/``id`` like the weight-space calibrations)."""
 

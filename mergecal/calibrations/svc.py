@@ -32,6 +32,7 @@ from ..errors import ParameterError
 from ..keys import get_key_rule
 from ..linalg import svd
 from .base import CalibrationParams, WeightCalibration
+from .registry import register_calibration
 
 
 #: the authors' alpha per merge method it follows, where it is not 1/K (reference-details.md): suppression only
@@ -77,6 +78,7 @@ def svc_coefficients(merged: torch.Tensor, taus: list[torch.Tensor], alpha: floa
     return {"U": U, "sigma": S, "Vh": Vh, "s": s.float(), "gamma": gamma.float()}
 
 
+@register_calibration("svc", phase="weight", needs_data=False)
 class Svc(WeightCalibration):
     name = "svc"
     Params = SvcParams

@@ -25,6 +25,7 @@ import torch
 
 from ..keys import get_key_rule
 from .base import CalibrationParams, WeightCalibration
+from .registry import register_calibration
 
 EPS = 1e-8
 
@@ -60,9 +61,17 @@ def conservative(xi: torch.Tensor, sensitive: bool | None) -> torch.Tensor:
     return torch.where(apply, xi, torch.ones_like(xi))
 
 
+@register_calibration("wsc", phase="weight", needs_data=False)
 class Wsc(WeightCalibration):
     name = "wsc"
     Params = WscParams
+
+    @classmethod
+    def from_step(cls, params, sensitive=None):
+        """A step without its own ``sensitive`` list takes the probed keys (None: no conservative rule)."""
+        if params.sensitive is None and sensitive is not None:
+            params = params.model_copy(update={"sensitive": list(sensitive)})
+        return cls(params)
 
     def __init__(self, params=None, **values):
         super().__init__(params, **values)

@@ -131,7 +131,6 @@ def enumerate_cells(params: Params) -> list[Cell]:
 def _text_cells(params: Params) -> list[Cell]:
     """Text track: the weight-space chains only (see mergecal.pipeline.text)."""
     from ..recipe import Recipe
-    from .text import SUPPORTED_STEPS
 
     track, out = params.text, []
     for ref in REFERENCES:
@@ -140,7 +139,7 @@ def _text_cells(params: Params) -> list[Cell]:
         values, grid = merge_values(values)
         for chain in params.benchmark.chains:
             recipe = Recipe.parse(chain.replace("{merge}", merge))
-            if any(s.phase != "merge" and s.name not in SUPPORTED_STEPS for s in recipe.steps):
+            if any(s.needs_data for s in recipe.steps):  # no text adapter for DisTaC / FSC yet (see .text)
                 continue
             steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
             out.append(Cell("text", track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
@@ -182,6 +181,16 @@ def cell_code_digest(package_dir: Path = PACKAGE_DIR) -> str:
     return h.hexdigest()
 
 
+@lru_cache(maxsize=1024)
+def _uses_sensitivity(recipe_id: str) -> bool:
+    """Whether a step of the recipe takes the probed sensitivity ranking (the calibration registry's word:
+    WSC and FSC, whose ``sensitive`` parameter it fills in)."""
+    from ..calibrations.registry import get_calibration
+    from ..recipe import Recipe
+
+    return any(s.phase != "merge" and get_calibration(s.name).uses_sensitivity for s in Recipe.parse(recipe_id).steps)
+
+
 def cell_inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, str]:
     """The files a cell reads, by role."""
     from .vision import paths_for, regime_variants
@@ -205,7 +214,7 @@ def cell_inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, str]:
     if cell.recipe.startswith("distac"):
         for task in cell.tasks:
             files[f"distac.{task}"] = paths.distac(cell.regime) / f"{task}.safetensors"
-    if "wsc(" in cell.recipe or "fsc(" in cell.recipe:
+    if cell.recipe and _uses_sensitivity(cell.recipe):
         files["sensitivity"] = paths.sensitivity(cell.regime)
     return {k: str(v) for k, v in files.items()}
 
@@ -450,7 +459,7 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
     else:
         states = models.finetuned(cell.regime)
     rest = [(s.name, s.params.model_dump()) for s in recipe.steps if s.phase != "pre"]
-    needs_sensitive = any(s.name in ("wsc", "fsc") for s in recipe.steps)
+    needs_sensitive = _uses_sensitivity(cell.recipe)
     sensitivity_path = paths.sensitivity(cell.regime) if needs_sensitive else None
     sensitive = SensitivityRanking.load(sensitivity_path).sensitive if sensitivity_path else None
 

@@ -6,8 +6,9 @@ task, merged encoders scored with each task's own head.
                                                         plus ``head.*`` (the task's own head)
     models/<backbone>/references.json                   each fine-tuned model's validation/test scores
 
-Only weight-space chains run on this track (merge, SVC, WSC without a probed ranking): DisTaC and FSC need a
-task-model adapter for text that is not built yet, so the pipeline skips those chains here.
+Only data-free chains run on this track (merge, SVC, WSC without a probed ranking): the steps the calibration
+registry marks ``needs_data`` (DisTaC, FSC, so DSC) need a task-model adapter for text that is not built yet,
+so the pipeline skips those chains here (``cells._text_cells``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from ..checkpoint import atomic_write_text, load_state_dict, save_state_dict
 from .config import Params
 
 HEAD = "head."
-SUPPORTED_STEPS = ("svc", "wsc")
 
 
 def data_root(root: str | Path) -> Path:
