@@ -70,10 +70,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.merging import main as bench_main
+def cmd_perf(args: argparse.Namespace) -> int:
+    from .perf.merging import main as perf_main
 
-    return bench_main(args)
+    return perf_main(args)
 
 
 def _pipeline(args: argparse.Namespace):
@@ -161,11 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="2GB", help="shard size of the output (default 2GB)")
     p.set_defaults(func=cmd_merge)
 
-    from .bench.merging import add_arguments
+    from .perf.merging import add_arguments
 
-    p = sub.add_parser("bench", help="time every merge method on ViT-B/32-shaped task vectors")
+    p = sub.add_parser("perf", help="time every merge method on ViT-B/32-shaped task vectors (speed and memory)")
     add_arguments(p)
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_perf)
 
     def pipeline_args(p):
         p.add_argument("--root", default=".", help="repository root of the pipeline (default .)")

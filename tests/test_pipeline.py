@@ -163,7 +163,7 @@ def test_cell_code_digest_follows_cell_code_only(tmp_path):
     digest = cells_mod.cell_code_digest.__wrapped__
     before = digest(package)
     assert before == cells_mod.cell_code_digest() == digest(cells_mod.PACKAGE_DIR)
-    for edited in ("reports/leaderboard.py", "cli.py", "bench/merging.py"):  # no effect on any cell's result
+    for edited in ("reports/leaderboard.py", "cli.py", "perf/merging.py"):  # no effect on any cell's result
         (package / edited).write_text((package / edited).read_text() + "\n# edited\n")
     assert digest(package) == before
     for edited in ("methods/ties.py", "calibrations/svc.py", "evaluation/zeroshot.py", "pipeline/cells.py"):

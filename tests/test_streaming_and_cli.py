@@ -117,7 +117,7 @@ def test_console_script_lists_methods():
 
 def test_benchmark_quick_prints_a_row_per_method(tmp_path):
     out = tmp_path / "bench.md"
-    result = subprocess.run([sys.executable, "-m", "mergecal.cli", "bench", "--quick", "--calibrations", "--streaming",
+    result = subprocess.run([sys.executable, "-m", "mergecal.cli", "perf", "--quick", "--calibrations", "--streaming",
                              "--output", str(out)],
                             capture_output=True, text=True, check=True)
     table = out.read_text()

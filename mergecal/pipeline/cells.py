@@ -166,7 +166,7 @@ def file_digest(path: str | Path) -> str:
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # parts of the package that never change a cell's result: reports, speed benchmarks, the command line
-NOT_CELL_CODE = ("reports", "bench", "cli.py", "ui.py")
+NOT_CELL_CODE = ("reports", "perf", "cli.py", "ui.py")
 
 
 @lru_cache(maxsize=8)
@@ -511,7 +511,7 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
 
 def measure(fn, *args, **kwargs) -> tuple[Any, float, float]:
     """(result, seconds, peak resident MiB of the process during the call)."""
-    from ..bench.memory import peak_memory
+    from ..perf.memory import peak_memory
 
     start = time.perf_counter()
     with peak_memory() as peak:

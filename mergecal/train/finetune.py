@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..config_types import Count, NonNegativeInt, NonNegativeReal, PositiveReal, Probability
 from ..errors import ParameterError, UnknownNameError
 from ..regimes import OBJECTIVES, Objective
-from .schedule import cosine_lr, set_lr
+from .lr_schedule import cosine_lr, set_lr
 
 LowConfidenceLoss = Literal["label_smoothing", "mixup", "focal"]
 LOW_CONFIDENCE_LOSSES: tuple[str, ...] = get_args(LowConfidenceLoss)

@@ -19,7 +19,7 @@ from ..config_types import Count, Flag, NonNegativeInt, NonNegativeReal, Positiv
 from ..backbones.hf_text import build_classifier, load_encoder, tokenize
 from ..calibrations.confidence import expected_calibration_error, prediction_entropy
 from ..errors import ParameterError
-from .schedule import warmup_cosine
+from .lr_schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def classifier_logits(model: torch.nn.Module, encoded: Mapping[str, torch.Tensor
     mask = encoded["attention_mask"]
     order = torch.argsort(mask.sum(1), descending=True, stable=True)
     chunks = []
-    with torch.inference_mode():  # no autograd bookkeeping; speed as no_grad within noise (scripts/bench_eval_speed.py)
+    with torch.inference_mode():  # no autograd bookkeeping; speed as no_grad within noise (scripts/perf_eval_speed.py)
         for i in range(0, len(order), batch_size):
             idx = order[i:i + batch_size]
             ids, batch_mask = _trim(encoded["input_ids"][idx], mask[idx])

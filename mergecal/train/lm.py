@@ -26,7 +26,7 @@ from ..backbones.hf_causal_lm import load_causal_lm, save_causal_lm
 from ..device import resolve_device
 from ..checkpoint import atomic_write_text
 from ..errors import ParameterError
-from .schedule import cosine_lr, set_lr
+from .lr_schedule import cosine_lr, set_lr
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 METADATA_FILE = "training.json"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..config_types import Count, NonNegativeInt, NonNegativeReal, PositiveReal
 from ..errors import ParameterError
-from .schedule import cosine_lr, set_lr  # noqa: F401  (re-exported: mergecal.train.cosine_lr)
+from .lr_schedule import cosine_lr, set_lr  # noqa: F401  (re-exported: mergecal.train.cosine_lr)
 
 MAX_LOGIT_SCALE = math.log(100.0)
 

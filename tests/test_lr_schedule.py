@@ -8,7 +8,7 @@ import torch
 
 from mergecal.errors import ParameterError
 from mergecal.train import cosine_lr
-from mergecal.train.schedule import set_lr, warmup_cosine
+from mergecal.train.lr_schedule import set_lr, warmup_cosine
 
 
 def test_warmup_is_linear_then_cosine_reaches_zero_and_stays():

@@ -211,7 +211,7 @@ def main(args: argparse.Namespace) -> int:
     if args.streaming:
         import tempfile
 
-        with tempfile.TemporaryDirectory(prefix="mergecal-bench-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="mergecal-perf-") as tmp:
             streaming_rows = run_streaming(task_vectors, Path(tmp))
         rows.extend(streaming_rows)
         lines = [f"Streaming merge from sharded safetensors on disk (64 MiB shards): {setting}", "",

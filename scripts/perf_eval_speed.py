@@ -1,6 +1,6 @@
 """Evaluation speed on CPU, side by side in one process: what the default benchmark's choices buy.
 
-    .venv/bin/python scripts/bench_eval_speed.py [--repeats 5]
+    .venv/bin/python scripts/perf_eval_speed.py [--repeats 5]
 
 1. Autograd mode of the evaluation loops (``mergecal.evaluation.zeroshot.predict_logits`` and
    ``mergecal.train.finetune_text.classifier_logits`` run in ``torch.inference_mode``): the same forward
