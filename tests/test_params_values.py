@@ -121,3 +121,20 @@ def test_library_configs_carry_the_types_the_validator_uses():
 def test_the_repository_and_smoke_params_load():
     load_params(REPO / "params.yaml")
     load_params(REPO / "mergecal" / "pipeline" / "smoke_params.yaml")
+
+
+def test_schema_defaults_are_the_librarys_and_enabled_means_what_it_says():
+    """Regression (#18 defect 7): defaults were written at three levels and disagreed; a track's `enabled`
+    was read for text only."""
+    from mergecal.data.text import DEFAULT_TASKS
+    from mergecal.pipeline.cells import enumerate_cells
+    from mergecal.pipeline.config import parse_params
+    from mergecal.train.pretrain_clip import PretrainConfig
+
+    defaults = parse_params({})
+    assert defaults.vision.arch == PretrainConfig().arch and tuple(defaults.text.tasks) == DEFAULT_TASKS
+    assert defaults.vision.enabled and defaults.text.enabled  # the stages build both tracks
+    merges = {"benchmark": {"merges": {"ties": {}}}}
+    assert {c.track for c in enumerate_cells(parse_params(merges))} == {"vision", "text"}
+    assert {c.track for c in enumerate_cells(parse_params({**merges, "vision": {"enabled": False}}))} == {"text"}
+    assert {c.track for c in enumerate_cells(parse_params({**merges, "text": {"enabled": False}}))} == {"vision"}

@@ -105,7 +105,7 @@ def enumerate_cells(params: Params) -> list[Cell]:
 
     cells = []
     track = params.vision
-    for regime in track.regimes:
+    for regime in track.regimes if track.enabled else ():
         for ref in REFERENCES:
             cells.append(Cell("vision", track.backbone, track.task_set, tuple(track.tasks), regime, ref, ""))
         for merge, values in params.benchmark.merges.items():

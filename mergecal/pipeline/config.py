@@ -39,6 +39,15 @@ def _check_dataclass(cls: type, values: dict[str, Any], where: str) -> dict[str,
     return {name: getattr(built, name) for name in values}
 
 
+def _library_default(module: str, cls: str, field: str) -> Any:
+    """A default the schema shares with a library config dataclass: read from it, not written twice."""
+    import dataclasses
+    import importlib
+
+    config = getattr(importlib.import_module(f"mergecal.{module}"), cls)
+    return next(f.default for f in dataclasses.fields(config) if f.name == field)
+
+
 def _distinct(values: list[str], what: str, at_least: int = 1) -> list[str]:
     if len(values) < at_least:
         raise ValueError(f"expected at least {at_least} {what}, got {len(values)}")
@@ -51,9 +60,9 @@ def _distinct(values: list[str], what: str, at_least: int = 1) -> list[str]:
 class VisionTrack(Strict):
     """The open_clip track: a small ViT pretrained by the project, fine-tuned per task (image encoder only)."""
 
-    enabled: bool = True
+    enabled: bool = True  # False leaves the track's cells out of the matrix (its DVC stages still build it)
     backbone: str = Field("clip-tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a directory name under models/
-    arch: str = "mergecal-vit-tiny"
+    arch: str = Field(default_factory=lambda: _library_default("train.pretrain_clip", "PretrainConfig", "arch"))
     task_set: str = "vision8"
     tasks: list[str] = Field(default_factory=lambda: ["shapes", "colors", "counts", "textures", "digits", "typefaces",
                                                       "inks", "handwritten"])
@@ -112,13 +121,19 @@ class VisionTrack(Strict):
         return self
 
 
+def _library_default_tasks() -> tuple[str, ...]:
+    from ..data.text import DEFAULT_TASKS
+
+    return DEFAULT_TASKS
+
+
 class TextTrack(Strict):
     """The MiniLM track: the packaged pretrained encoder, a head per task, merged encoders scored per head."""
 
-    enabled: bool = False
+    enabled: bool = True  # as vision: False leaves the cells out; the text stages always build the track
     backbone: str = Field("minilm", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     task_set: str = "text4"
-    tasks: list[str] = Field(default_factory=lambda: ["wordnet_nouns", "wordnet_verbs", "wordnet_pos", "bbc_topics"])
+    tasks: list[str] = Field(default_factory=lambda: list(_library_default_tasks()))
     regimes: list[Objective] = Field(default_factory=lambda: ["standard"])  # no norm-mismatch variant here
     data: dict[str, Any] = Field(default_factory=dict)
     finetune: dict[str, Any] = Field(default_factory=dict)
