@@ -135,7 +135,8 @@ class SafetensorsSource:
                 index = json.loads(path.read_text())
                 weight_map = index["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise CheckpointError(f"{path}: not a safetensors index (expected a JSON object with 'weight_map'): {err}") from None
+                raise CheckpointError(f"{path}: not a safetensors index "
+                                      f"(expected a JSON object with 'weight_map'): {err}") from None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 got = type(weight_map).__name__ if not isinstance(weight_map, dict) else "a non-string shard"
                 raise CheckpointError(f"{path}: 'weight_map' must map tensor names to shard files, got {got}")
@@ -184,7 +185,8 @@ class SafetensorsSource:
         return (self._open(first).metadata() or {}) if first else {}
 
 
-def as_source(obj: TensorSource | Mapping[str, torch.Tensor] | str | os.PathLike, name: str | None = None) -> TensorSource:
+def as_source(obj: TensorSource | Mapping[str, torch.Tensor] | str | os.PathLike,
+              name: str | None = None) -> TensorSource:
     """Wrap a mapping or a path as a ``TensorSource`` (sources pass through)."""
     if isinstance(obj, (str, os.PathLike)):
         return SafetensorsSource(obj, name=f"{name} ({obj})" if name else None)
@@ -192,7 +194,8 @@ def as_source(obj: TensorSource | Mapping[str, torch.Tensor] | str | os.PathLike
         return DictSource(obj, name=name or "state_dict")
     if isinstance(obj, TensorSource):
         return obj
-    raise CheckpointError(f"{name or 'input'}: expected a state dict, a TensorSource or a path, got {type(obj).__name__}")
+    raise CheckpointError(f"{name or 'input'}: expected a state dict, a TensorSource or a path, "
+                          f"got {type(obj).__name__}")
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -229,7 +232,8 @@ def _readable(path: str | os.PathLike) -> None:
     os.chmod(path, 0o666 & ~umask())
 
 
-def save_state_dict(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
+def save_state_dict(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
+                    metadata: Mapping[str, str] | None = None) -> Path:
     """Write one ``.safetensors`` file atomically (temporary file in the same directory, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -258,8 +262,9 @@ class ShardedCheckpointWriter:
     after ``finish()`` and before ``close()``.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3, metadata: Mapping[str, str] | None = None,
-                 *, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False):
+    def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3,
+                 metadata: Mapping[str, str] | None = None, *, inputs: Iterable[str | os.PathLike] = (),
+                 overwrite: bool = False):
         if max_shard_bytes <= 0:
             raise CheckpointError(f"max_shard_bytes: expected a positive number of bytes, got {max_shard_bytes}")
         self.max_shard_bytes = max_shard_bytes

@@ -234,7 +234,8 @@ def get_family(name: str) -> BackboneFamily:
     try:
         return FAMILIES[name]
     except KeyError:
-        raise UnknownNameError(f"unknown backbone family {name!r}; choose one of: {', '.join(sorted(FAMILIES))}") from None
+        raise UnknownNameError(f"unknown backbone family {name!r}; "
+                               f"choose one of: {', '.join(sorted(FAMILIES))}") from None
 
 
 def family_for(model: nn.Module) -> BackboneFamily:

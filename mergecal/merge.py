@@ -52,7 +52,8 @@ def merge_task_vectors(task_vectors: Sequence[SourceLike] | TaskVectorSet, metho
                        *, device: str | None = None, progress: bool = False, **params: Any) -> dict[str, torch.Tensor]:
     """The merged task vector ``{key: tensor}`` (float32) of K task vectors."""
     method = get_merge_method(method, **params)
-    tvs = task_vectors if isinstance(task_vectors, TaskVectorSet) else TaskVectorSet.from_task_vectors(task_vectors, device=device)
+    tvs = (task_vectors if isinstance(task_vectors, TaskVectorSet)
+           else TaskVectorSet.from_task_vectors(task_vectors, device=device))
     return dict(iter_merge(tvs, method, progress=progress))
 
 

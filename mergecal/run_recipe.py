@@ -113,7 +113,8 @@ def run_recipe(recipe: Recipe | str, pretrained: StateDict, finetuned: Sequence[
         else:
             data = _require(inputs.fsc_data, "fsc_data", "fsc")
         device = torch.device(inputs.device)
-        model = calibrate_fsc(build(state).to(device), build(pretrained).to(device), [build(m).to(device) for m in models],
+        model = calibrate_fsc(build(state).to(device), build(pretrained).to(device),
+                              [build(m).to(device) for m in models],
                               data, family=inputs.family, params=params, progress=inputs.progress, copy_model=False)
         diagnostics["fsc"] = {"ratios": model.ratios, "folded": model.folded, "hooked": model.hooked,
                               "identity": model.identity}

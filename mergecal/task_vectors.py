@@ -171,7 +171,8 @@ def apply_task_vector(pretrained: SourceLike, tau: Mapping[str, torch.Tensor], s
         if key in tau:
             if tuple(tau[key].shape) != tuple(base.shape):
                 raise IncompatibleModelsError(
-                    f"key {key!r}: shape {tuple(tau[key].shape)} in the task vector but {tuple(base.shape)} in {pre.name}"
+                    f"key {key!r}: shape {tuple(tau[key].shape)} in the task vector "
+                    f"but {tuple(base.shape)} in {pre.name}"
                 )
             merged = base.to(COMPUTE_DTYPE) + scaling * tau[key].to(device=base.device, dtype=COMPUTE_DTYPE)
             out[key] = merged.to(out_dtype or base.dtype)

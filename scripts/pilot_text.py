@@ -46,7 +46,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     base = SMOKE_TEXT_FINETUNE if args.smoke else defaults
     suite = SMOKE_TEXT_SUITE if args.smoke else suite_defaults
-    config = dataclasses.replace(base, **{k: v for k, v in {"steps": args.steps, "lr": args.lr, "batch_size": args.batch_size,
+    config = dataclasses.replace(base, **{k: v for k, v in {"steps": args.steps, "lr": args.lr,
+                                                             "batch_size": args.batch_size,
                                                              "max_length": args.max_length}.items() if v is not None})
     suite = dataclasses.replace(suite, **{k: v for k, v in {"n_train": args.n_train, "n_test": args.n_test}.items()
                                           if v is not None})

@@ -11,7 +11,8 @@ def stage(params, root, args):
     start = time.perf_counter()  # printed to the stage log only: outputs carry no wall-clock figure
     report = vision.pretrain(params, root, device=device(params))
     accuracy = [r["test"]["accuracy"] for r in report["zeroshot"].values()]
-    print(f"pretrained in {time.perf_counter() - start:.0f} s; zero-shot test accuracy {sum(accuracy) / len(accuracy):.3f}")
+    print(f"pretrained in {time.perf_counter() - start:.0f} s; "
+          f"zero-shot test accuracy {sum(accuracy) / len(accuracy):.3f}")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ RECIPE_IDS = [
      'distac→ties→svc→wsc→dsc_a',
      "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=1.0,lr=1e-05,optimizer='adam',seed=0,steps=50,t_student=10.0,t_teacher=1.0)→ties(disjoint='mean',scaling=1.0,sign_vote='mass',top_k=0.3,trim_scope='global')→svc(alpha=None,calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,space='column',targeted_task=None)→wsc(key_rule='wsc_weights',projection='least_squares',sensitive=None)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
      '97d85cc79feaa8e0'),
-    ('task_arithmetic(scaling=0.3)->svc(targeted_task=1, space=row)->dsc(wsc={projection: least_squares, sensitive: [a.weight]}, fsc={n_samples_per_task: 4, norm: l2})',
+    ('task_arithmetic(scaling=0.3)->svc(targeted_task=1, space=row)->dsc(wsc={projection: least_squares, '
+     'sensitive: [a.weight]}, fsc={n_samples_per_task: 4, norm: l2})',
      'task_arithmetic→svc→dsc',
      "task_arithmetic(scaling=0.3)→svc(alpha=None,calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,space='row',targeted_task=1)→wsc(key_rule='wsc_weights',projection='least_squares',sensitive=['a.weight'])→fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=4,norm='l2',sensitive=None,token_ratios='per_token')",
      '7b6faf6f8b0c736d'),
@@ -99,7 +100,8 @@ RECIPE_IDS = [
      '3bfec8e77af1aa54'),
 ]
 
-CONFIG = ('distac→dare→svc→dsc', "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',seed=0,steps=500,t_student=10.0,t_teacher=10.0)→dare(base='task_arithmetic',disjoint='mean',drop_rate=0.5,rescale='inverse_keep',scaling=0.3,seed=0,sign_vote='mass',top_k=0.2,trim_scope='global')→svc(alpha=None,calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,space='column',targeted_task=None)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')")
+CONFIG = ('distac→dare→svc→dsc',
+          "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',seed=0,steps=500,t_student=10.0,t_teacher=10.0)→dare(base='task_arithmetic',disjoint='mean',drop_rate=0.5,rescale='inverse_keep',scaling=0.3,seed=0,sign_vote='mass',top_k=0.2,trim_scope='global')→svc(alpha=None,calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,space='column',targeted_task=None)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')")
 
 
 @pytest.mark.parametrize("text,label,recipe_id,digest", RECIPE_IDS)

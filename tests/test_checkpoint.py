@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergecal.checkpoint import MARKER, SafetensorsSource, ShardedCheckpointWriter, load_state_dict, save_checkpoint, save_state_dict
+from mergecal.checkpoint import (MARKER, SafetensorsSource, ShardedCheckpointWriter, load_state_dict, save_checkpoint,
+                                 save_state_dict)
 from mergecal.errors import CheckpointError
 
 
@@ -104,7 +105,8 @@ def test_corrupt_file_and_bad_index_give_clear_errors(tmp_path):
 
 def test_index_listing_a_key_absent_from_its_shard_is_an_error(tmp_path):
     save_file({"a": torch.ones(2)}, str(tmp_path / "s.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s.safetensors", "b": "s.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s.safetensors",
+                                                                                      "b": "s.safetensors"}}))
     with pytest.raises(CheckpointError, match="'b'"):
         SafetensorsSource(tmp_path / "model.safetensors.index.json")
 

@@ -115,7 +115,8 @@ def test_safe_loading_of_local_weight_files(tmp_path):
         assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
     assert load_weights_file(tmp_path / "ckpt.pt").keys() == sd.keys()
     torch.save(Pickled(), tmp_path / "module.pt")  # a whole pickled module, like task_vectors' checkpoints
-    with pytest.raises(CheckpointError, match="pickled Python object.*allow_unsafe_pickle=True only for a file you trust"):
+    with pytest.raises(CheckpointError,
+                       match="pickled Python object.*allow_unsafe_pickle=True only for a file you trust"):
         load_weights_file(tmp_path / "module.pt")
     unsafe = load_weights_file(tmp_path / "module.pt", allow_unsafe_pickle=True)
     assert set(unsafe) == {"layer.weight", "layer.bias"}

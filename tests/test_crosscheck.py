@@ -210,7 +210,8 @@ def test_ties_zero_vote_with_zero_majority_documented_difference():
     models = make_task_vectors(2)
     params = dict(trim_scope="per_tensor", sign_vote="count")
     key = "blocks.0.attn.in_proj_weight"  # its per-tensor majority of count votes is exactly 0 here
-    assert rel_diff(run_library(models, "ties", **params)[key], ref.ties(models, unsigned="negative", **params)[key]) > 1e-2
+    assert rel_diff(run_library(models, "ties", **params)[key],
+                    ref.ties(models, unsigned="negative", **params)[key]) > 1e-2
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -459,7 +460,8 @@ def test_iso_cts_residual_is_against_common_left_space_only():
         blocks_u.append(ut[:, :per_task])
         blocks_v.append(vtt[:per_task])
         sig.append(st[:per_task])
-    two_sided = ref.orthogonal_polar(np.hstack(blocks_u)) * np.concatenate(sig).mean() @ ref.orthogonal_polar(np.vstack(blocks_v))
+    two_sided = (ref.orthogonal_polar(np.hstack(blocks_u)) * np.concatenate(sig).mean()
+                 @ ref.orthogonal_polar(np.vstack(blocks_v)))
     assert rel_diff(lib, two_sided) > 1e-2
 
 

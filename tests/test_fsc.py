@@ -74,7 +74,8 @@ def test_open_clip_family_names_and_layout(clip):
     assert pre.visual.transformer.batch_first and specs["visual.transformer.resblocks.0.attn"].batch_dim == 0
     shapes = {n: tuple(r.shape) for n, r in clip["m"].raw_ratios.items()}
     assert shapes["visual.conv1"] == (32,)
-    assert shapes["visual.transformer.resblocks.0.attn"] == shapes["visual.transformer.resblocks.1.mlp.c_fc"] == (N_TOKENS,)
+    assert (shapes["visual.transformer.resblocks.0.attn"] == shapes["visual.transformer.resblocks.1.mlp.c_fc"]
+            == (N_TOKENS,))
     assert shapes["visual.ln_pre"] == shapes["visual.ln_post"] == ()
 
 
@@ -236,7 +237,8 @@ def test_conservative_rule_per_module(clip):
     assert torch.equal(m_none.applied_ratios()[attn0], straddle)
 
     # end to end: the flags come from the names given to measure_fsc
-    measured = measure_fsc(clip["merged"], clip["pre"], clip["finetuned"], clip["inputs"], params=params, progress=False)
+    measured = measure_fsc(clip["merged"], clip["pre"], clip["finetuned"], clip["inputs"], params=params,
+                           progress=False)
     assert measured.sensitive[attn0] is True and measured.sensitive[cfc0] is False
     r = measured.raw_ratios[attn0]
     assert torch.equal(measured.applied_ratios()[attn0], torch.where(r < 1, r, torch.ones_like(r)))
@@ -274,7 +276,8 @@ def test_hooked_module_outputs_f0_plus_r_times_task_feature(clip, calibrated):
             seen[name] = (args, kwargs, output)
         return hook
 
-    handles = [calibrated.model.get_submodule(n).register_forward_hook(spy(n), with_kwargs=True) for n in (cfc, attn, gelu)]
+    handles = [calibrated.model.get_submodule(n).register_forward_hook(spy(n), with_kwargs=True)
+               for n in (cfc, attn, gelu)]
     try:
         calibrated.encode_image(images(60, n=2))
     finally:
@@ -406,7 +409,8 @@ def test_params_validation_and_recipe():
     assert FscParams() == FscParams(n_samples_per_task=1, norm="l1", aggregate="mean", sensitive=None, data="task")
     with pytest.raises(ParameterError, match="fsc: unknown parameter 'lam'"):
         measure_fsc(nn.Linear(2, 2), nn.Linear(2, 2), [nn.Linear(2, 2)], [torch.zeros(1, 2)], lam=1)
-    with pytest.raises(ParameterError, match="fsc: parameter 'n_samples_per_task': Input should be greater than or equal to 1"):
+    with pytest.raises(ParameterError,
+                       match="fsc: parameter 'n_samples_per_task': Input should be greater than or equal to 1"):
         Fsc(n_samples_per_task=0)
     assert Fsc(norm="l2").id == ("fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=1,norm='l2',"
                                  "sensitive=None,token_ratios='per_token')")

@@ -48,7 +48,8 @@ def venv(tmp_path_factory):
     _run([sys.executable, "-m", "venv", "--without-pip", env_dir], cwd=tmp)
     python = env_dir / "bin" / "python"
     _run([*pip, "--python", python, "install", "--no-deps", "--no-index", wheel], cwd=tmp)
-    own = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).stdout.strip())
+    own = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                    cwd=tmp).stdout.strip())
     deps = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
     (own / "zz_dependencies.pth").write_text("".join(f"{path}\n" for path in deps))
     work = tmp / "elsewhere"  # the cwd of every command: no checkout in it or above it

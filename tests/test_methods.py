@@ -266,7 +266,8 @@ def test_tsv_m_truncates_each_task_to_floor_r_over_k():
     Q, _ = torch.linalg.qr(torch.randn(20, 20, generator=g))
     P, _ = torch.linalg.qr(torch.randn(9, 9, generator=g))
     spectra = [torch.tensor([5.0, 4, 3, 2, 1]), torch.tensor([6.0, 2, 1, 0.5])]
-    taus = [{"w": Q[:, :5] @ torch.diag(spectra[0]) @ P[:, :5].T}, {"w": Q[:, 5:9] @ torch.diag(spectra[1]) @ P[:, 5:9].T}]
+    taus = [{"w": Q[:, :5] @ torch.diag(spectra[0]) @ P[:, :5].T},
+            {"w": Q[:, 5:9] @ torch.diag(spectra[1]) @ P[:, 5:9].T}]
     merged = merge_task_vectors(taus, "tsv_m")
     expected = Q[:, :4] @ torch.diag(spectra[0][:4]) @ P[:, :4].T + taus[1]["w"]
     torch.testing.assert_close(merged["w"], expected, rtol=1e-4, atol=1e-5)
@@ -295,7 +296,8 @@ def test_svd_methods_average_non_matrix_keys_and_text_projection(task_vectors):
 
 def test_iso_c_spectrum_is_flat_with_the_sum_mean(task_vectors):
     merged = merge_task_vectors(task_vectors, "iso_c")
-    for key in ("visual.blocks.0.attn.in_proj_weight", "visual.blocks.0.mlp.c_proj.weight", "visual.positional_embedding"):
+    for key in ("visual.blocks.0.attn.in_proj_weight", "visual.blocks.0.mlp.c_proj.weight",
+                "visual.positional_embedding"):
         total = sum(t[key] for t in task_vectors)
         sv_sum = torch.linalg.svdvals(total.double())
         sv_out = torch.linalg.svdvals(merged[key].double())

@@ -114,7 +114,8 @@ def test_finetune_stage_reports_accuracy_on_the_true_validation_split(built):
 def test_cells_cover_the_matrix_with_distinct_ids(built):
     root, params = built
     cells = cells_mod.enumerate_cells(params)
-    n_regimes, n_merges, n_chains = len(params.vision.regimes), len(params.benchmark.merges), len(params.benchmark.chains)
+    n_regimes, n_merges, n_chains = (len(params.vision.regimes), len(params.benchmark.merges),
+                                     len(params.benchmark.chains))
     vision_cells = [c for c in cells if c.track == "vision"]
     assert len(vision_cells) == n_regimes * (2 + n_merges * n_chains)
     # the text track runs the weight-space chains only ("{merge}" and "{merge}>svc" in the smoke matrix)
@@ -406,7 +407,8 @@ def test_the_scheduled_rerun_deployment_is_built_for_a_checkout_only(tmp_path):
 
 
 def test_svc_takes_the_authors_alpha_per_merge_method():
-    params = parse_params({"benchmark": {"merges": {"tsv_m": {}, "ties": {}}, "chains": ["{merge}>svc", "{merge}>svc(alpha=0.5)"]}})
+    params = parse_params({"benchmark": {"merges": {"tsv_m": {}, "ties": {}},
+                                         "chains": ["{merge}>svc", "{merge}>svc(alpha=0.5)"]}})
     recipes = {c.label: c.recipe for c in cells_mod.enumerate_cells(params) if c.regime == "standard"}
     assert "svc(alpha=1.0," in recipes["tsv_m>svc"]  # suppression only after TSV-M
     assert "svc(alpha=None," in recipes["ties>svc"]  # 1/K
@@ -472,8 +474,8 @@ def test_a_calibrated_cell_calibrates_the_merge_at_the_given_scaling(built):
     assert given["selected_scaling"] == 1.0
 
 
-@pytest.mark.parametrize("method", ["weight_averaging", "task_arithmetic", "ties", "dare", "consensus", "tsv_m", "iso_c",
-                                    "iso_cts"])
+@pytest.mark.parametrize("method", ["weight_averaging", "task_arithmetic", "ties", "dare", "consensus", "tsv_m",
+                                    "iso_c", "iso_cts"])
 def test_a_grid_merged_once_and_rescaled_equals_merging_at_each_value(method, pretrained, finetuned):
     from mergecal.recipe import Recipe
     from mergecal.run_recipe import RecipeInputs, run_recipe
@@ -510,7 +512,8 @@ def test_testbed_health_reports_each_criterion_from_the_built_files(built):
     assert measured["ta_below_finetuned"] == pytest.approx(sum(ft) / len(ft) - 50.0)
     hot = params.vision.norm_mismatch_task
     others = [diag["standard"][t]["norm"] for t in tasks if t != hot]
-    assert measured["norm_mismatch_ratio_min"] == pytest.approx(diag["norm_mismatch"][hot]["norm"] / (sum(others) / len(others)))
+    assert measured["norm_mismatch_ratio_min"] == pytest.approx(diag["norm_mismatch"][hot]["norm"]
+                                                                / (sum(others) / len(others)))
     grid = params.benchmark.merges["task_arithmetic"]["scaling"]
     assert health["merges"]["task_arithmetic"]["interior"] == (min(grid) < 0.3 < max(grid))
     baseline = json.loads(paths.sensitivity("standard").read_text())["baseline"]

@@ -13,7 +13,8 @@ from mergecal.recipe import Recipe, iter_weight_space
 def test_string_form_is_canonical_and_round_trips():
     short = Recipe.parse("tsv_m->svc(alpha=1.0)->wsc")
     assert short.label == "tsv_m→svc→wsc"
-    assert short.id.startswith("tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0)→svc(alpha=1.0,")
+    assert short.id.startswith("tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0)"
+                               "→svc(alpha=1.0,")
     assert Recipe.parse(short.id) == short and Recipe.parse(short.id).id == short.id
     # defaults written out or left implicit give the same id; other spellings of the arrow too
     assert Recipe.parse("tsv_m(scaling=1.0) > svc(alpha=1.0, space='column') → wsc") == short
@@ -76,5 +77,6 @@ def test_distac_presets_resolve_to_explicit_values_in_the_id():
     assert (low.kappa, low.t_teacher, low.t_student, low.steps, low.apply_to) == (1.0, 1.0, 10.0, 50, "all")
     # dsc expands to wsc then fsc; dsc_a runs fsc on task-agnostic data
     assert [s.name for s in recipe.steps] == ["distac", "tsv_m", "svc", "wsc", "fsc"]
-    with pytest.raises(ParameterError, match="distac: unknown preset 'nope'; choose one of: low_confidence, norm_mismatch"):
+    with pytest.raises(ParameterError,
+                       match="distac: unknown preset 'nope'; choose one of: low_confidence, norm_mismatch"):
         Recipe.parse("distac(preset=nope)->ties")

@@ -86,7 +86,8 @@ def test_full_chain_equals_its_steps_run_by_hand(setup):
 
     # 3. ... then FSC measured on the weight-calibrated model
     fsc = calibrate_fsc(build_model(result.state_dict), build_model(pre_sd), [build_model(m) for m in models],
-                        [x[:1] for x in images], params=recipe.steps[-1].params.model_copy(update={"sensitive": sensitive}),
+                        [x[:1] for x in images],
+                        params=recipe.steps[-1].params.model_copy(update={"sensitive": sensitive}),
                         progress=False)
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():

@@ -41,7 +41,8 @@ def checkpoints(tmp_path, pretrained, finetuned):
 
 
 @pytest.mark.parametrize("method,params", [("ties", {}), ("tsv_m", {}), ("dare", {"base": "ties"}), ("iso_cts", {})])
-def test_merging_checkpoints_on_disk_equals_the_in_memory_merge(tmp_path, checkpoints, pretrained, finetuned, method, params):
+def test_merging_checkpoints_on_disk_equals_the_in_memory_merge(tmp_path, checkpoints, pretrained, finetuned, method,
+                                                                params):
     pre, fts = checkpoints
     out = merge_checkpoints(pre, fts, method, tmp_path / "merged", max_shard_bytes=500, **params)
     on_disk = SafetensorsSource(out)
@@ -50,7 +51,8 @@ def test_merging_checkpoints_on_disk_equals_the_in_memory_merge(tmp_path, checkp
     assert set(on_disk.keys()) == set(in_memory)
     for key, value in in_memory.items():
         assert torch.equal(on_disk.get(key), value), key
-    assert json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["mergecal_method"].startswith(method)
+    assert (json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["mergecal_method"]
+            .startswith(method))
 
 
 def test_a_per_key_merge_loads_each_key_once_in_order(pretrained, finetuned):
@@ -83,7 +85,8 @@ def test_cli_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, checkpoi
     bad = dict(pretrained, text_projection=torch.zeros(2, 2))
     bad_path = save_state_dict(bad, tmp_path / "bad.safetensors")
     out = tmp_path / "never"
-    rc = main(["merge", "--pretrained", str(pre), "--finetuned", str(fts[0]), str(bad_path), "--method", "ties", "--out", str(out)])
+    rc = main(["merge", "--pretrained", str(pre), "--finetuned", str(fts[0]), str(bad_path), "--method", "ties",
+               "--out", str(out)])
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert err.count("\n") == 0 and "'text_projection'" in err and "bad.safetensors" in err
@@ -104,12 +107,15 @@ def test_merge_refuses_to_overwrite_an_input(tmp_path, checkpoints):
 def test_incompatible_checkpoints_name_the_file(tmp_path, pretrained, finetuned):
     pre = save_state_dict(pretrained, tmp_path / "pre.safetensors")
     ft = save_state_dict({k: v for k, v in finetuned[0].items() if k != "text_projection"}, tmp_path / "ft.safetensors")
-    with pytest.raises(IncompatibleModelsError, match=r"'text_projection' is in pretrained \(.*pre\.safetensors\) but missing from finetuned\[0\] \(.*ft\.safetensors\)"):
+    with pytest.raises(IncompatibleModelsError,
+                       match=r"'text_projection' is in pretrained \(.*pre\.safetensors\) "
+                             r"but missing from finetuned\[0\] \(.*ft\.safetensors\)"):
         merge_checkpoints(pre, [ft], "task_arithmetic", tmp_path / "out")
 
 
 def test_console_script_lists_methods():
-    result = subprocess.run([sys.executable, "-m", "mergecal.cli", "methods"], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-m", "mergecal.cli", "methods"],
+                            capture_output=True, text=True, check=True)
     for name in ("weight_averaging", "task_arithmetic", "ties", "dare", "consensus", "tsv_m", "iso_c", "iso_cts"):
         assert name in result.stdout
     assert "top_k=0.2" in result.stdout and "common_space_fraction=0.8" in result.stdout
@@ -121,7 +127,8 @@ def test_benchmark_quick_prints_a_row_per_method(tmp_path):
                              "--output", str(out)],
                             capture_output=True, text=True, check=True)
     table = out.read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith(("| method", "| calibration"))]
+    rows = [line for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith(("| method", "| calibration"))]
     assert len(rows) == 10 + 5 + 3
     data = json.loads(out.with_suffix(".json").read_text())
     assert all(r["seconds"] > 0 for r in data["rows"])

@@ -49,7 +49,8 @@ def test_orthogonal_supports_gamma_is_one_when_suppression_only_and_closed_form_
     Q, _ = torch.linalg.qr(torch.randn(12, 12, generator=torch.Generator().manual_seed(2)))
     P, _ = torch.linalg.qr(torch.randn(9, 9, generator=torch.Generator().manual_seed(3)))
     K = 3
-    taus = [Q[:, 3 * t:3 * t + 3] @ torch.diag(torch.tensor([3.0, 2.0, 1.0]) + 0.3 * t) @ P[:, 3 * t:3 * t + 3].T for t in range(K)]
+    taus = [Q[:, 3 * t:3 * t + 3] @ torch.diag(torch.tensor([3.0, 2.0, 1.0]) + 0.3 * t) @ P[:, 3 * t:3 * t + 3].T
+            for t in range(K)]
     merged = sum(taus)
     calibrated, info = Svc(alpha=1.0).calibrate("w", merged, taus)
     torch.testing.assert_close(info["gamma"], torch.ones(9), rtol=1e-5, atol=1e-5)
@@ -105,7 +106,8 @@ def test_row_space_ablation_uses_right_singular_vectors():
     merged = sum(taus)
     _, info = Svc(space="row").calibrate("w", merged, taus)
     _, S, Vt = np.linalg.svd(merged.double().numpy(), full_matrices=False)
-    s = np.array([[(merged.double().numpy() @ Vt[r]) @ (t.double().numpy() @ Vt[r]) / np.sum((t.double().numpy() @ Vt[r]) ** 2)
+    s = np.array([[(merged.double().numpy() @ Vt[r]) @ (t.double().numpy() @ Vt[r])
+                   / np.sum((t.double().numpy() @ Vt[r]) ** 2)
                    for r in range(len(S))] for t in taus])
     np.testing.assert_allclose(info["s"].numpy(), s, rtol=1e-3, atol=1e-4)
 

@@ -19,7 +19,9 @@ def test_task_vector_round_trip(pretrained, finetuned):
 def test_missing_key_error_names_key_and_models(pretrained, finetuned):
     broken = dict(finetuned[1])
     del broken["visual.blocks.0.mlp.c_fc.weight"]
-    with pytest.raises(IncompatibleModelsError, match=r"'visual\.blocks\.0\.mlp\.c_fc\.weight' is in pretrained but missing from finetuned\[1\]"):
+    with pytest.raises(IncompatibleModelsError,
+                       match=r"'visual\.blocks\.0\.mlp\.c_fc\.weight' is in pretrained "
+                             r"but missing from finetuned\[1\]"):
         TaskVectorSet.from_models(pretrained, [finetuned[0], broken])
     extra = dict(finetuned[0], surplus=torch.ones(1))
     with pytest.raises(IncompatibleModelsError, match=r"'surplus' is in finetuned\[0\] but missing from pretrained"):
@@ -28,10 +30,13 @@ def test_missing_key_error_names_key_and_models(pretrained, finetuned):
 
 def test_shape_and_dtype_mismatch_errors_name_key_and_models(pretrained, finetuned):
     wrong_shape = dict(finetuned[0], text_projection=torch.zeros(6, 8))
-    with pytest.raises(IncompatibleModelsError, match=r"'text_projection': shape \(8, 6\) in pretrained but \(6, 8\) in finetuned\[0\]"):
+    with pytest.raises(IncompatibleModelsError,
+                       match=r"'text_projection': shape \(8, 6\) in pretrained but \(6, 8\) in finetuned\[0\]"):
         TaskVectorSet.from_models(pretrained, [wrong_shape])
     wrong_dtype = dict(finetuned[0], text_projection=finetuned[0]["text_projection"].half())
-    with pytest.raises(IncompatibleModelsError, match=r"'text_projection': dtype torch.float32 in pretrained but torch.float16 in finetuned\[0\]"):
+    with pytest.raises(IncompatibleModelsError,
+                       match=r"'text_projection': dtype torch.float32 in pretrained "
+                             r"but torch.float16 in finetuned\[0\]"):
         TaskVectorSet.from_models(pretrained, [wrong_dtype])
 
 

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from mergecal.data.text import (LEXNAMES, WORDNET_DIR, TextSuiteConfig, balanced_split, build_text_suite, build_text_tasks,
-                                load_text_split, read_bbc, read_kaomoji, read_wordnet)
+from mergecal.data.text import (LEXNAMES, WORDNET_DIR, TextSuiteConfig, balanced_split, build_text_suite,
+                                build_text_tasks, load_text_split, read_bbc, read_kaomoji, read_wordnet)
 from mergecal.errors import CheckpointError, ParameterError
 
 pytestmark = pytest.mark.skipif(not (WORDNET_DIR / "data.noun").exists(),

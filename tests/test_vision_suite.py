@@ -92,7 +92,8 @@ def test_suite_on_disk(tmp_path):
     assert written["digests"] == manifest["digests"]
     scenes = load_split(tmp_path, "scenes", "train")
     assert scenes["images"].shape == (30, 16, 16, 3)
-    assert array_digest({k: v for k, v in scenes.items() if k != "captions"} | {"captions": scenes["captions"].tolist()}) \
+    assert array_digest({k: v for k, v in scenes.items() if k != "captions"}
+                        | {"captions": scenes["captions"].tolist()}) \
         == manifest["digests"]["scenes/train"]
     pretrain = load_split(tmp_path, "pretrain", "train")
     assert len(pretrain["captions"]) == 12 and all(len(c) > 10 for c in pretrain["captions"])

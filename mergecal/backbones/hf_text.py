@@ -101,7 +101,8 @@ def build_classifier(encoder_state: Mapping[str, torch.Tensor], head_state: Mapp
     encoder, _ = load_encoder(path)
     missing, unexpected = encoder.load_state_dict(dict(encoder_state), strict=False)
     if unexpected or [k for k in missing if not k.endswith("position_ids")]:
-        raise CheckpointError(f"encoder state does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise CheckpointError(f"encoder state does not fit the model: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
     model = TextClassifier(encoder, n_classes)
     if head_state is not None:
         model.head.load_state_dict(dict(head_state))

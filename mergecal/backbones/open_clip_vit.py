@@ -78,7 +78,8 @@ def _read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     (never a full unpickle); ``{"state_dict": ...}`` wrappers and ``module.`` prefixes are unwrapped."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{path}: pretrained weights file not found (a local file is required; nothing is downloaded)")
+        raise CheckpointError(f"{path}: pretrained weights file not found "
+                              "(a local file is required; nothing is downloaded)")
     if path.suffix == ".safetensors":
         return load_state_dict(path)
     try:

@@ -224,7 +224,8 @@ def distill_task_vector(build_model: Callable[[dict[str, torch.Tensor]], nn.Modu
             anchor_state[key] = value.detach().clone()
 
     accelerator = device.type != "cpu"
-    with torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type if accelerator else None):
+    with torch.random.fork_rng(devices=[device] if accelerator else [],
+                               device_type=device.type if accelerator else None):
         torch.manual_seed(params.seed)  # module construction, dropout and DataLoader shuffles: seeded, not leaked
 
         # Clones: build_model may wrap the given tensors as parameters, and training must not touch the inputs.

@@ -111,12 +111,14 @@ def feature_norms(delta: torch.Tensor, spec: ModuleSpec, norm: str) -> torch.Ten
     delta = delta.double()
     if spec.granularity == "channel":
         if delta.dim() < 3:
-            raise ParameterError(f"fsc: module {spec.name!r} is channel-granular but returned shape {tuple(delta.shape)}")
+            raise ParameterError(f"fsc: module {spec.name!r} is channel-granular but returned shape "
+                                 f"{tuple(delta.shape)}")
         return torch.linalg.vector_norm(delta.flatten(2), ord=order, dim=-1)
     return torch.linalg.vector_norm(delta, ord=order, dim=-1)
 
 
-def batch_ratio(delta_task: torch.Tensor, delta_merged: torch.Tensor, spec: ModuleSpec, norm: str = "l1") -> torch.Tensor:
+def batch_ratio(delta_task: torch.Tensor, delta_merged: torch.Tensor, spec: ModuleSpec,
+                norm: str = "l1") -> torch.Tensor:
     """||Delta_t|| / ||Delta_merged|| per sample and position, averaged over the batch (per token / per channel),
     or over everything (``scalar``). May hold NaN or inf; float64."""
     ratio = feature_norms(delta_task, spec, norm) / feature_norms(delta_merged, spec, norm)
@@ -174,7 +176,8 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 def _task_batches(task_inputs: Sequence[Any], k: int, params: FscParams) -> list[Any]:
     """Each task's first ``n`` samples; with ``data='task_agnostic'`` one shared batch is split in K chunks of n."""
     if not isinstance(task_inputs, (list, tuple)):
-        raise ParameterError(f"fsc: task_inputs must be a list with one batch per task, got {type(task_inputs).__name__}")
+        raise ParameterError(f"fsc: task_inputs must be a list with one batch per task, "
+                             f"got {type(task_inputs).__name__}")
     n = params.n_samples_per_task
     if params.data == "task_agnostic" and len(task_inputs) == 1 and k > 1:
         shared = task_inputs[0]
@@ -301,7 +304,8 @@ def _resolve_params(params: FscParams | None, values: dict[str, Any]) -> FscPara
 @torch.no_grad()
 def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn.Module], task_inputs: Sequence[Any], *,
                 family: BackboneFamily | str | Sequence[str] | None = None, params: FscParams | None = None,
-                run: Callable[[nn.Module, Any], Any] | None = None, progress: bool = True, **values: Any) -> FscMeasurement:
+                run: Callable[[nn.Module, Any], Any] | None = None, progress: bool = True,
+                **values: Any) -> FscMeasurement:
     """Measure the FSC ratios of every hooked module (module docstring, steps 1-4).
 
     ``merged``, ``pretrained`` and each of ``finetuned`` are nn.Modules of the same architecture on the same
@@ -338,8 +342,8 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
                     handle.remove()
             for name, probe in probes.items():
                 if probe.calls != 1:
-                    raise ParameterError(f"fsc: module {name!r} ran {probe.calls} times in one forward pass, expected once "
-                                         "(check the family or the run function)")
+                    raise ParameterError(f"fsc: module {name!r} ran {probe.calls} times in one forward pass, "
+                                         "expected once (check the family or the run function)")
             per_task.append({n: p.ratio for n, p in probes.items()})
 
     raw: dict[str, torch.Tensor] = {}
@@ -349,8 +353,9 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
             ratios = [r.mean() for r in ratios]
         shapes = {tuple(r.shape) for r in ratios}
         if len(shapes) != 1:
-            raise ParameterError(f"fsc: module {spec.name!r} gave ratios of different shapes across tasks {sorted(shapes)}; "
-                                 "per-token ratios need inputs of one sequence length (pad them) or token_ratios='mean'")
+            raise ParameterError(f"fsc: module {spec.name!r} gave ratios of different shapes across tasks "
+                                 f"{sorted(shapes)}; per-token ratios need inputs of one sequence length "
+                                 "(pad them) or token_ratios='mean'")
         mean = torch.stack(ratios).mean(dim=0)
         raw[spec.name] = torch.where(torch.isfinite(mean), mean, torch.ones_like(mean)).float()
     return FscMeasurement(family=fam.name, specs=list(specs), raw_ratios=raw, per_task=per_task, sensitive=flags,
@@ -361,7 +366,8 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
 
 
 def _broadcast_ratio(ratio: torch.Tensor, out: torch.Tensor, spec: ModuleSpec) -> torch.Tensor:
-    """``ratio`` shaped to multiply ``out``: per token, the batch and feature dims are inserted; per channel [1, C, 1..]."""
+    """``ratio`` shaped to multiply ``out``: per token, the batch and feature dims are inserted;
+    per channel [1, C, 1..]."""
     ratio = ratio.to(device=out.device, dtype=out.dtype)
     if ratio.dim() == 0:
         return ratio
@@ -371,9 +377,9 @@ def _broadcast_ratio(ratio: torch.Tensor, out: torch.Tensor, spec: ModuleSpec) -
         b = spec.batch_dim
         expected = tuple(out.shape[:b]) + tuple(out.shape[b + 1:-1])
     if tuple(ratio.shape) != expected:
-        raise ParameterError(f"fsc: module {spec.name!r} was calibrated for positions {tuple(ratio.shape)} but its output "
-                             f"{tuple(out.shape)} has {expected}; use inputs of the calibration's sequence length "
-                             "(pad them) or calibrate with token_ratios='mean'")
+        raise ParameterError(f"fsc: module {spec.name!r} was calibrated for positions {tuple(ratio.shape)} "
+                             f"but its output {tuple(out.shape)} has {expected}; use inputs of the calibration's "
+                             "sequence length (pad them) or calibrate with token_ratios='mean'")
     if spec.granularity == "channel":
         return ratio.view(1, -1, *([1] * (out.dim() - 2)))
     return ratio.unsqueeze(spec.batch_dim).unsqueeze(-1)
@@ -523,7 +529,8 @@ def build_calibrated_model(merged: nn.Module, pretrained: nn.Module, ratios: Map
         else:
             status = "hooked"
             device = next((p.device for p in module.parameters()), None)
-            pretrained_modules[spec.name] = copy.deepcopy(base).to(device) if device is not None else copy.deepcopy(base)
+            pretrained_modules[spec.name] = (copy.deepcopy(base).to(device) if device is not None
+                                             else copy.deepcopy(base))
         raw = raw_ratios[spec.name] if raw_ratios is not None else ratio
         records.append(ModuleRecord(spec=spec, status=status, ratio=ratio, raw_ratio=torch.as_tensor(raw).float().cpu(),
                                     sensitive=(sensitive or {}).get(spec.name), module_type=type(module).__name__))
@@ -553,7 +560,8 @@ class Fsc:
             merged, pretrained, fold=fold, copy_model=copy_model)
 
 
-def calibrate_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn.Module], task_inputs: Sequence[Any], *,
+def calibrate_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn.Module],
+                  task_inputs: Sequence[Any], *,
                   family: BackboneFamily | str | Sequence[str] | None = None, params: FscParams | None = None,
                   fold: bool = True, copy_model: bool = True, run: Callable[[nn.Module, Any], Any] | None = None,
                   progress: bool = True, **values: Any) -> FeatureCalibratedModel:
@@ -577,7 +585,8 @@ def save_fsc(model: FeatureCalibratedModel, directory: str | Path, *, overwrite:
     directory = Path(directory)
     meta = {"format": FORMAT}
     with OutputDir(directory, overwrite=overwrite) as staging:
-        save_state_dict({k: v.detach().clone() for k, v in model.model.state_dict().items()}, staging / MODEL_FILE, meta)
+        save_state_dict({k: v.detach().clone() for k, v in model.model.state_dict().items()},
+                        staging / MODEL_FILE, meta)
         pretrained = {}
         for site in model.sites.values():
             for key, value in site.pretrained.state_dict().items():
@@ -591,8 +600,9 @@ def save_fsc(model: FeatureCalibratedModel, directory: str | Path, *, overwrite:
             "exact": True,  # every calibrated module computes f0 + r (fm - f0); nothing is approximated
             "files": {"model": MODEL_FILE, "pretrained_modules": PRETRAINED_FILE, "ratios": RATIOS_FILE,
                       "raw_ratios": RAW_RATIOS_FILE},
-            "modules": [{"name": n, "status": r.status, "granularity": r.spec.granularity, "batch_dim": r.spec.batch_dim,
-                         "ratio_shape": list(r.ratio.shape), "sensitive": r.sensitive, "module_type": r.module_type}
+            "modules": [{"name": n, "status": r.status, "granularity": r.spec.granularity,
+                         "batch_dim": r.spec.batch_dim, "ratio_shape": list(r.ratio.shape), "sensitive": r.sensitive,
+                         "module_type": r.module_type}
                         for n, r in model.records.items()],
         }
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))

@@ -75,14 +75,16 @@ def select_keys(candidates: Sequence[str], keys: Sequence[str] | None = None, pa
     if keys is not None:
         unknown = sorted(set(keys) - set(candidates))
         if unknown:
-            raise ParameterError(f"probing: parameter 'keys' names {unknown[0]!r}, which is not a float parameter of the model")
+            raise ParameterError(f"probing: parameter 'keys' names {unknown[0]!r}, "
+                                 "which is not a float parameter of the model")
         wanted = set(keys)
         chosen = [k for k in chosen if k in wanted]
     if pattern is not None:
         try:
             regex = re.compile(pattern)
         except re.error as err:
-            raise ParameterError(f"probing: parameter 'key_pattern' {pattern!r} is not a regular expression: {err}") from None
+            raise ParameterError(f"probing: parameter 'key_pattern' {pattern!r} "
+                                 f"is not a regular expression: {err}") from None
         chosen = [k for k in chosen if regex.search(k)]
     if not chosen:
         raise ParameterError("probing: no parameter key matches the given 'keys' / 'key_pattern'")
@@ -90,9 +92,11 @@ def select_keys(candidates: Sequence[str], keys: Sequence[str] | None = None, pa
 
 
 @torch.no_grad()
-def probe_sensitivity(model: nn.Module, pretrained: Mapping[str, torch.Tensor], evaluate: Callable[[nn.Module], float], *,
-                      scale: float = 1.1, top: int = 10, keys: Sequence[str] | None = None, key_pattern: str | None = None,
-                      progress: bool = True, metadata: dict | None = None) -> SensitivityRanking:
+def probe_sensitivity(model: nn.Module, pretrained: Mapping[str, torch.Tensor],
+                      evaluate: Callable[[nn.Module], float], *,
+                      scale: float = 1.1, top: int = 10, keys: Sequence[str] | None = None,
+                      key_pattern: str | None = None, progress: bool = True,
+                      metadata: dict | None = None) -> SensitivityRanking:
     """Rank ``model``'s keys by ``evaluate(model)`` after scaling each key's task-vector slice by ``scale``.
 
     ``model`` holds the weight-averaged weights; ``pretrained`` is theta_0 (same key names as

@@ -12,8 +12,9 @@ Options: ``targeted_task`` (the paper's preference calibration: gamma_r = 1/max(
 where s_t^r <= 0); ``space="row"`` (the paper's row-space ablation, a_i^r = dW_i v_r); ``float64``;
 ``key_rule`` ("svc_authors": 2-D keys without 'text_projection'/'embedding', nor Llama's embed_tokens/lm_head;
 "matrices": every 2-D key, as FusionBench); ``calibrate_vectors`` (the appendix's 1-D form for biases /
-IA3-style vectors: the same rule on the 1 x n matrix, i.e. s_i = <t_m, t_i>/<t_i, t_i>, gamma = K / sum_i max(alpha, s_i); the
-alpha floor, which the appendix's formula omits, keeps gamma finite and positive when sum_i s_i <= 0).
+IA3-style vectors: the same rule on the 1 x n matrix, i.e. s_i = <t_m, t_i>/<t_i, t_i>,
+gamma = K / sum_i max(alpha, s_i); the alpha floor, which the appendix's formula omits, keeps gamma finite
+and positive when sum_i s_i <= 0).
 
 ``roundoff_guard`` (default on): a task whose response ||a_i^r|| is below 100 eps ||dW_i||_F has no
 component along u_r beyond round-off, and gets s_i^r = 0. Without it (the authors' code) such a response
@@ -51,7 +52,8 @@ class SvcParams(CalibrationParams):
 
 
 def svc_coefficients(merged: torch.Tensor, taus: list[torch.Tensor], alpha: float, *, targeted_task: int | None = None,
-                     space: str = "column", float64: bool = False, roundoff_guard: bool = True) -> dict[str, torch.Tensor]:
+                     space: str = "column", float64: bool = False,
+                     roundoff_guard: bool = True) -> dict[str, torch.Tensor]:
     """U, sigma, V^T of the merged update, the projection coefficients s [K, R] and gamma [R]."""
     K = len(taus)
     dtype = torch.float64 if float64 else torch.float32
@@ -95,7 +97,8 @@ class Svc(WeightCalibration):
     def calibrate(self, key, merged, taus):
         p = self.params
         if p.targeted_task is not None and p.targeted_task >= len(taus):
-            raise ParameterError(f"svc: parameter 'targeted_task'={p.targeted_task} but there are only {len(taus)} tasks")
+            raise ParameterError(f"svc: parameter 'targeted_task'={p.targeted_task} "
+                                 f"but there are only {len(taus)} tasks")
         alpha = p.alpha if p.alpha is not None else 1.0 / len(taus)
         as_matrix = merged.dim() == 1
         m = merged.unsqueeze(0) if as_matrix else merged

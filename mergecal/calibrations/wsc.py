@@ -3,7 +3,8 @@
 
 For every covered key (rule ``wsc_weights``: keys containing 'weight' with >= 2 dimensions, reshaped to
 [out, -1], so conv1 is included; 1-D keys, LayerNorms, embeddings and final projections are left alone, in
-open_clip, HF CLIP, BERT-family and Llama names alike: mergecal.keys.key_role), xi is computed PER OUTPUT ROW. For merged row d and the K task rows a_k:
+open_clip, HF CLIP, BERT-family and Llama names alike: mergecal.keys.key_role), xi is computed PER OUTPUT ROW.
+For merged row d and the K task rows a_k:
     alpha_k = <d, a_k> / (||a_k||^2 + 1e-8);   d_perp = d - sum_k alpha_k a_k;
     xi = 1 / sqrt( sum_k alpha_k^2 + ||d_perp||^2 / ((mean_k ||a_k||)^2 + 1e-8) + 1e-8 )
 i.e. d is scaled onto the hyperellipsoid with semi-axes a_k inside their span and a sphere of radius
@@ -36,7 +37,8 @@ class WscParams(CalibrationParams):
     key_rule: str = "wsc_weights"
 
 
-def wsc_row_coefficients(merged: torch.Tensor, taus: Sequence[torch.Tensor], projection: str = "authors") -> torch.Tensor:
+def wsc_row_coefficients(merged: torch.Tensor, taus: Sequence[torch.Tensor],
+                         projection: str = "authors") -> torch.Tensor:
     """xi for each output row of ``merged`` (reshaped to [out, -1]); shape [out]."""
     d = merged.reshape(merged.shape[0], -1).double()
     A = torch.stack([t.reshape(t.shape[0], -1).double() for t in taus], dim=1)  # [out, K, in]

@@ -118,7 +118,8 @@ def run_streaming(task_vectors: list[dict], workdir: Path, shard_mb: int = 64) -
     pretrained = {k: 0.02 * torch.randn(v.shape, generator=g) for k, v in task_vectors[0].items()}
     shard = shard_mb * 2**20
     pre_dir = save_checkpoint(pretrained, workdir / "pretrained", max_shard_bytes=shard)
-    ft_dirs = [save_checkpoint({k: pretrained[k] + tau[k] for k in tau}, workdir / f"finetuned_{t}", max_shard_bytes=shard)
+    ft_dirs = [save_checkpoint({k: pretrained[k] + tau[k] for k in tau}, workdir / f"finetuned_{t}",
+                               max_shard_bytes=shard)
                for t, tau in enumerate(task_vectors)]
     input_mb = (len(task_vectors) + 1) * sum(v.numel() * 4 for v in pretrained.values()) / 2**20
     del pretrained
@@ -193,8 +194,9 @@ def main(args: argparse.Namespace) -> int:
         row = {"label": label, **run_one(tvs, name, params)}
         rows.append(row)
         print(f"  {label:32s} {row['seconds']:8.2f} s  peak +{row['peak_extra_mb']:7.0f} MiB", flush=True)
-    setting = (f"{args.blocks} blocks x width {args.width} ({n_params / 1e6:.1f} M params per task vector), K = {args.tasks}, "
-               f"{torch.get_num_threads()} torch threads, {platform.processor() or platform.machine()}, torch {torch.__version__}")
+    setting = (f"{args.blocks} blocks x width {args.width} ({n_params / 1e6:.1f} M params per task vector), "
+               f"K = {args.tasks}, {torch.get_num_threads()} torch threads, "
+               f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
     tables = [format_table(rows, f"Merge benchmark: {setting}")] if rows else []
     if args.calibrations:
         merged = {k: v.clone() for k, v in iter_merge(tvs, get_merge_method("task_arithmetic", scaling=1.0))}
@@ -206,7 +208,8 @@ def main(args: argparse.Namespace) -> int:
             calibration_rows.append(row)
             rows.append(row)
             print(f"  {label:32s} {row['seconds']:8.2f} s  peak +{row['peak_extra_mb']:7.0f} MiB", flush=True)
-        tables.append(format_table(calibration_rows, f"Calibration benchmark (after task arithmetic, lambda = 1): {setting}",
+        tables.append(format_table(calibration_rows,
+                                   f"Calibration benchmark (after task arithmetic, lambda = 1): {setting}",
                                    what="calibration", base_label=CALIBRATIONS[0][0]))
     if args.streaming:
         import tempfile
@@ -215,8 +218,10 @@ def main(args: argparse.Namespace) -> int:
             streaming_rows = run_streaming(task_vectors, Path(tmp))
         rows.extend(streaming_rows)
         lines = [f"Streaming merge from sharded safetensors on disk (64 MiB shards): {setting}", "",
-                 "| method | seconds | peak extra anonymous memory (MiB) | inputs on disk (MiB) |", "|---|---:|---:|---:|"]
-        lines += [f"| {r['method']} | {r['seconds']:.2f} | {r['peak_extra_mb']:.0f} | {r['input_mb']:.0f} |" for r in streaming_rows]
+                 "| method | seconds | peak extra anonymous memory (MiB) | inputs on disk (MiB) |",
+                 "|---|---:|---:|---:|"]
+        lines += [f"| {r['method']} | {r['seconds']:.2f} | {r['peak_extra_mb']:.0f} | {r['input_mb']:.0f} |"
+                  for r in streaming_rows]
         tables.append("\n".join(lines))
     if args.models:
         from .models import TINY_NAME

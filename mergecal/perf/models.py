@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 TINY_NAME = "mergecal-bench-tiny-vit"
-TINY_CONFIG = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "head_width": 32, "patch_size": 8},
+TINY_CONFIG = {"embed_dim": 32,
+               "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "head_width": 32, "patch_size": 8},
                "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1}}
 
 
@@ -112,7 +113,8 @@ def bench_distac(name: str, batch_size: int, steps: int = 3) -> list[dict]:
                         trainable=lambda n: n.startswith("visual."))  # warm-up (and model building)
     params = params.model_copy(update={"steps": steps + 1})
     start = time.perf_counter()
-    distill_task_vector(build, pre_sd, ft_sd, images, params, progress=False, trainable=lambda n: n.startswith("visual."))
+    distill_task_vector(build, pre_sd, ft_sd, images, params, progress=False,
+                        trainable=lambda n: n.startswith("visual."))
     total = time.perf_counter() - start
     one = _timed(lambda: distill_task_vector(build, pre_sd, ft_sd, images, params.model_copy(update={"steps": 1}),
                                              progress=False, trainable=lambda n: n.startswith("visual.")), repeat=1)

@@ -223,11 +223,12 @@ def cell_id(cell: Cell, params: Params, root: str | Path, source_id: str | None 
     """Content hash of everything the cell's result depends on; ``source_id`` is the id of the cell that
     chooses its scaling (``Cell.scaling_from``), whose result is a function of that id."""
     if bool(cell.scaling_from) != (source_id is not None):
-        raise MergecalError(f"cell {cell.label!r}: the id of its scaling source is {'missing' if cell.scaling_from else 'unexpected'}")
+        raise MergecalError(f"cell {cell.label!r}: the id of its scaling source is "
+                            f"{'missing' if cell.scaling_from else 'unexpected'}")
     digests = {role: file_digest(path) for role, path in cell_inputs(cell, params, root).items()}
     payload = {"cell": cell.to_dict(), "inputs": digests, "evaluation": params.benchmark.evaluation.model_dump(),
-               "arch": params.vision.arch if cell.track == "vision" else params.text.finetune, "code": cell_code_digest(),
-               "scaling_source": source_id}
+               "arch": params.vision.arch if cell.track == "vision" else params.text.finetune,
+               "code": cell_code_digest(), "scaling_source": source_id}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -241,7 +242,8 @@ def source_index(cells: list[Cell]) -> list[int | None]:
             continue
         index = where.get((cell.track, cell.regime, cell.merge, cell.scaling_from))
         if index is None:
-            raise MergecalError(f"cell {cell.label!r} ({cell.regime}): its scaling source {cell.scaling_from!r} is not in the matrix")
+            raise MergecalError(f"cell {cell.label!r} ({cell.regime}): its scaling source {cell.scaling_from!r} "
+                                "is not in the matrix")
         out.append(index)
     return out
 
@@ -291,13 +293,16 @@ def _jsonable_diagnostics(diagnostics: dict, sensitivity_path: Path | None) -> d
     """The logged artifacts (see mergecal.reports): SVC spectra, MAGIC coefficients, sensitivity."""
     out: dict[str, Any] = {}
     if "svc" in diagnostics:
-        out["svc_spectra"] = {k: {"before": [float(x) for x in v["sigma"]], "after": [float(x) for x in v["sigma_calibrated"]]}
+        out["svc_spectra"] = {k: {"before": [float(x) for x in v["sigma"]],
+                                  "after": [float(x) for x in v["sigma_calibrated"]]}
                               for k, v in diagnostics["svc"].items()}
     coefficients: dict[str, dict[str, float]] = {}
     if "wsc" in diagnostics:
-        coefficients["weight"] = {k: float(torch.as_tensor(v["xi"]).float().mean()) for k, v in diagnostics["wsc"].items()}
+        coefficients["weight"] = {k: float(torch.as_tensor(v["xi"]).float().mean())
+                                  for k, v in diagnostics["wsc"].items()}
     if "fsc" in diagnostics:
-        coefficients["feature"] = {k: float(torch.as_tensor(v).float().mean()) for k, v in diagnostics["fsc"]["ratios"].items()}
+        coefficients["feature"] = {k: float(torch.as_tensor(v).float().mean())
+                                   for k, v in diagnostics["fsc"]["ratios"].items()}
     if coefficients:
         out["magic_coefficients"] = coefficients
     if sensitivity_path is not None and sensitivity_path.is_file():
@@ -394,7 +399,8 @@ def run_text_cell(cell: Cell, params: Params, root: str | Path, *, device: str =
     trial = recipe_trials(steps, index, models.pretrained, states, RecipeInputs(progress=False, device=device), grid)
 
     def validate(result) -> tuple[float, float]:
-        val = models.evaluate(result.state_dict, tasks, "validation", max_items=evaluation.max_validation, device=device)
+        val = models.evaluate(result.state_dict, tasks, "validation", max_items=evaluation.max_validation,
+                              device=device)
         return _validation_averages(val, reference, tasks)
 
     scaling, result, curve = select_scaling(grid, trial, validate)
@@ -490,7 +496,8 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
         return _validation_averages(val, reference, tasks)
 
     scaling, (model, diagnostics), curve = select_scaling(grid, trial, validate)
-    test = evaluate_tasks(model, models.heads, paths.data, tasks, "test", batch_size=evaluation.batch_size, device=device)
+    test = evaluate_tasks(model, models.heads, paths.data, tasks, "test", batch_size=evaluation.batch_size,
+                          device=device)
     metrics = _summaries(tasks, test, reference)
     metrics["selected_scaling"] = float(scaling)
     logged = {**base_params, "grid": json.dumps(list(cell.grid)), "scaling_from": cell.scaling_from or "own grid"}

@@ -76,7 +76,8 @@ def finetune(params: Params, task: str, root: str | Path = ".", *, device: str =
     pretrained = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
     texts, labels = split(root, task, "train")
     classes = n_classes(root, task)
-    enc, head, history = finetune_text_task(pretrained, texts, labels, classes, config, progress=progress, device=device)
+    enc, head, history = finetune_text_task(pretrained, texts, labels, classes, config, progress=progress,
+                                            device=device)
     changed = {k: v.contiguous() for k, v in enc.items() if not torch.equal(v, pretrained[k])}
     val_texts, val_labels = split(root, task, "validation")
     val = evaluate_text(enc, head, val_texts, val_labels, classes, max_length=config.max_length, device=device)

@@ -165,7 +165,8 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
     model = load_clip(track.arch, paths.pretrained)
     head = load_state_dict(paths.heads)[task]
     images, labels = task_split(paths.data, task, "train")
-    state, history = finetune_clip(model, head, images, labels, config, validation=task_split(paths.data, task, "validation"),
+    state, history = finetune_clip(model, head, images, labels, config,
+                                   validation=task_split(paths.data, task, "validation"),
                                    device=device, progress=progress)
     visual = {k: v.contiguous() for k, v in state.items() if is_visual(k)}
     manifest = json.loads((paths.data / "manifest.json").read_text())
@@ -183,7 +184,8 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
 
 def finetune_runs(track: VisionTrack) -> list[tuple[str, str]]:
     """Every (task, variant) the track fine-tunes: each task in each variant, plus the norm-mismatch task."""
-    return [*((t, v) for v in track.finetune_variants for t in track.tasks), (track.norm_mismatch_task, "norm_mismatch")]
+    return [*((t, v) for v in track.finetune_variants for t in track.tasks),
+            (track.norm_mismatch_task, "norm_mismatch")]
 
 
 def finetune_all(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True,
@@ -367,7 +369,8 @@ def probe(params: Params, root: str | Path = ".", *, device: str = "cpu", progre
         averaged = {k: torch.stack([s[k].float() for s in states]).mean(0) for k in states[0]}
         model = TaskHeadModel(models.model(averaged), head)
         ranking = probe_sensitivity(model, models.pretrained, make_accuracy_probe(batches, device=device),
-                                    scale=probing.scale, top=probing.top, key_pattern=probing.key_pattern or r"^visual\.",
+                                    scale=probing.scale, top=probing.top,
+                                    key_pattern=probing.key_pattern or r"^visual\.",
                                     progress=progress, metadata={"regime": regime, "probe": "letters",
                                                                  "samples": len(y)})
         ranking.save(models.paths.sensitivity(regime))
