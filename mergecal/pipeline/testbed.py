@@ -159,7 +159,8 @@ def health_markdown(health: dict) -> str:
                      f"{rel.get('attention', float('nan')):.4f} | {rel.get('mlp', float('nan')):.4f} | "
                      f"{t['entropy']:.3f} |")
     if health["merges"]:
-        lines += ["", "| merge (standard regime) | accuracy % | normalized % | chosen scaling | grid |", "|---|---|---|---|---|"]
+        lines += ["", "| merge (standard regime) | accuracy % | normalized % | chosen scaling | grid |",
+              "|---|---|---|---|---|"]
         for name, m in health["merges"].items():
             lines.append(f"| {name} | {m['avg_acc']:.1f} | {m['avg_norm_acc']:.1f} | {_fmt(m['scaling'])} | "
                          f"{m['grid'] if m['grid'] else '-'} |")
