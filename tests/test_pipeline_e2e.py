@@ -33,10 +33,24 @@ def _env():
 
 
 def _repro(root):
-    process = subprocess.run([str(BIN / "dvc"), "repro"], cwd=root, env=_env(), capture_output=True, text=True,
-                             timeout=900)
-    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
-    return process.stdout + process.stderr
+    return _wait(_start_repro(root))
+
+
+def _start_repro(root):
+    # output to a file beside the workspace, not a pipe: two repros run at once and neither may block on a full pipe
+    log = open(Path(root).parent / f"{Path(root).name}.repro.log", "w+")
+    process = subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=root, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    process.log = log
+    return process
+
+
+def _wait(process):
+    process.wait(timeout=900)
+    with process.log as log:
+        log.seek(0)
+        output = log.read()
+    assert process.returncode == 0, output[-6000:]
+    return output
 
 
 def _cell_runs(root):
@@ -47,10 +61,14 @@ def _cell_runs(root):
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
+    """A cold `dvc repro` of the smoke pipeline, and beside it (at the same time: each uses one core) a second
+    cold repro in another directory, whose dvc.lock test_a_cold_repro_elsewhere_writes_the_same_dvc_lock reads."""
     root = create_workspace(tmp_path_factory.mktemp("e2e") / "ws", root=REPO)
+    other = create_workspace(root.parent / "elsewhere", root=REPO)
     start = time.perf_counter()
-    output = _repro(root)
-    print(f"cold dvc repro (smoke): {time.perf_counter() - start:.1f} s")
+    running = [_start_repro(root), _start_repro(other)]
+    output, _ = (_wait(process) for process in running)
+    print(f"two cold dvc repro (smoke), side by side: {time.perf_counter() - start:.1f} s")
     shutil.copy2(root / "dvc.lock", root.parent / "dvc.lock.cold")  # later tests change the workspace
     return root, output
 
@@ -75,13 +93,11 @@ def test_cold_repro_builds_everything_and_reports(workspace):
     assert shown.returncode == 0 and "results/metrics.json" in shown.stdout
 
 
-def test_a_cold_repro_elsewhere_writes_the_same_dvc_lock(workspace, tmp_path):
+def test_a_cold_repro_elsewhere_writes_the_same_dvc_lock(workspace):
     """Regression (#13 item 7): nothing measured at run time (ids, dates, paths, seconds) is inside a DVC output,
     so a cold run in another directory records byte-identical outputs and hashes."""
     root, _ = workspace
-    other = create_workspace(tmp_path / "elsewhere", root=REPO)
-    _repro(other)
-    first, second = (root.parent / "dvc.lock.cold").read_text(), (other / "dvc.lock").read_text()
+    first, second = (root.parent / "dvc.lock.cold").read_text(), (root.parent / "elsewhere" / "dvc.lock").read_text()
     assert second == first, "".join(difflib.unified_diff(first.splitlines(True), second.splitlines(True), n=8))[:4000]
 
 
