@@ -24,6 +24,7 @@ import torch
 
 from .. import __version__
 from ..errors import CheckpointError, MergecalError
+from .chains import calibration_name, scaling_source
 from .config import Params
 
 REFERENCES = ("zeroshot", "finetuned")
@@ -53,34 +54,6 @@ class Cell:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _calibration_name(chain: str) -> str:
-    parts = [p for p in chain.replace("->", ">").replace("→", ">").split(">") if p.strip() != "{merge}"]
-    return ">".join(p.strip() for p in parts) or "none"
-
-
-def _chain_steps(chain: str) -> list:
-    from ..recipe import Recipe
-
-    return Recipe.parse(chain.replace("{merge}", "task_arithmetic")).steps
-
-
-def scaling_source(chain: str, chains: list[str]) -> str | None:
-    """Under ``calibrated_scaling: selected``, the chain whose cell chooses the scaling that ``chain`` calibrates:
-    the same chain without its weight/feature-space steps when the matrix has it (``distac>{merge}`` for
-    ``distac>{merge}>svc``), else the plain ``{merge}``. "" for a chain without calibration steps (it searches
-    its own grid); None when neither source is in ``chains``."""
-    steps = _chain_steps(chain)
-    uncalibrated = [s for s in steps if s.phase in ("pre", "merge")]
-    if len(uncalibrated) == len(steps):
-        return ""
-    candidates = {other: _chain_steps(other) for other in chains}
-    for wanted in (uncalibrated, [s for s in steps if s.phase == "merge"]):
-        for other, other_steps in candidates.items():
-            if other_steps == wanted:
-                return other
-    return None
 
 
 def _scaling_from(chain: str, params: Params, grid: tuple[float, ...]) -> str:
@@ -122,7 +95,7 @@ def enumerate_cells(params: Params) -> list[Cell]:
                         steps.append((step.name, step.params.model_dump()))
                 canonical = Recipe(steps).id
                 cells.append(Cell("vision", track.backbone, track.task_set, tuple(track.tasks), regime, merge, chain,
-                                  canonical, grid, _calibration_name(chain), _scaling_from(chain, params, grid)))
+                                  canonical, grid, calibration_name(chain), _scaling_from(chain, params, grid)))
     if params.text.enabled:
         cells.extend(_text_cells(params))
     return cells
@@ -143,7 +116,7 @@ def _text_cells(params: Params) -> list[Cell]:
                 continue
             steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
             out.append(Cell("text", track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
-                            Recipe(steps).id, grid, _calibration_name(chain), _scaling_from(chain, params, grid)))
+                            Recipe(steps).id, grid, calibration_name(chain), _scaling_from(chain, params, grid)))
     return out
 
 

@@ -254,7 +254,7 @@ class Benchmark(Strict):
 
     @model_validator(mode="after")
     def _selected_needs_an_uncalibrated_chain(self) -> "Benchmark":
-        from .cells import scaling_source
+        from .chains import scaling_source
 
         # only a scaling grid has a value to select; fixed scalings need no source chain
         has_grid = any(isinstance((values or {}).get("scaling"), list) for values in self.merges.values())
