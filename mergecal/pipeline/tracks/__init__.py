@@ -1,0 +1,35 @@
+"""Tracks of the benchmark: a backbone × task set with its own models, inputs and evaluation, one module each,
+behind one small interface, so that the cells, the flow and the reports stay generic and a new track (the LLM
+track, a lab's own checkpoints) is one module plus its params section.
+
+A track module provides:
+
+* ``NAME``: the value of ``Cell.track`` (and of the ``mergecal.track`` tag);
+* ``enabled(params) -> bool``: whether its cells are in the matrix;
+* ``cells(params) -> list[Cell]``: its cells, references first;
+* ``inputs(cell, params, root) -> {role: path}``: the files a cell reads (their bytes go into the cell's id);
+* ``fingerprint(params)``: settings beside those files that a result depends on (also hashed into the id);
+* ``run(cell, params, root, *, device, scaling) -> CellResult``: merge, calibrate, evaluate one cell.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+#: Cell.track -> the module implementing it (imported on first use: a track may pull in heavy libraries)
+MODULES = {"vision": "clip", "text": "text"}
+
+
+def get_track(name: str) -> ModuleType:
+    if name not in MODULES:
+        raise KeyError(f"unknown track {name!r}; tracks: {', '.join(MODULES)}")
+    return importlib.import_module(f"{__name__}.{MODULES[name]}")
+
+
+def track_of(cell) -> ModuleType:
+    return get_track(cell.track)
+
+
+def enabled_tracks(params) -> list[ModuleType]:
+    return [track for track in map(get_track, MODULES) if track.enabled(params)]

@@ -1,0 +1,161 @@
+"""The vision track: the project's small open_clip ViT, fine-tuned per task (image encoder only), in three regimes;
+every task scored with its frozen zero-shot head. What its DVC stages build: ``mergecal.pipeline.vision``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ...errors import CheckpointError
+from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
+                     jsonable_diagnostics, merge_values, recipe_cell, recipe_trials, select_scaling, summaries,
+                     uses_sensitivity, validation_averages)
+from ..config import Params
+
+NAME = "vision"
+
+
+def enabled(params: Params) -> bool:
+    return params.vision.enabled
+
+
+def cells(params: Params) -> list[Cell]:
+    """Per regime: the references, then every merge in every chain (a DisTaC step takes the regime's preset)."""
+    from ...recipe import Recipe
+    from ..vision import distac_params
+
+    track, out = params.vision, []
+    for regime in track.regimes:
+        out += [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), regime, ref, "") for ref in REFERENCES]
+        for merge, values in params.benchmark.merges.items():
+            values, grid = merge_values(values)
+            for chain in params.benchmark.chains:
+                steps = []
+                for step in Recipe.parse(chain.replace("{merge}", merge)).steps:
+                    if step.phase == "merge":
+                        steps.append((step.name, values))
+                    elif step.name == "distac":
+                        steps.append(("distac", distac_params(params, regime).model_dump()))
+                    else:
+                        steps.append((step.name, step.params.model_dump()))
+                out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, regime, merge, chain,
+                                       steps, grid))
+    return out
+
+
+def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
+    from ..vision import paths_for, regime_variants
+
+    paths = paths_for(params, root)
+    files = {"pretrained": paths.pretrained, "heads": paths.heads, "data_manifest": paths.data / "manifest.json",
+             "reference": paths.task_vectors(cell.regime) / "diagnostics.json"}
+    if cell.merge == "zeroshot":
+        return files
+    for task, variant in regime_variants(params.vision, cell.regime).items():
+        files[f"finetuned.{task}"] = paths.finetuned(variant, task)
+    if cell.recipe.startswith("distac"):
+        for task in cell.tasks:
+            files[f"distac.{task}"] = paths.distac(cell.regime) / f"{task}.safetensors"
+    if cell.recipe and uses_sensitivity(cell.recipe):
+        files["sensitivity"] = paths.sensitivity(cell.regime)
+    return files
+
+
+def fingerprint(params: Params):
+    return params.vision.arch
+
+
+def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
+        scaling: float | None = None) -> CellResult:
+    """Merge → calibrate → evaluate one cell: a DisTaC step reads the models its stage conditioned, the merge and
+    weight-space steps stream, FSC hooks the merged model; every task scored with its frozen zero-shot head."""
+    from ...calibrations.probing import SensitivityRanking
+    from ...recipe import Recipe
+    from ...run_recipe import RecipeInputs
+    from ...task_vectors import task_vector
+    from ..vision import VisionModels, evaluate_tasks, preprocessed, task_split
+
+    root = Path(root)
+    models = VisionModels(params, root)
+    paths, tasks = models.paths, list(cell.tasks)
+    evaluation = params.benchmark.evaluation
+    reference = json.loads((paths.task_vectors(cell.regime) / "diagnostics.json").read_text())
+    logged = base_params(cell)
+
+    if cell.merge == "zeroshot":
+        test = evaluate_tasks(models.model({}), models.heads, paths.data, tasks, "test",
+                              batch_size=evaluation.batch_size, device=device)
+        return CellResult(summaries(tasks, test, reference), logged)
+    if cell.merge == "finetuned":
+        return finetuned_reference(tasks, reference, logged)
+
+    recipe = Recipe.parse(cell.recipe)
+    pre_steps = recipe.phase("pre")
+    if pre_steps:  # DisTaC ran once in its DVC stage with exactly these parameters (checked here)
+        states = []
+        for task in tasks:
+            path = paths.distac(cell.regime) / f"{task}.safetensors"
+            from safetensors import SafetensorError, safe_open
+
+            try:
+                with safe_open(str(path), framework="pt") as fh:
+                    stored = json.loads((fh.metadata() or {}).get("distac", "null"))
+            except (OSError, SafetensorError, json.JSONDecodeError) as err:
+                raise CheckpointError(f"{path}: not a readable DisTaC checkpoint ({err})") from None
+            if stored != pre_steps[0].params.model_dump(mode="json"):
+                raise CheckpointError(f"{path}: DisTaC parameters differ from the cell's recipe (rerun `dvc repro`)")
+            from ...checkpoint import load_state_dict
+
+            states.append(load_state_dict(path))
+    else:
+        states = models.finetuned(cell.regime)
+    rest = [(s.name, s.params.model_dump()) for s in recipe.steps if s.phase != "pre"]
+    needs_sensitive = uses_sensitivity(cell.recipe)
+    sensitivity_path = paths.sensitivity(cell.regime) if needs_sensitive else None
+    sensitive = SensitivityRanking.load(sensitivity_path).sensitive if sensitivity_path else None
+
+    pre_visual = models.visual_pretrained()
+    fsc_data, agnostic = None, None
+    if recipe.phase("feature"):
+        n = evaluation.fsc_samples_per_task
+        fsc_data = [preprocessed(task_split(paths.data, t, "train", max_items=n)[0], params.vision.arch) for t in tasks]
+        from ...data.vision import load_split
+
+        mixed = load_split(paths.data, "mixed", "train")["images"][: n * len(tasks)]
+        agnostic = preprocessed(mixed, params.vision.arch)
+    inputs = RecipeInputs(build_model=models.model, fsc_data=fsc_data, fsc_agnostic_data=agnostic, sensitive=sensitive,
+                          progress=False, device=device)
+
+    merge_index = next(i for i, (name, _) in enumerate(rest) if recipe.merge.name == name)
+    grid = cell_grid(cell, rest[merge_index][1]["scaling"], scaling)
+
+    run_trial = recipe_trials(rest, merge_index, pre_visual, states, inputs, grid)
+
+    def trial(value: float):
+        result = run_trial(value)
+        return (result.model if result.model is not None else models.model(result.state_dict)), result.diagnostics
+
+    def validate(outcome) -> tuple[float, float]:
+        val = evaluate_tasks(outcome[0], models.heads, paths.data, tasks, "validation",
+                             max_items=evaluation.max_validation, batch_size=evaluation.batch_size, device=device)
+        return validation_averages(val, reference, tasks)
+
+    scaling, (model, diagnostics), curve = select_scaling(grid, trial, validate)
+    test = evaluate_tasks(model, models.heads, paths.data, tasks, "test", batch_size=evaluation.batch_size,
+                          device=device)
+    metrics = summaries(tasks, test, reference)
+    metrics["selected_scaling"] = float(scaling)
+    logged = {**logged, "grid": json.dumps(list(cell.grid)), "scaling_from": cell.scaling_from or "own grid"}
+    for step in recipe.steps:
+        logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+    logged[f"{recipe.merge.name}.scaling"] = json.dumps(scaling)
+    artifacts = jsonable_diagnostics(diagnostics, sensitivity_path)
+    if curve:
+        artifacts["scaling_curve"] = curve
+    if pre_steps:
+        info = json.loads((paths.distac(cell.regime) / "distac.json").read_text())
+        artifacts["distac"] = {"kappas": info["kappas"], "conditioned": info["conditioned"]}
+    norms = {t: float(sum(v.double().pow(2).sum() for v in task_vector(s, pre_visual).values()) ** 0.5)
+             for t, s in zip(tasks, states)}
+    artifacts["task_vectors"] = {t: {"norm": norms[t], "entropy": reference[t]["entropy"]} for t in tasks}
+    return CellResult(metrics, logged, artifacts)

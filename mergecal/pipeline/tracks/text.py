@@ -1,0 +1,93 @@
+"""The text track: the packaged MiniLM encoder, a head per task; merged encoders scored with each task's own head.
+Weight-space chains only: a chain with a step that needs models and data (DisTaC, FSC) has no text adapter yet.
+What its DVC stages build: ``mergecal.pipeline.text``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
+                     jsonable_diagnostics, merge_values, recipe_cell, recipe_trials, select_scaling, summaries,
+                     validation_averages)
+from ..config import Params
+
+NAME = "text"
+
+
+def enabled(params: Params) -> bool:
+    return params.text.enabled
+
+
+def cells(params: Params) -> list[Cell]:
+    from ...recipe import Recipe
+
+    track = params.text
+    out = [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", ref, "") for ref in REFERENCES]
+    for merge, values in params.benchmark.merges.items():
+        values, grid = merge_values(values)
+        for chain in params.benchmark.chains:
+            recipe = Recipe.parse(chain.replace("{merge}", merge))
+            if any(s.needs_data for s in recipe.steps):
+                continue
+            steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
+            out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, "standard", merge, chain,
+                                   steps, grid))
+    return out
+
+
+def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
+    from ..text import data_root, finetuned_path, models_root
+
+    files = {"data_manifest": data_root(root) / "manifest.json",
+             "reference": models_root(params, root) / "references.json"}
+    for task in cell.tasks:
+        files[f"finetuned.{task}"] = finetuned_path(params, root, task)
+    return files
+
+
+def fingerprint(params: Params):
+    return params.text.finetune
+
+
+def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
+        scaling: float | None = None) -> CellResult:
+    """Merge the task encoders (weight-space chain), score every task with its own head."""
+    from ...recipe import Recipe
+    from ...run_recipe import RecipeInputs
+    from ..text import TextModels, models_root
+
+    models, tasks = TextModels(params, root), list(cell.tasks)
+    evaluation = params.benchmark.evaluation
+    reference = json.loads((models_root(params, root) / "references.json").read_text())
+    logged = base_params(cell)
+    if cell.merge == "zeroshot":  # the pretrained encoder with each task's head (no zero-shot head exists)
+        test = models.evaluate(models.pretrained, tasks, "test", device=device)
+        return CellResult(summaries(tasks, test, reference), logged)
+    if cell.merge == "finetuned":
+        return finetuned_reference(tasks, reference, logged)
+    recipe = Recipe.parse(cell.recipe)
+    states = [models.finetuned(t)[0] for t in tasks]
+    steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
+    index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
+    grid = cell_grid(cell, steps[index][1]["scaling"], scaling)
+
+    trial = recipe_trials(steps, index, models.pretrained, states, RecipeInputs(progress=False, device=device), grid)
+
+    def validate(result) -> tuple[float, float]:
+        val = models.evaluate(result.state_dict, tasks, "validation", max_items=evaluation.max_validation,
+                              device=device)
+        return validation_averages(val, reference, tasks)
+
+    scaling, result, curve = select_scaling(grid, trial, validate)
+    test = models.evaluate(result.state_dict, tasks, "test", device=device)
+    metrics = {**summaries(tasks, test, reference), "selected_scaling": float(scaling)}
+    logged = {**logged, "grid": json.dumps(list(cell.grid)), f"{recipe.merge.name}.scaling": json.dumps(scaling),
+              "scaling_from": cell.scaling_from or "own grid"}
+    for step in recipe.steps:
+        logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+    artifacts = jsonable_diagnostics(result.diagnostics, None)
+    if curve:
+        artifacts["scaling_curve"] = curve
+    artifacts["task_vectors"] = {t: {"norm": reference[t]["norm"], "entropy": reference[t]["entropy"]} for t in tasks}
+    return CellResult(metrics, logged, artifacts)
