@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mergecal import merge_models  # noqa: E402
+from mergecal.checkpoint import save_state_dict  # noqa: E402
 from mergecal.backbones import get_tokenizer, load_clip, save_clip, zero_shot_head  # noqa: E402
 from mergecal.data.vision import PROBE_TASK, SMOKE_SUITE, TASK_SETS, SuiteConfig, build_vision_suite, load_split  # noqa: E402
 from mergecal.data.vision import TASKS as ALL_TASKS  # noqa: E402
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lambdas", default="0.05,0.1,0.2,0.3,0.5,0.7,1.0", help="params.yaml's task arithmetic grid")
     p.add_argument("--damage", type=float, help="also measure acc_t(theta_0 + DAMAGE * tau_u) - zeroshot_t")
     p.add_argument("--json", help="write the measured figures here")
+    p.add_argument("--save-finetuned", metavar="DIR", help="write each fine-tuned state dict to DIR/REGIME/TASK.safetensors")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
                                              dataclasses.replace(ft_cfg, regime=regime), progress=False)
         print(f"  fine-tuned {regime:<15} {name:<12} {time.time() - t1:5.1f} s "
               f"({(time.time() - t1) / ft_cfg.steps:.3f} s/step), load {os.getloadavg()[0]:.2f}", flush=True)
+        if args.save_finetuned:
+            save_state_dict(states[(regime, name)], Path(args.save_finetuned) / regime / f"{name}.safetensors")
     timings["finetunes"] = stamp(f"{len(runs)} fine-tunes", t)
     timings["build_total"] = timings["suite"] + timings["pretrain"] + timings["finetunes"]
 
