@@ -319,6 +319,23 @@ def render_pattern(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dic
     return _downsample(image, size), {"texture": texture}, f"a {TEXTURES[texture]} pattern"
 
 
+def render_lowres_digit(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    """A printed digit reduced to 8x8 grey levels and upsampled, as scikit-learn's handwritten digits are shown
+    (pretraining only: it gives the handwritten task's image domain a caption without using its images)."""
+    digit = int(rng.integers(10))
+    font = list(TYPEFACES.values())[int(rng.integers(len(TYPEFACES)))]
+    page = np.asarray(_glyph_image(rng, DIGITS[digit], font, (0, 0, 0), size).convert("L"), dtype=np.float32)
+    page = np.pad(page, page.shape[0], constant_values=page.max())  # paper around it: the box may leave the page
+    rows, cols = np.nonzero(page < page.max() - 60)  # the ink's bounding box, squared: the digit fills the frame
+    cy, cx = (rows.min() + rows.max()) / 2, (cols.min() + cols.max()) / 2
+    half = 0.55 * max(rows.max() - rows.min(), cols.max() - cols.min()) + 1
+    box = (cx - half, cy - half, cx + half, cy + half)
+    grey = np.asarray(Image.fromarray(page.astype(np.uint8)).resize((8, 8), Image.BOX, box=box), dtype=np.float32)
+    grey = 255 * (grey - grey.min()) / max(1.0, float(grey.max() - grey.min()))  # full contrast, as sklearn's
+    up = Image.fromarray(grey.astype(np.uint8)).resize((size, size), Image.BICUBIC)
+    return np.repeat(np.asarray(up)[..., None], 3, axis=-1), {"digit": digit}, f"a low resolution scan of the digit {digit}"
+
+
 def render_mixed(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
     """An unlabeled collage: a scene with a glyph pasted into one corner (task-agnostic data)."""
     scene, _, _ = render_scene(rng, size)
@@ -335,7 +352,7 @@ def _downsample(image: Image.Image, size: int) -> np.ndarray:
 
 RENDERERS = {"scenes": render_scene, "glyphs": render_glyph, "letters": render_letter, "mixed": render_mixed,
              "objects": render_object, "symbols": render_symbol, "arrows": render_arrow, "dots": render_dots,
-             "swatches": render_swatch, "patterns": render_pattern}
+             "swatches": render_swatch, "patterns": render_pattern, "lowres_digits": render_lowres_digit}
 # what each task set's captioned pretraining set cycles over (vision8: scenes and glyphs alternately)
 PRETRAIN_SOURCES = {"vision8": ("scenes", "glyphs"),
                     "disjoint8": ("objects", "glyphs", "symbols", "arrows", "dots", "swatches", "patterns", "letters")}
@@ -349,9 +366,10 @@ def task_set_datasets(task_set: str) -> list[str]:
 
 
 def generate(dataset: str, split: str, n: int, *, seed: int = 0, image_size: int = 32,
-             task_set: str = "vision8") -> dict[str, np.ndarray | list]:
+             task_set: str = "vision8", pretrain_sources: str = "") -> dict[str, np.ndarray | list]:
     """``n`` samples of a procedural dataset: ``images`` uint8 [n, H, W, 3], one int64 array per label
-    attribute, and ``captions``. ``pretrain`` cycles over ``PRETRAIN_SOURCES[task_set]`` and keeps captions."""
+    attribute, and ``captions``. ``pretrain`` cycles over ``PRETRAIN_SOURCES[task_set]`` (or the comma-separated
+    datasets of ``pretrain_sources``) and keeps captions."""
     if n < 0:
         raise ParameterError(f"generate: n must be >= 0, got {n}")
     if dataset == "handwritten":
@@ -359,7 +377,11 @@ def generate(dataset: str, split: str, n: int, *, seed: int = 0, image_size: int
     if dataset == "pretrain":
         if task_set not in PRETRAIN_SOURCES:
             raise ParameterError(f"task_set={task_set!r}: choose one of {', '.join(PRETRAIN_SOURCES)}")
-        renderers = [RENDERERS[name] for name in PRETRAIN_SOURCES[task_set]]
+        names = pretrain_sources.split(",") if pretrain_sources else PRETRAIN_SOURCES[task_set]
+        unknown = [name for name in names if name not in RENDERERS]
+        if unknown:
+            raise ParameterError(f"pretrain_sources: unknown dataset {unknown[0]!r}; choose from {', '.join(RENDERERS)}")
+        renderers = [RENDERERS[name] for name in names]
         pick = lambda i: renderers[i % len(renderers)]  # noqa: E731
     elif dataset in RENDERERS:
         pick = lambda i: RENDERERS[dataset]  # noqa: E731
@@ -428,6 +450,7 @@ class SuiteConfig:
     image_size: int = 32
     seed: int = 0
     task_set: str = "vision8"  # TASK_SETS: which datasets are generated and what pretraining shows
+    pretrain_sources: str = ""  # comma-separated renderers the pretraining set cycles over; "" = the task set's
 
 
 # CI size: every task keeps a handful of examples per class (handwritten is always the real 1,797 digits).
@@ -466,7 +489,8 @@ def build_vision_suite(root: str | Path, config: SuiteConfig | None = None, prog
              ("pretrain", "train", config.n_pretrain)]
     digests = {}
     for dataset, split, n in tqdm(plan, desc="vision suite", unit="split", disable=not progress):
-        arrays = generate(dataset, split, n, seed=config.seed, image_size=config.image_size, task_set=config.task_set)
+        arrays = generate(dataset, split, n, seed=config.seed, image_size=config.image_size, task_set=config.task_set,
+                          pretrain_sources=config.pretrain_sources)
         _save_npz(root / dataset / f"{split}.npz", arrays)
         digests[f"{dataset}/{split}"] = array_digest(arrays)
     for split, arrays in handwritten_splits(seed=config.seed, image_size=config.image_size).items():
