@@ -95,6 +95,8 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in [
     TaskSpec("handwritten", "handwritten", "digit", [f"the handwritten digit {d}" for d in DIGITS],
              ["a photo of {}.", "a scan of {}.", "{} written by hand."]),
     # disjoint8: each task on a dataset of its own
+    TaskSpec("numerals", "numerals", "digit", [f"the number {d}" for d in DIGITS],
+             ["a photo of {}.", "a crop showing {}.", "{} printed."]),
     TaskSpec("objects", "objects", "shape", SHAPES, ["a photo of a {}.", "a drawing of a {}.", "a {} shape."]),
     TaskSpec("symbols", "symbols", "symbol", list(SYMBOLS), ["a {} symbol.", "an icon of a {}.", "a printed {}."]),
     TaskSpec("arrows", "arrows", "direction", list(ARROWS), ["an arrow pointing {}.", "a {} arrow.",
@@ -110,7 +112,7 @@ TASK_SETS: dict[str, list[str]] = {
 PROBE_TASK = TaskSpec("letters", "letters", "letter", [f"the letter {c}" for c in LETTERS],
                       ["a photo of {}.", "a rendering of {}.", "{} printed."])
 DATASETS = ("scenes", "glyphs", "handwritten", "letters", "mixed", "pretrain", "objects", "symbols", "arrows", "dots",
-            "swatches", "patterns")
+            "swatches", "patterns", "numerals")
 
 
 def sample_rng(seed: int, dataset: str, split: str, index: int) -> np.random.Generator:
@@ -214,12 +216,14 @@ def render_scene(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict,
     return _downsample(image, size), labels, caption
 
 
-def _glyph_image(rng: np.random.Generator, text: str, font_file: str, ink: tuple, size: int) -> Image.Image:
+def _glyph_image(rng: np.random.Generator, text: str, font_file: str, ink: tuple, size: int,
+                 scale: tuple[float, float] = (0.6, 0.8)) -> Image.Image:
+    """``text`` in a font of ``scale`` times the image height (uniform in the range), placed at random."""
     big = size * SUPERSAMPLE
     paper = tuple(int(v) for v in rng.integers(200, 256, 3))
     image = Image.new("RGB", (big, big), paper)
     draw = ImageDraw.Draw(image)
-    font = _font(font_file, int(big * rng.uniform(0.6, 0.8)))
+    font = _font(font_file, int(big * rng.uniform(*scale)))
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
     w, h = right - left, bottom - top
     x = float(rng.uniform(0, max(1, big - w))) - left
@@ -236,6 +240,16 @@ def render_glyph(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict,
     image = _glyph_image(rng, DIGITS[digit], TYPEFACES[name], INKS[list(INKS)[ink]], size)
     caption = f"the digit {digit} in a {name} font, written in {list(INKS)[ink]} ink"
     return _downsample(image, size), {"digit": digit, "typeface": typeface, "ink": ink}, caption
+
+
+def render_numeral(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    """A printed digit filling most of the frame (an SVHN-like crop: 0.85-1.05 of the height in font units),
+    random typeface and ink."""
+    digit = int(rng.integers(10))
+    name = list(TYPEFACES)[int(rng.integers(len(TYPEFACES)))]
+    ink_name, ink = _ink(rng)
+    image = _glyph_image(rng, DIGITS[digit], TYPEFACES[name], ink, size, scale=(0.85, 1.05))
+    return _downsample(image, size), {"digit": digit}, f"the number {digit} printed in {ink_name}"
 
 
 def render_letter(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
@@ -352,7 +366,8 @@ def _downsample(image: Image.Image, size: int) -> np.ndarray:
 
 RENDERERS = {"scenes": render_scene, "glyphs": render_glyph, "letters": render_letter, "mixed": render_mixed,
              "objects": render_object, "symbols": render_symbol, "arrows": render_arrow, "dots": render_dots,
-             "swatches": render_swatch, "patterns": render_pattern, "lowres_digits": render_lowres_digit}
+             "swatches": render_swatch, "patterns": render_pattern, "lowres_digits": render_lowres_digit,
+             "numerals": render_numeral}
 # what each task set's captioned pretraining set cycles over (vision8: scenes and glyphs alternately)
 PRETRAIN_SOURCES = {"vision8": ("scenes", "glyphs"),
                     "disjoint8": ("objects", "glyphs", "symbols", "arrows", "dots", "swatches", "patterns", "letters")}
