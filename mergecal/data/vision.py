@@ -66,6 +66,8 @@ SYMBOLS = {"star": "\u2605", "heart": "\u2665", "spade": "\u2660", "club": "\u26
 ARROWS = {"left": "\u2190", "up": "\u2191", "right": "\u2192", "down": "\u2193", "up and left": "\u2196",
           "up and right": "\u2197", "down and right": "\u2198", "down and left": "\u2199"}
 DOT_COUNTS = ["one", "two", "three", "four", "five"]
+GREEK = {"alpha": "\u03b1", "beta": "\u03b2", "gamma": "\u03b3", "delta": "\u03b4", "epsilon": "\u03b5",
+         "zeta": "\u03b6", "theta": "\u03b8", "lambda": "\u03bb", "pi": "\u03c0", "psi": "\u03c8"}
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in [
     # disjoint8: each task on a dataset of its own
     TaskSpec("numerals", "numerals", "digit", [f"the number {d}" for d in DIGITS],
              ["a photo of {}.", "a crop showing {}.", "{} printed."]),
+    TaskSpec("greek", "greek", "letter", [f"the greek letter {g}" for g in GREEK],
+             ["a photo of {}.", "a rendering of {}.", "{} printed."]),
     TaskSpec("objects", "objects", "shape", SHAPES, ["a photo of a {}.", "a drawing of a {}.", "a {} shape."]),
     TaskSpec("symbols", "symbols", "symbol", list(SYMBOLS), ["a {} symbol.", "an icon of a {}.", "a printed {}."]),
     TaskSpec("arrows", "arrows", "direction", list(ARROWS), ["an arrow pointing {}.", "a {} arrow.",
@@ -108,11 +112,14 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in [
 TASK_SETS: dict[str, list[str]] = {
     "vision8": ["shapes", "colors", "counts", "textures", "digits", "typefaces", "inks", "handwritten"],
     "disjoint8": ["objects", "digits", "symbols", "arrows", "dots", "swatches", "patterns", "handwritten"],
+    # a pilot pool: every single-dataset task, to compare 8-task subsets on one pretrained model
+    "disjoint_pool": ["objects", "digits", "numerals", "symbols", "arrows", "greek", "dots", "swatches", "patterns",
+                      "handwritten"],
 }
 PROBE_TASK = TaskSpec("letters", "letters", "letter", [f"the letter {c}" for c in LETTERS],
                       ["a photo of {}.", "a rendering of {}.", "{} printed."])
 DATASETS = ("scenes", "glyphs", "handwritten", "letters", "mixed", "pretrain", "objects", "symbols", "arrows", "dots",
-            "swatches", "patterns", "numerals")
+            "swatches", "patterns", "numerals", "greek")
 
 
 def sample_rng(seed: int, dataset: str, split: str, index: int) -> np.random.Generator:
@@ -252,6 +259,15 @@ def render_numeral(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dic
     return _downsample(image, size), {"digit": digit}, f"the number {digit} printed in {ink_name}"
 
 
+def render_greek(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    """A lowercase Greek letter in a random DejaVu typeface and ink (the Latin ``letters`` stay the probe set)."""
+    letter = int(rng.integers(len(GREEK)))
+    name = list(GREEK)[letter]
+    fonts = [f for f in TYPEFACES.values() if f.startswith("DejaVu")]  # cmr10 has no Greek
+    image = _glyph_image(rng, GREEK[name], fonts[int(rng.integers(len(fonts)))], _ink(rng)[1], size)
+    return _downsample(image, size), {"letter": letter}, f"the greek letter {name}"
+
+
 def render_letter(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
     letter = int(rng.integers(len(LETTERS)))
     font = list(TYPEFACES.values())[int(rng.integers(len(TYPEFACES)))]
@@ -367,10 +383,12 @@ def _downsample(image: Image.Image, size: int) -> np.ndarray:
 RENDERERS = {"scenes": render_scene, "glyphs": render_glyph, "letters": render_letter, "mixed": render_mixed,
              "objects": render_object, "symbols": render_symbol, "arrows": render_arrow, "dots": render_dots,
              "swatches": render_swatch, "patterns": render_pattern, "lowres_digits": render_lowres_digit,
-             "numerals": render_numeral}
+             "numerals": render_numeral, "greek": render_greek}
 # what each task set's captioned pretraining set cycles over (vision8: scenes and glyphs alternately)
 PRETRAIN_SOURCES = {"vision8": ("scenes", "glyphs"),
-                    "disjoint8": ("objects", "glyphs", "symbols", "arrows", "dots", "swatches", "patterns", "letters")}
+                    "disjoint8": ("objects", "glyphs", "symbols", "arrows", "dots", "swatches", "patterns", "letters"),
+                    "disjoint_pool": ("objects", "glyphs", "numerals", "symbols", "arrows", "greek", "dots", "swatches",
+                                      "patterns", "letters")}
 
 
 def task_set_datasets(task_set: str) -> list[str]:
