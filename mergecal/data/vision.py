@@ -384,6 +384,10 @@ RENDERERS = {"scenes": render_scene, "glyphs": render_glyph, "letters": render_l
              "objects": render_object, "symbols": render_symbol, "arrows": render_arrow, "dots": render_dots,
              "swatches": render_swatch, "patterns": render_pattern, "lowres_digits": render_lowres_digit,
              "numerals": render_numeral, "greek": render_greek}
+GENERIC_CAPTIONS = {"scenes": "some shapes", "glyphs": "a printed digit", "letters": "a printed letter",
+                    "mixed": "a collage", "objects": "a shape", "symbols": "a symbol", "arrows": "an arrow",
+                    "dots": "some dots", "swatches": "a coloured blob", "patterns": "a pattern",
+                    "lowres_digits": "a low resolution scan", "numerals": "a printed number", "greek": "a greek letter"}
 # what each task set's captioned pretraining set cycles over (vision8: scenes and glyphs alternately)
 PRETRAIN_SOURCES = {"vision8": ("scenes", "glyphs"),
                     "disjoint8": ("objects", "glyphs", "symbols", "arrows", "dots", "swatches", "patterns", "letters"),
@@ -399,10 +403,11 @@ def task_set_datasets(task_set: str) -> list[str]:
 
 
 def generate(dataset: str, split: str, n: int, *, seed: int = 0, image_size: int = 32,
-             task_set: str = "vision8", pretrain_sources: str = "") -> dict[str, np.ndarray | list]:
+             task_set: str = "vision8", pretrain_sources: str = "", caption_rate: float = 1.0) -> dict[str, np.ndarray | list]:
     """``n`` samples of a procedural dataset: ``images`` uint8 [n, H, W, 3], one int64 array per label
     attribute, and ``captions``. ``pretrain`` cycles over ``PRETRAIN_SOURCES[task_set]`` (or the comma-separated
-    datasets of ``pretrain_sources``) and keeps captions."""
+    datasets of ``pretrain_sources``) and keeps captions; with ``caption_rate`` < 1 a pretraining caption names its
+    label with that probability only, else it is the source's generic caption (``GENERIC_CAPTIONS``)."""
     if n < 0:
         raise ParameterError(f"generate: n must be >= 0, got {n}")
     if dataset == "handwritten":
@@ -415,6 +420,7 @@ def generate(dataset: str, split: str, n: int, *, seed: int = 0, image_size: int
         if unknown:
             raise ParameterError(f"pretrain_sources: unknown dataset {unknown[0]!r}; choose from {', '.join(RENDERERS)}")
         renderers = [RENDERERS[name] for name in names]
+        generic = lambda i: GENERIC_CAPTIONS[names[i % len(names)]]  # noqa: E731
         pick = lambda i: renderers[i % len(renderers)]  # noqa: E731
     elif dataset in RENDERERS:
         pick = lambda i: RENDERERS[dataset]  # noqa: E731
@@ -425,6 +431,8 @@ def generate(dataset: str, split: str, n: int, *, seed: int = 0, image_size: int
     captions = []
     for i in range(n):
         image, sample_labels, caption = pick(i)(sample_rng(seed, dataset, split, i), image_size)
+        if dataset == "pretrain" and caption_rate < 1.0 and sample_rng(seed, "caption", split, i).random() >= caption_rate:
+            caption = generic(i)
         images[i] = image
         for key, value in sample_labels.items():
             labels.setdefault(key, []).append(value)
@@ -484,6 +492,7 @@ class SuiteConfig:
     seed: int = 0
     task_set: str = "vision8"  # TASK_SETS: which datasets are generated and what pretraining shows
     pretrain_sources: str = ""  # comma-separated renderers the pretraining set cycles over; "" = the task set's
+    caption_rate: float = 1.0  # probability that a pretraining caption names its label (else a generic caption)
 
 
 # CI size: every task keeps a handful of examples per class (handwritten is always the real 1,797 digits).
@@ -523,7 +532,7 @@ def build_vision_suite(root: str | Path, config: SuiteConfig | None = None, prog
     digests = {}
     for dataset, split, n in tqdm(plan, desc="vision suite", unit="split", disable=not progress):
         arrays = generate(dataset, split, n, seed=config.seed, image_size=config.image_size, task_set=config.task_set,
-                          pretrain_sources=config.pretrain_sources)
+                          pretrain_sources=config.pretrain_sources, caption_rate=config.caption_rate)
         _save_npz(root / dataset / f"{split}.npz", arrays)
         digests[f"{dataset}/{split}"] = array_digest(arrays)
     for split, arrays in handwritten_splits(seed=config.seed, image_size=config.image_size).items():
