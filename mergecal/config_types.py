@@ -29,6 +29,7 @@ Real = Annotated[float, BeforeValidator(_real), Field(allow_inf_nan=False)]
 PositiveReal = Annotated[Real, Field(gt=0)]
 NonNegativeReal = Annotated[Real, Field(ge=0)]
 Probability = Annotated[Real, Field(ge=0, lt=1)]  # label smoothing, a split fraction
+UnitInterval = Annotated[Real, Field(ge=0, le=1)]  # a rate that may be 0 or 1
 Count = Annotated[int, Strict(), Field(ge=1)]  # steps, batch sizes, sample counts
 NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]  # warmup steps, shifts, seeds
 Flag = Annotated[bool, Strict()]  # true or false, not "yes" or 1

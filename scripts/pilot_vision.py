@@ -10,6 +10,12 @@ Stages, each timed with the machine's load average beside it (the machine is sha
 zero-shot accuracy, the fine-tunes (8 standard, 8 low_confidence, 1 norm_mismatch by default), individual
 accuracy, task arithmetic theta_0 + lambda * sum_t tau_t over a lambda grid chosen by average normalized
 VALIDATION accuracy (reference-details.md), test accuracies reported. Prints one table.
+
+Testbed diagnostics beside it: each task vector's norm relative to the pretrained image encoder's
+(||tau_t|| / ||theta_0||), the task vectors' pairwise cosines, the MAGIC probe set (``letters``) scored zero-shot
+and by the weight-averaged model (theta_0 + mean_t tau_t), and with ``--damage LAMBDA`` the damage matrix
+acc_t(theta_0 + LAMBDA tau_u) - zeroshot_t on test (K^2 evaluations). ``--set suite.task_set=disjoint8`` picks
+a task set of ``mergecal.data.vision.TASK_SETS``.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mergecal import merge_models  # noqa: E402
+from mergecal.checkpoint import save_state_dict  # noqa: E402
 from mergecal.backbones import get_tokenizer, load_clip, save_clip, zero_shot_head  # noqa: E402
-from mergecal.data.vision import SMOKE_SUITE, TASKS, SuiteConfig, build_vision_suite, load_split  # noqa: E402
+from mergecal.data.vision import PROBE_TASK, SMOKE_SUITE, TASK_SETS, SuiteConfig, build_vision_suite, load_split  # noqa: E402
+from mergecal.data.vision import TASKS as ALL_TASKS  # noqa: E402
 from mergecal.evaluation import evaluate  # noqa: E402
 from mergecal.pipeline.vision import task_split  # noqa: E402  (the one owner of train/validation/test splits)
 from mergecal.train import FinetuneConfig, PretrainConfig, finetune, pretrain_clip  # noqa: E402
@@ -53,8 +61,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--norm-mismatch-lr-multiplier", type=float, default=15.0)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a default, e.g. finetune.steps=100 or pretrain.lr=1e-3 or suite.n_train=2000")
-    p.add_argument("--lambdas", default="0.05,0.1,0.15,0.2,0.3,0.5,0.7,1.0")
+    p.add_argument("--lambdas", default="0.05,0.1,0.2,0.3,0.5,0.7,1.0", help="params.yaml's task arithmetic grid")
+    p.add_argument("--damage", type=float, help="also measure acc_t(theta_0 + DAMAGE * tau_u) - zeroshot_t")
     p.add_argument("--json", help="write the measured figures here")
+    p.add_argument("--save-finetuned", metavar="DIR",
+                   help="write each fine-tuned state dict to DIR/REGIME/TASK.safetensors")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -67,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
         kind = type(getattr(configs[section], field))
         configs[section] = dataclasses.replace(configs[section], **{field: kind(value)})
     suite, pre_cfg, ft_cfg = configs["suite"], configs["pretrain"], configs["finetune"]
+    TASKS = {name: ALL_TASKS[name] for name in TASK_SETS[suite.task_set]}  # noqa: N806
     arch = pre_cfg.arch
     timings: dict[str, float] = {}
     t0 = time.time()
@@ -90,6 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = get_tokenizer(arch)
     pre_sd = {k: v.clone() for k, v in model.state_dict().items()}
     heads = {name: zero_shot_head(model, tokenizer, spec.classnames, spec.templates) for name, spec in TASKS.items()}
+    probe_head = zero_shot_head(model, tokenizer, PROBE_TASK.classnames, PROBE_TASK.templates)
+    probe = load_split(root, PROBE_TASK.dataset, "test")
+    probe_x, probe_y = probe["images"], probe[PROBE_TASK.label]
     data = {name: {split: task_split(root, name, split) for split in ("train", "validation", "test")} for name in TASKS}
 
     def split_eval(m, name):
@@ -110,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
         states[(regime, name)], _ = finetune(model, heads[name], *data[name]["train"], config, progress=False)
         print(f"  fine-tuned {regime:<15} {name:<12} {time.time() - t1:5.1f} s "
               f"({(time.time() - t1) / ft_cfg.steps:.3f} s/step), load {os.getloadavg()[0]:.2f}", flush=True)
+        if args.save_finetuned:
+            save_state_dict(states[(regime, name)], Path(args.save_finetuned) / regime / f"{name}.safetensors")
     timings["finetunes"] = stamp(f"{len(runs)} fine-tunes", t)
     timings["build_total"] = timings["suite"] + timings["pretrain"] + timings["finetunes"]
 
@@ -122,6 +139,35 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"configs": {k: dataclasses.asdict(v) for k, v in configs.items()}, "rows": rows, "timings": timings,
               "load": os.getloadavg()}
     if "standard" in args.regimes.split(","):
+        visual = [k for k in pre_sd if k.startswith("visual.") and pre_sd[k].is_floating_point()]
+        flat0 = torch.cat([pre_sd[k].flatten().double() for k in visual])
+        taus = {n: torch.cat([states[("standard", n)][k].flatten().double() for k in visual]) - flat0 for n in TASKS}
+        for n in TASKS:
+            rows[n]["relative_norm"] = float(taus[n].norm() / flat0.norm())
+        result["cosines"] = {a: {b: float(taus[a] @ taus[b] / (taus[a].norm() * taus[b].norm())) for b in TASKS}
+                             for a in TASKS}
+        averaged = load_clip(arch, merge_models(pre_sd, [states[("standard", n)] for n in TASKS], "task_arithmetic",
+                                                scaling=1.0 / len(TASKS)))
+        result["probe"] = {"chance": 1.0 / len(PROBE_TASK.classnames),
+                           "zeroshot": evaluate(model, probe_head, probe_x, probe_y)["accuracy"],
+                           "weight_averaged": evaluate(averaged, probe_head, probe_x, probe_y)["accuracy"]}
+        print("relative norms: " + ", ".join(f"{n} {rows[n]['relative_norm']:.4f}" for n in TASKS))
+        print("cosines:\n" + "\n".join(f"{a:<12}" + "".join(f"{result['cosines'][a][b]:>8.2f}" for b in TASKS)
+                                       for a in TASKS))
+        print("probe (letters): " + ", ".join(f"{k} {v:.3f}" for k, v in result["probe"].items()))
+        if args.damage is not None:
+            t = time.time()
+            result["damage"] = {}
+            for u in TASKS:  # rows: the task vector added; columns: the task scored
+                m = load_clip(arch, merge_models(pre_sd, [states[("standard", u)]], "task_arithmetic",
+                                                 scaling=args.damage))
+                result["damage"][u] = {n: split_eval(m, n)[1]["accuracy"] - rows[n]["zeroshot"] for n in TASKS}
+            print(f"damage acc_t(theta_0 + {args.damage:g} tau_u) - zeroshot_t (rows u, columns t):")
+            print(f"{'':<12}" + "".join(f"{n[:7]:>8}" for n in TASKS))
+            for u in TASKS:
+                print(f"{u:<12}" + "".join(f"{result['damage'][u][n]:>8.3f}" for n in TASKS))
+            timings["damage"] = stamp("damage matrix", t)
+    if "standard" in args.regimes.split(","):
         lambdas = [float(v) for v in args.lambdas.split(",")]
         ft_sds = [states[("standard", name)] for name in TASKS]
         merged = {}
@@ -131,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
         norm_val = {lam: np.mean([merged[lam][n][0] / max(rows[n]["individual_val"], 1e-9) for n in TASKS])
                     for lam in lambdas}
         best = max(lambdas, key=lambda lam: norm_val[lam])
+        result["ta_normalized_validation"] = {f"{lam:g}": float(norm_val[lam]) for lam in lambdas}
+        for name in TASKS:
+            rows[name].update({f"ta_val_{lam:g}": merged[lam][name][0] for lam in lambdas})
         for name in TASKS:
             rows[name].update({f"ta_{lam:g}": merged[lam][name][1]["accuracy"] for lam in lambdas})
             rows[name]["ta_best"] = rows[name][f"ta_{best:g}"]
@@ -144,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:<12}" + "".join(f"{rows[name][c]:>12.3f}" for c in cols))
         result["average"] = {c: float(np.mean([rows[n][c] for n in TASKS])) for c in cols}
         print(f"{'average':<12}" + "".join(f"{result['average'][c]:>12.3f}" for c in cols))
+    print("TA average normalized validation accuracy per lambda: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in result.get("ta_normalized_validation", {}).items()))
     print("time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()) + f"; load {os.getloadavg()}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

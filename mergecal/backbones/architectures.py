@@ -17,6 +17,12 @@ ARCHITECTURES: dict[str, dict] = {
         "vision_cfg": {"image_size": 32, "layers": 4, "width": 64, "head_width": 32, "patch_size": 8},
         "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
     },
+    # a pilot's wider image tower (tiny-p8's text tower): 128 wide, 4 heads of 32
+    "mergecal-vit-small-p8": {
+        "embed_dim": 64,
+        "vision_cfg": {"image_size": 32, "layers": 4, "width": 128, "head_width": 32, "patch_size": 8},
+        "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
+    },
     # for unit tests only: builds and trains in well under a second per step
     "mergecal-vit-micro": {
         "embed_dim": 32,

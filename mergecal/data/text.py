@@ -69,7 +69,8 @@ def read_wordnet(pos: str, root: Path = WORDNET_DIR) -> tuple[tuple[str, str], .
     """(gloss, lexicographer category) for every synset of a part of speech (parsed once per process)."""
     path = root / POS_FILES[pos]
     if not path.exists():
-        raise CheckpointError(f"{path}: WordNet not found; install Debian's wordnet-base (apt-get install wordnet-base)")
+        raise CheckpointError(f"{path}: WordNet not found; install Debian's wordnet-base "
+                              "(apt-get install wordnet-base)")
     out = []
     with open(path, encoding="utf-8", errors="replace") as fh:
         for line in fh:

@@ -11,6 +11,20 @@ task vectors conflict when merged, as the pilot in ../shared/notes/offline-mater
 * ``mixed``: unlabeled collages of scene objects and glyphs, the task-agnostic data of DSC-A;
 * ``pretrain``: scenes and glyphs with captions, for the project's contrastive pretraining.
 
+A second task set, ``disjoint8`` (``TASK_SETS``), gives every task its own image distribution, as the papers'
+suites do (SVHN, MNIST, EuroSAT, ...: no two tasks label the same images), so no task is trained to ignore
+what another is trained to see:
+
+* ``objects``: one large shape on a plain dark background -> task ``objects`` (6 shapes);
+* ``glyphs`` -> task ``digits`` (its typeface and ink are nuisances no task of the set labels);
+* ``symbols``: a DejaVu pictogram in a random ink -> task ``symbols`` (10);
+* ``arrows``: a DejaVu arrow in a random ink -> task ``arrows`` (8 directions);
+* ``dots``: 1-5 same-coloured dots on a plain background -> task ``dots`` (5 counts);
+* ``swatches``: a soft blob of one of 8 colours on grey noise -> task ``swatches`` (8);
+* ``patterns``: a two-tone texture filling the image -> task ``patterns`` (6);
+* ``handwritten`` -> task ``handwritten``;
+* its ``pretrain`` set cycles over the set's datasets and ``letters``, so the probe set is seen in pretraining.
+
 Every sample is drawn from its own generator, seeded by sha256(seed, dataset, split, index): the same seed
 gives the same bytes on any machine with the same pinned Pillow and fonts, whatever the order of generation.
 Images are rendered at 4x and downsampled (anti-aliased). Fonts come from matplotlib's bundled files.
@@ -26,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from ..config_types import Count, NonNegativeInt
+from ..config_types import Count, NonNegativeInt, UnitInterval
 from ..checkpoint import atomic_write_text
 from ..errors import CheckpointError, ParameterError
 
@@ -47,6 +61,14 @@ INKS = {"black": (20, 20, 20), "red": (200, 30, 30), "blue": (30, 60, 210), "gre
         "purple": (130, 40, 170), "brown": (130, 80, 30)}
 DIGITS = [str(d) for d in range(10)]
 LETTERS = [chr(ord("A") + i) for i in range(20)]
+# disjoint8's own datasets (DejaVu Sans has every code point; checked with fontTools's cmap)
+SYMBOLS = {"star": "\u2605", "heart": "\u2665", "spade": "\u2660", "club": "\u2663", "musical note": "\u266a",
+           "sun": "\u2600", "umbrella": "\u2602", "anchor": "\u2693", "airplane": "\u2708", "scissors": "\u2702"}
+ARROWS = {"left": "\u2190", "up": "\u2191", "right": "\u2192", "down": "\u2193", "up and left": "\u2196",
+          "up and right": "\u2197", "down and right": "\u2198", "down and left": "\u2199"}
+DOT_COUNTS = ["one", "two", "three", "four", "five"]
+GREEK = {"alpha": "\u03b1", "beta": "\u03b2", "gamma": "\u03b3", "delta": "\u03b4", "epsilon": "\u03b5",
+         "zeta": "\u03b6", "theta": "\u03b8", "lambda": "\u03bb", "pi": "\u03c0", "psi": "\u03c8"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +84,8 @@ class TaskSpec:
 
 
 TASKS: dict[str, TaskSpec] = {t.name: t for t in [
-    TaskSpec("shapes", "scenes", "shape", SHAPES, ["a photo of a {}.", "a drawing of {} shapes.", "a picture of a {}."]),
+    TaskSpec("shapes", "scenes", "shape", SHAPES,
+             ["a photo of a {}.", "a drawing of {} shapes.", "a picture of a {}."]),
     TaskSpec("colors", "scenes", "color", list(COLORS), ["a photo of {} objects.", "something coloured {}.",
                                                          "a {} shape."]),
     TaskSpec("counts", "scenes", "count", COUNTS, ["a photo of {} objects.", "{} shapes.", "there are {} things."]),
@@ -75,10 +98,30 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in [
     TaskSpec("inks", "glyphs", "ink", list(INKS), ["a digit written in {} ink.", "{} print.", "a {} character."]),
     TaskSpec("handwritten", "handwritten", "digit", [f"the handwritten digit {d}" for d in DIGITS],
              ["a photo of {}.", "a scan of {}.", "{} written by hand."]),
+    # disjoint8: each task on a dataset of its own
+    TaskSpec("numerals", "numerals", "digit", [f"the number {d}" for d in DIGITS],
+             ["a photo of {}.", "a crop showing {}.", "{} printed."]),
+    TaskSpec("greek", "greek", "letter", [f"the greek letter {g}" for g in GREEK],
+             ["a photo of {}.", "a rendering of {}.", "{} printed."]),
+    TaskSpec("objects", "objects", "shape", SHAPES, ["a photo of a {}.", "a drawing of a {}.", "a {} shape."]),
+    TaskSpec("symbols", "symbols", "symbol", list(SYMBOLS), ["a {} symbol.", "an icon of a {}.", "a printed {}."]),
+    TaskSpec("arrows", "arrows", "direction", list(ARROWS), ["an arrow pointing {}.", "a {} arrow.",
+                                                             "a sign pointing {}."]),
+    TaskSpec("dots", "dots", "count", DOT_COUNTS, ["{} dots.", "a picture of {} dots.", "there are {} dots."]),
+    TaskSpec("swatches", "swatches", "color", list(COLORS), ["a {} blob.", "a patch of {}.", "the colour {}."]),
+    TaskSpec("patterns", "patterns", "texture", TEXTURES, ["a {} pattern.", "a texture of {}.", "a {} surface."]),
 ]}
+TASK_SETS: dict[str, list[str]] = {
+    "vision8": ["shapes", "colors", "counts", "textures", "digits", "typefaces", "inks", "handwritten"],
+    "disjoint8": ["objects", "digits", "symbols", "arrows", "dots", "swatches", "patterns", "handwritten"],
+    # a pilot pool: every single-dataset task, to compare 8-task subsets on one pretrained model
+    "disjoint_pool": ["objects", "digits", "numerals", "symbols", "arrows", "greek", "dots", "swatches", "patterns",
+                      "handwritten"],
+}
 PROBE_TASK = TaskSpec("letters", "letters", "letter", [f"the letter {c}" for c in LETTERS],
                       ["a photo of {}.", "a rendering of {}.", "{} printed."])
-DATASETS = ("scenes", "glyphs", "handwritten", "letters", "mixed", "pretrain")
+DATASETS = ("scenes", "glyphs", "handwritten", "letters", "mixed", "pretrain", "objects", "symbols", "arrows", "dots",
+            "swatches", "patterns", "numerals", "greek")
 
 
 def sample_rng(seed: int, dataset: str, split: str, index: int) -> np.random.Generator:
@@ -182,12 +225,14 @@ def render_scene(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict,
     return _downsample(image, size), labels, caption
 
 
-def _glyph_image(rng: np.random.Generator, text: str, font_file: str, ink: tuple, size: int) -> Image.Image:
+def _glyph_image(rng: np.random.Generator, text: str, font_file: str, ink: tuple, size: int,
+                 scale: tuple[float, float] = (0.6, 0.8)) -> Image.Image:
+    """``text`` in a font of ``scale`` times the image height (uniform in the range), placed at random."""
     big = size * SUPERSAMPLE
     paper = tuple(int(v) for v in rng.integers(200, 256, 3))
     image = Image.new("RGB", (big, big), paper)
     draw = ImageDraw.Draw(image)
-    font = _font(font_file, int(big * rng.uniform(0.6, 0.8)))
+    font = _font(font_file, int(big * rng.uniform(*scale)))
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
     w, h = right - left, bottom - top
     x = float(rng.uniform(0, max(1, big - w))) - left
@@ -206,12 +251,123 @@ def render_glyph(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict,
     return _downsample(image, size), {"digit": digit, "typeface": typeface, "ink": ink}, caption
 
 
+def render_numeral(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    """A printed digit filling most of the frame (an SVHN-like crop: 0.85-1.05 of the height in font units),
+    random typeface and ink."""
+    digit = int(rng.integers(10))
+    name = list(TYPEFACES)[int(rng.integers(len(TYPEFACES)))]
+    ink_name, ink = _ink(rng)
+    image = _glyph_image(rng, DIGITS[digit], TYPEFACES[name], ink, size, scale=(0.85, 1.05))
+    return _downsample(image, size), {"digit": digit}, f"the number {digit} printed in {ink_name}"
+
+
+def render_greek(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    """A lowercase Greek letter in a random DejaVu typeface and ink (the Latin ``letters`` stay the probe set)."""
+    letter = int(rng.integers(len(GREEK)))
+    name = list(GREEK)[letter]
+    fonts = [f for f in TYPEFACES.values() if f.startswith("DejaVu")]  # cmr10 has no Greek
+    image = _glyph_image(rng, GREEK[name], fonts[int(rng.integers(len(fonts)))], _ink(rng)[1], size)
+    return _downsample(image, size), {"letter": letter}, f"the greek letter {name}"
+
+
 def render_letter(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
     letter = int(rng.integers(len(LETTERS)))
     font = list(TYPEFACES.values())[int(rng.integers(len(TYPEFACES)))]
     ink = list(INKS.values())[int(rng.integers(len(INKS)))]
     image = _glyph_image(rng, LETTERS[letter], font, ink, size)
     return _downsample(image, size), {"letter": letter}, f"the letter {LETTERS[letter]}"
+
+
+def _ink(rng: np.random.Generator) -> tuple[str, tuple]:
+    name = list(INKS)[int(rng.integers(len(INKS)))]
+    return name, INKS[name]
+
+
+def _plain(rng: np.random.Generator, big: int, low: int, high: int) -> Image.Image:
+    return Image.new("RGB", (big, big), tuple(int(v) for v in rng.integers(low, high, 3)))
+
+
+def render_object(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    """One large shape in a light random colour on a plain dark background (shape is all that varies usefully)."""
+    shape = int(rng.integers(len(SHAPES)))
+    big = size * SUPERSAMPLE
+    image = _plain(rng, big, 10, 90)
+    r = big * float(rng.uniform(0.22, 0.34))
+    cx, cy = (float(rng.uniform(r, big - r)) for _ in range(2))
+    _draw_shape(ImageDraw.Draw(image), SHAPES[shape], cx, cy, r, tuple(int(v) for v in rng.integers(150, 256, 3)))
+    return _downsample(image, size), {"shape": shape}, f"a {SHAPES[shape]}"
+
+
+def render_symbol(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    symbol = int(rng.integers(len(SYMBOLS)))
+    name = list(SYMBOLS)[symbol]
+    ink_name, ink = _ink(rng)
+    image = _glyph_image(rng, SYMBOLS[name], "DejaVuSans.ttf", ink, size)
+    return _downsample(image, size), {"symbol": symbol}, f"a {name} symbol in {ink_name}"
+
+
+def render_arrow(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    direction = int(rng.integers(len(ARROWS)))
+    name = list(ARROWS)[direction]
+    ink_name, ink = _ink(rng)
+    image = _glyph_image(rng, ARROWS[name], "DejaVuSans.ttf", ink, size)
+    return _downsample(image, size), {"direction": direction}, f"an arrow pointing {name} in {ink_name}"
+
+
+def render_dots(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    count = int(rng.integers(len(DOT_COUNTS)))
+    big = size * SUPERSAMPLE
+    image = _plain(rng, big, 170, 240)
+    draw = ImageDraw.Draw(image)
+    r = big * float(rng.uniform(0.07, 0.1))
+    colour = tuple(int(v) for v in rng.integers(0, 120, 3))
+    centres: list[tuple[float, float]] = []
+    while len(centres) <= count:  # rejection sampling; 5 dots of radius <= 0.1 always fit
+        c = (float(rng.uniform(r, big - r)), float(rng.uniform(r, big - r)))
+        if all((c[0] - x) ** 2 + (c[1] - y) ** 2 > (2.4 * r) ** 2 for x, y in centres):
+            centres.append(c)
+    for cx, cy in centres:
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
+    return _downsample(image, size), {"count": count}, f"{DOT_COUNTS[count]} dot{'s' if count else ''}"
+
+
+def render_swatch(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    """A soft ellipse of one of the named colours (jittered) on grey pixel noise."""
+    color = int(rng.integers(len(COLORS)))
+    name = list(COLORS)[color]
+    big = size * SUPERSAMPLE
+    grey = rng.integers(70, 160, (size, size, 1)) + rng.integers(-25, 26, (size, size, 1))
+    noise = Image.fromarray(np.repeat(np.clip(grey, 0, 255), 3, axis=-1).astype(np.uint8))
+    image = noise.resize((big, big), Image.NEAREST)
+    rx, ry = (big * float(rng.uniform(0.2, 0.4)) for _ in range(2))
+    cx, cy = float(rng.uniform(rx, big - rx)), float(rng.uniform(ry, big - ry))
+    rgb = tuple(int(np.clip(v + rng.integers(-25, 26), 0, 255)) for v in COLORS[name])
+    ImageDraw.Draw(image).ellipse([cx - rx, cy - ry, cx + rx, cy + ry], fill=rgb)
+    return _downsample(image, size), {"color": color}, f"a {name} blob"
+
+
+def render_pattern(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    texture = int(rng.integers(len(TEXTURES)))
+    image = _background(rng, TEXTURES[texture], size * SUPERSAMPLE)
+    return _downsample(image, size), {"texture": texture}, f"a {TEXTURES[texture]} pattern"
+
+
+def render_lowres_digit(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
+    """A printed digit reduced to 8x8 grey levels and upsampled, as scikit-learn's handwritten digits are shown
+    (pretraining only: it gives the handwritten task's image domain a caption without using its images)."""
+    digit = int(rng.integers(10))
+    font = list(TYPEFACES.values())[int(rng.integers(len(TYPEFACES)))]
+    page = np.asarray(_glyph_image(rng, DIGITS[digit], font, (0, 0, 0), size).convert("L"), dtype=np.float32)
+    page = np.pad(page, page.shape[0], constant_values=page.max())  # paper around it: the box may leave the page
+    rows, cols = np.nonzero(page < page.max() - 60)  # the ink's bounding box, squared: the digit fills the frame
+    cy, cx = (rows.min() + rows.max()) / 2, (cols.min() + cols.max()) / 2
+    half = 0.55 * max(rows.max() - rows.min(), cols.max() - cols.min()) + 1
+    box = (cx - half, cy - half, cx + half, cy + half)
+    grey = np.asarray(Image.fromarray(page.astype(np.uint8)).resize((8, 8), Image.BOX, box=box), dtype=np.float32)
+    grey = 255 * (grey - grey.min()) / max(1.0, float(grey.max() - grey.min()))  # full contrast, as sklearn's
+    up = Image.fromarray(grey.astype(np.uint8)).resize((size, size), Image.BICUBIC)
+    caption = f"a low resolution scan of the digit {digit}"
+    return np.repeat(np.asarray(up)[..., None], 3, axis=-1), {"digit": digit}, caption
 
 
 def render_mixed(rng: np.random.Generator, size: int) -> tuple[np.ndarray, dict, str]:
@@ -228,19 +384,50 @@ def _downsample(image: Image.Image, size: int) -> np.ndarray:
     return np.asarray(image.resize((size, size), Image.LANCZOS), dtype=np.uint8)
 
 
-RENDERERS = {"scenes": render_scene, "glyphs": render_glyph, "letters": render_letter, "mixed": render_mixed}
+RENDERERS = {"scenes": render_scene, "glyphs": render_glyph, "letters": render_letter, "mixed": render_mixed,
+             "objects": render_object, "symbols": render_symbol, "arrows": render_arrow, "dots": render_dots,
+             "swatches": render_swatch, "patterns": render_pattern, "lowres_digits": render_lowres_digit,
+             "numerals": render_numeral, "greek": render_greek}
+GENERIC_CAPTIONS = {"scenes": "some shapes", "glyphs": "a printed digit", "letters": "a printed letter",
+                    "mixed": "a collage", "objects": "a shape", "symbols": "a symbol", "arrows": "an arrow",
+                    "dots": "some dots", "swatches": "a coloured blob", "patterns": "a pattern",
+                    "lowres_digits": "a low resolution scan", "numerals": "a printed number", "greek": "a greek letter"}
+# what each task set's captioned pretraining set cycles over (vision8: scenes and glyphs alternately)
+PRETRAIN_SOURCES = {"vision8": ("scenes", "glyphs"),
+                    "disjoint8": ("objects", "glyphs", "symbols", "arrows", "dots", "swatches", "patterns", "letters"),
+                    "disjoint_pool": ("objects", "glyphs", "numerals", "symbols", "arrows", "greek", "dots", "swatches",
+                                      "patterns", "letters")}
 
 
-def generate(dataset: str, split: str, n: int, *, seed: int = 0, image_size: int = 32) -> dict[str, np.ndarray | list]:
+def task_set_datasets(task_set: str) -> list[str]:
+    """The generated datasets a task set's tasks read, in task order (``handwritten`` holds real images)."""
+    if task_set not in TASK_SETS:
+        raise ParameterError(f"task_set={task_set!r}: choose one of {', '.join(TASK_SETS)}")
+    return list(dict.fromkeys(TASKS[t].dataset for t in TASK_SETS[task_set] if TASKS[t].dataset != "handwritten"))
+
+
+def generate(dataset: str, split: str, n: int, *, seed: int = 0, image_size: int = 32,
+             task_set: str = "vision8", pretrain_sources: str = "",
+             caption_rate: float = 1.0) -> dict[str, np.ndarray | list]:
     """``n`` samples of a procedural dataset: ``images`` uint8 [n, H, W, 3], one int64 array per label
-    attribute, and ``captions``. ``pretrain`` alternates scenes and glyphs and keeps captions."""
+    attribute, and ``captions``. ``pretrain`` cycles over ``PRETRAIN_SOURCES[task_set]`` (or the comma-separated
+    datasets of ``pretrain_sources``) and keeps captions; with ``caption_rate`` < 1 a pretraining caption names its
+    label with that probability only, else it is the source's generic caption (``GENERIC_CAPTIONS``)."""
     if n < 0:
         raise ParameterError(f"generate: n must be >= 0, got {n}")
     if dataset == "handwritten":
         raise ParameterError("generate: 'handwritten' holds real images; use handwritten_splits()")
     if dataset == "pretrain":
-        renderers = [render_scene, render_glyph]
-        pick = lambda i: renderers[i % 2]  # noqa: E731
+        if task_set not in PRETRAIN_SOURCES:
+            raise ParameterError(f"task_set={task_set!r}: choose one of {', '.join(PRETRAIN_SOURCES)}")
+        names = pretrain_sources.split(",") if pretrain_sources else PRETRAIN_SOURCES[task_set]
+        unknown = [name for name in names if name not in RENDERERS]
+        if unknown:
+            raise ParameterError(f"pretrain_sources: unknown dataset {unknown[0]!r}; "
+                                 f"choose from {', '.join(RENDERERS)}")
+        renderers = [RENDERERS[name] for name in names]
+        generic = lambda i: GENERIC_CAPTIONS[names[i % len(names)]]  # noqa: E731
+        pick = lambda i: renderers[i % len(renderers)]  # noqa: E731
     elif dataset in RENDERERS:
         pick = lambda i: RENDERERS[dataset]  # noqa: E731
     else:
@@ -250,6 +437,10 @@ def generate(dataset: str, split: str, n: int, *, seed: int = 0, image_size: int
     captions = []
     for i in range(n):
         image, sample_labels, caption = pick(i)(sample_rng(seed, dataset, split, i), image_size)
+        unnamed = (dataset == "pretrain" and caption_rate < 1.0
+                   and sample_rng(seed, "caption", split, i).random() >= caption_rate)
+        if unnamed:
+            caption = generic(i)
         images[i] = image
         for key, value in sample_labels.items():
             labels.setdefault(key, []).append(value)
@@ -307,6 +498,9 @@ class SuiteConfig:
     n_pretrain: Count = 8000
     image_size: Count = 32
     seed: NonNegativeInt = 0
+    task_set: str = "vision8"  # TASK_SETS: which datasets are generated and what pretraining shows
+    pretrain_sources: str = ""  # comma-separated renderers the pretraining set cycles over; "" = the task set's
+    caption_rate: UnitInterval = 1.0  # probability that a pretraining caption names its label (else a generic one)
 
 
 # CI size: every task keeps a handful of examples per class (handwritten is always the real 1,797 digits).
@@ -339,19 +533,21 @@ def build_vision_suite(root: str | Path, config: SuiteConfig | None = None, prog
 
     config = config or SuiteConfig()
     root = Path(root)
-    plan = [("scenes", "train", config.n_train), ("scenes", "test", config.n_test),
-            ("glyphs", "train", config.n_train), ("glyphs", "test", config.n_test),
-            ("letters", "test", config.n_probe), ("mixed", "train", config.n_agnostic),
-            ("pretrain", "train", config.n_pretrain)]
+    plan = [(dataset, split, config.n_train if split == "train" else config.n_test)
+            for dataset in task_set_datasets(config.task_set) for split in ("train", "test")]
+    plan += [("letters", "test", config.n_probe), ("mixed", "train", config.n_agnostic),
+             ("pretrain", "train", config.n_pretrain)]
     digests = {}
     for dataset, split, n in tqdm(plan, desc="vision suite", unit="split", disable=not progress):
-        arrays = generate(dataset, split, n, seed=config.seed, image_size=config.image_size)
+        arrays = generate(dataset, split, n, seed=config.seed, image_size=config.image_size, task_set=config.task_set,
+                          pretrain_sources=config.pretrain_sources, caption_rate=config.caption_rate)
         _save_npz(root / dataset / f"{split}.npz", arrays)
         digests[f"{dataset}/{split}"] = array_digest(arrays)
     for split, arrays in handwritten_splits(seed=config.seed, image_size=config.image_size).items():
         _save_npz(root / "handwritten" / f"{split}.npz", arrays)
         digests[f"handwritten/{split}"] = array_digest(arrays)
-    manifest = {"config": asdict(config), "tasks": {name: asdict(spec) for name, spec in TASKS.items()},
-                "probe": asdict(PROBE_TASK), "agnostic": "mixed/train", "pretrain": "pretrain/train", "digests": digests}
+    manifest = {"config": asdict(config), "tasks": {name: asdict(TASKS[name]) for name in TASK_SETS[config.task_set]},
+                "probe": asdict(PROBE_TASK), "agnostic": "mixed/train", "pretrain": "pretrain/train",
+                "digests": digests}
     atomic_write_text(root / "manifest.json", json.dumps(manifest, indent=2))
     return manifest
