@@ -41,7 +41,8 @@ def test_repository_params_yaml_is_valid_and_complete_for_dvc():
 
 @pytest.mark.parametrize("override, message", [
     ({"vison": {}}, r"vison: unknown key; allowed: seed, device, vision"),
-    ({"vision": {"tasks": ["shapes", "sahpes"]}}, r"unknown task 'sahpes'; choose from: shapes"),
+    ({"vision": {"tasks": ["shapes", "sahpes"]}}, r"vision.tasks: unknown task 'sahpes' in task set 'vision8'; "
+                                                  r"choose from: shapes"),
     ({"benchmark": {"merges": {"tie": {}}}}, r"unknown merge method 'tie'; choose from: .*ties"),
     ({"benchmark": {"merges": {"ties": {"topk": 0.2}}}}, r"ties: unknown parameter 'topk'; allowed: scaling, top_k"),
     ({"benchmark": {"chains": ["{merge}>svcc"]}}, r"chain '\{merge\}>svcc': unknown recipe step 'svcc'"),
@@ -147,7 +148,7 @@ def test_cell_id_follows_input_bytes(built, tmp_path):
     root, params = built
     cell = next(c for c in cells_mod.enumerate_cells(params)
                 if c.track == "vision" and c.merge == "task_arithmetic" and c.chain == "{merge}")
-    path = Path(cells_mod.cell_inputs(cell, params, root)["finetuned.colors"])
+    path = Path(cells_mod.cell_inputs(cell, params, root)["finetuned.symbols"])
     original = path.read_bytes()
     before = cells_mod.cell_id(cell, params, root)
     try:
@@ -272,7 +273,7 @@ def test_a_failing_cell_is_recorded_and_does_not_sink_the_matrix(built, prefect_
     from flows.benchmark import run_benchmark as benchmark
 
     root, params = built
-    target = vision.paths_for(params, root).distac("low_confidence") / "colors.safetensors"
+    target = vision.paths_for(params, root).distac("low_confidence") / "symbols.safetensors"
     original = target.read_bytes()
     try:
         target.write_bytes(b"not a safetensors file")
@@ -283,7 +284,7 @@ def test_a_failing_cell_is_recorded_and_does_not_sink_the_matrix(built, prefect_
     expected = [c for c in cells_mod.enumerate_cells(params)
                 if c.track == "vision" and c.regime == "low_confidence" and c.chain.startswith("distac")]
     assert len(failed) == len(expected) == result["failed"]
-    assert all("colors.safetensors" in r["error"] for r in failed)
+    assert all("symbols.safetensors" in r["error"] for r in failed)
     assert result["cells"] - result["failed"] == sum("avg_acc" in r for r in result["rows"])
     with sqlite3.connect(root / "mlruns" / "mlruns.db") as con:
         errors = con.execute("select value from tags where key = 'mergecal.error'").fetchall()

@@ -124,3 +124,50 @@ def test_typefaces_render_differently():
 
     assert len(set(TYPEFACES.values())) == len(TYPEFACES) == len(TASKS["typefaces"].classnames)
     assert not any("Mono" in f for f in TYPEFACES.values())
+
+
+# ------------------------------------------------------------------ disjoint8: one image distribution per task
+
+def test_disjoint8_generators_are_seeded_and_label_within_their_classes():
+    from mergecal.data.vision import TASK_SETS, TASKS, generate, task_set_datasets
+
+    assert task_set_datasets("disjoint8") == ["objects", "glyphs", "symbols", "arrows", "dots", "swatches", "patterns"]
+    for task in TASK_SETS["disjoint8"]:
+        spec = TASKS[task]
+        if spec.dataset == "handwritten":
+            continue
+        first = generate(spec.dataset, "train", 12, seed=0)
+        again = generate(spec.dataset, "train", 12, seed=0)
+        other = generate(spec.dataset, "train", 12, seed=1)
+        assert first["images"].shape == (12, 32, 32, 3) and first["images"].dtype == np.uint8
+        assert np.array_equal(first["images"], again["images"]) and not np.array_equal(first["images"], other["images"])
+        labels = np.asarray(first[spec.label])
+        assert labels.min() >= 0 and labels.max() < len(spec.classnames), task
+
+
+def test_dots_images_show_as_many_dots_as_their_label_says():
+    """An independent count: dark connected components on the plain background (3 of 200 dots touch after the
+    downsampling, so the check allows a few)."""
+    from scipy import ndimage
+
+    from mergecal.data.vision import generate
+
+    data = generate("dots", "train", 200, seed=0)
+    counted = [ndimage.label(img.mean(-1) < np.median(img.mean(-1)) - 40)[1] for img in data["images"]]
+    assert np.mean(np.asarray(counted) == np.asarray(data["count"]) + 1) > 0.95
+
+
+def test_disjoint8_suite_and_its_pretraining_captions(tmp_path):
+    from mergecal.data.vision import TASK_SETS, SuiteConfig, build_vision_suite, generate, load_split
+
+    config = SuiteConfig(n_train=8, n_test=4, n_probe=4, n_agnostic=4, n_pretrain=16, task_set="disjoint8")
+    manifest = build_vision_suite(tmp_path, config, progress=False)
+    assert list(manifest["tasks"]) == TASK_SETS["disjoint8"]
+    for dataset in ("objects", "glyphs", "symbols", "arrows", "dots", "swatches", "patterns", "handwritten"):
+        assert load_split(tmp_path, dataset, "train")["images"].shape[1:] == (32, 32, 3)
+    assert not (tmp_path / "scenes").exists()  # vision8's datasets are not generated
+    captions = [str(c) for c in load_split(tmp_path, "pretrain", "train")["captions"]]
+    assert any("letter" in c for c in captions)  # the probe set is seen in pretraining
+    named = [str(c) for c in generate("pretrain", "train", 40, task_set="disjoint8", caption_rate=1.0)["captions"]]
+    unnamed = [str(c) for c in generate("pretrain", "train", 40, task_set="disjoint8", caption_rate=0.0)["captions"]]
+    assert len(set(unnamed)) <= 8 < len(set(named))  # one generic caption per source

@@ -63,14 +63,14 @@ class VisionTrack(Strict):
     enabled: bool = True  # False leaves the track's cells out of the matrix (its DVC stages still build it)
     backbone: str = Field("clip-tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a directory name under models/
     arch: str = Field(default_factory=lambda: _library_default("train.pretrain_clip", "PretrainConfig", "arch"))
-    task_set: str = "vision8"
-    tasks: list[str] = Field(default_factory=lambda: ["shapes", "colors", "counts", "textures", "digits", "typefaces",
-                                                      "inks", "handwritten"])
+    # which procedural datasets are generated and what pretraining shows (mergecal.data.vision.TASK_SETS)
+    task_set: str = Field(default_factory=lambda: _library_default("data.vision", "SuiteConfig", "task_set"))
+    tasks: list[str] | None = None  # None: every task of the task set
     regimes: list[Regime] = Field(default_factory=lambda: list(REGIMES))
     # fine-tuned for every task (DVC stage `finetune`); `norm_mismatch` adds one task at a higher lr
     finetune_variants: list[Objective] = Field(
         default_factory=lambda: ["standard", "low_confidence"])
-    norm_mismatch_task: str = "shapes"
+    norm_mismatch_task: str | None = None  # None: the first task
     norm_mismatch_lr_multiplier: PositiveReal = 10.0
     data: dict[str, Any] = Field(default_factory=dict)
     pretrain: dict[str, Any] = Field(default_factory=dict)
@@ -85,15 +85,33 @@ class VisionTrack(Strict):
             raise ValueError(f"unknown architecture {arch!r}; choose from: {', '.join(ARCHITECTURES)}")
         return arch
 
-    @field_validator("tasks")
+    @field_validator("task_set")
     @classmethod
-    def _tasks(cls, tasks: list[str]) -> list[str]:
-        from ..data.vision import TASKS
+    def _task_set(cls, task_set: str) -> str:
+        from ..data.vision import TASK_SETS
 
-        unknown = [t for t in tasks if t not in TASKS]
-        if unknown:
-            raise ValueError(f"unknown task {unknown[0]!r}; choose from: {', '.join(TASKS)}")
-        return _distinct(tasks, "tasks", at_least=2)
+        if task_set not in TASK_SETS:
+            raise ValueError(f"unknown task set {task_set!r}; choose from: {', '.join(TASK_SETS)}")
+        return task_set
+
+    @model_validator(mode="after")
+    def _tasks(self) -> "VisionTrack":
+        from ..data.vision import TASK_SETS
+
+        allowed = TASK_SETS[self.task_set]
+        if self.tasks is None:
+            self.tasks = list(allowed)
+        unknown = [t for t in self.tasks if t not in allowed]
+        if unknown:  # only the task set's datasets are generated
+            raise ConfigValueError("tasks", f"unknown task {unknown[0]!r} in task set {self.task_set!r}; "
+                                            f"choose from: {', '.join(allowed)}")
+        try:
+            _distinct(self.tasks, "tasks", at_least=2)
+        except ValueError as err:
+            raise ConfigValueError("tasks", str(err)) from None
+        if self.norm_mismatch_task is None:
+            self.norm_mismatch_task = self.tasks[0]
+        return self
 
     @field_validator("regimes", "finetune_variants")
     @classmethod
@@ -111,6 +129,8 @@ class VisionTrack(Strict):
                 raise ValueError(f"regime {regime!r} needs {OBJECTIVE_OF_REGIME[regime]!r} in finetune_variants")
         if "norm_mismatch" in self.regimes and self.norm_mismatch_task not in self.tasks:
             raise ValueError(f"norm_mismatch_task {self.norm_mismatch_task!r} is not one of the track's tasks")
+        if "task_set" in self.data:
+            raise ConfigValueError("data.task_set", "set the task set once, as 'task_set' of the track")
         self.data = _check_dataclass(SuiteConfig, self.data, "data")
         if "arch" in self.pretrain:
             raise ConfigValueError("pretrain.arch", "set the architecture once, as 'arch' of the track")

@@ -109,7 +109,7 @@ def task_split(data_root: Path, task: str, split: str, *, max_items: int | None 
 def build_data(params: Params, root: str | Path = ".", progress: bool = True) -> dict:
     from ..data.vision import SuiteConfig, build_vision_suite
 
-    config = SuiteConfig(**{"seed": params.seed, **params.vision.data})
+    config = SuiteConfig(**{"seed": params.seed, "task_set": params.vision.task_set, **params.vision.data})
     return build_vision_suite(paths_for(params, root).data, config, progress=progress)
 
 
