@@ -53,7 +53,6 @@ def _gram_eigh(a64: torch.Tensor, transpose: bool, k: int | None = None) -> tupl
     torch's full eigh); the full decomposition by dsyevd (divide and conquer, ~0.09-0.10 s; dsyevr takes
     ~0.45 s on the large eigenvalue clusters of a concatenated basis's Gram matrix)."""
     gram = a64 @ a64.T if transpose else a64.T @ a64
-    n = gram.shape[0]
     return _eigh_desc(gram, k)
 
 

@@ -31,11 +31,13 @@ class IsoCParams(MergeParams):
 
 def iso_c_matrix(taus: list[torch.Tensor], float64: bool = False, solver: str = "gram") -> torch.Tensor:
     if solver == "gram":
-        polar, mean = flat_polar_gram(sum_of(taus))
+        # summed in float64: the flat spectrum weights the smallest directions like the largest, so float32
+        # rounding of the sum would show (~eps32 sigma_1 / sigma_r)
+        polar, mean = flat_polar_gram(sum_of(taus, torch.float64))
         return (polar * mean).float()
     if solver != "svd":
         raise ValueError(f"unknown solver {solver!r}")
-    U, S, Vh = svd(sum_of(taus), float64=float64)
+    U, S, Vh = svd(sum_of(taus, torch.float64 if float64 else None), float64=float64)
     return (U * S.mean()) @ Vh
 
 

@@ -56,7 +56,7 @@ def iso_cts_matrix(taus: list[torch.Tensor], common_space_fraction: float, float
         return _iso_cts_gram(taus, common_rank, task_rank)
     if solver != "svd":
         raise ValueError(f"unknown solver {solver!r}")
-    U, S, Vh = svd(sum_of(taus), float64=float64)
+    U, S, Vh = svd(sum_of(taus, torch.float64 if float64 else None), float64=float64)
     us, ss, vhs = [U[:, :common_rank]], [S[:common_rank]], [Vh[:common_rank, :]]
     if task_rank > 0:
         U_c = us[0]
@@ -76,9 +76,7 @@ def _iso_cts_gram(taus: list[torch.Tensor], common_rank: int, task_rank: int) ->
     residuals: tall keys (m >= n) as tau^T tau - C^T C with C = U_c^T tau; wide keys (m < n, where the sum's
     m x m Gram gives all m left singular vectors) through the complement N of U_c, R R^T = N (N^T tau)(N^T
     tau)^T N^T, an (r - k_c)-sized eigenproblem."""
-    total = taus[0].to(torch.float64, copy=True)
-    for tau in taus[1:]:
-        total.add_(tau)
+    total = sum_of(taus, torch.float64)
     m, n = total.shape
     wide = m < n
     if wide:
