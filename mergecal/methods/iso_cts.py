@@ -25,7 +25,16 @@ from pydantic import Field
 
 from typing import Literal
 
-from ..linalg import _eigh_desc, _gram_eigh, _orthonormal_columns, polar_factor, polar_gram, svd, top_svd
+from ..linalg import (
+    _eigh_desc,
+    _gram_eigh,
+    _orthonormal_columns,
+    gram_matrix,
+    polar_factor,
+    polar_gram,
+    svd,
+    top_svd,
+)
 from .base import MatrixMergeMethod, MergeParams, register, sum_of
 
 
@@ -93,13 +102,13 @@ def _iso_cts_gram(taus: list[torch.Tensor], common_rank: int, task_rank: int) ->
             tau = tau.to(torch.float64)
             if wide:
                 T = N.T @ tau
-                _, z = _eigh_desc(T @ T.T, task_rank)
+                _, z = _eigh_desc(gram_matrix(T, transpose=True), task_rank)
                 U_t = N @ z
                 V_t, S_t = _orthonormal_columns(T.T @ z)
             else:
                 C = U_c.T @ tau
-                gram = tau.T @ tau - C.T @ C
-                _, V_t = _eigh_desc((gram + gram.T) / 2, task_rank)
+                gram = gram_matrix(tau) - gram_matrix(C)
+                _, V_t = _eigh_desc(gram, task_rank)
                 U_t, S_t = _orthonormal_columns(tau @ V_t - U_c @ (C @ V_t))
             us.append(U_t)
             ss.append(S_t)
