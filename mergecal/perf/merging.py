@@ -282,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
         solver_rows = run_solver_comparison(task_vectors, methods)
         for r in solver_rows:
             rows.append({**r, "label": f"{r['label']} (gram vs svd)", "seconds": r["gram_seconds"],
-                         "peak_extra_mb": float("nan")})
+                         "peak_extra_mb": None})
         tables.append(format_solver_table(solver_rows, setting, gflops))
     if args.calibrations:
         merged = {k: v.clone() for k, v in iter_merge(tvs, get_merge_method("task_arithmetic", scaling=1.0))}
