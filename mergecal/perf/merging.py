@@ -230,7 +230,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small setting for smoke tests: 2 blocks, width 96, K=4")
     parser.add_argument("--only", nargs="*", help="run only these variant labels (substring match)")
     parser.add_argument("--output", help="also write the table as Markdown here and a .json beside it")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads, and numpy/scipy BLAS threads through threadpoolctl (default: theirs)")
     parser.add_argument("--calibrations", action="store_true", help="also time SVC and WSC after task arithmetic")
     parser.add_argument("--no-merges", action="store_true", help="skip the merge-method table")
     parser.add_argument("--no-solvers", action="store_true",
@@ -255,6 +256,12 @@ def main(args: argparse.Namespace) -> int:
         args.blocks, args.width, args.tasks = 2, 96, 4
     if args.threads:
         torch.set_num_threads(args.threads)
+        try:  # the Gram route's syrk and eigh run in numpy / scipy's OpenBLAS, which torch's setting misses
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(args.threads)
+        except ImportError:
+            print("threadpoolctl missing: set OPENBLAS_NUM_THREADS too for a like-for-like thread count")
     shapes = vit_b32_shapes(args.blocks, args.width)
     n_params = sum(torch.Size(s).numel() for s in shapes.values())
     start = time.perf_counter()
