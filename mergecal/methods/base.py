@@ -171,9 +171,9 @@ class MatrixMergeMethod(MergeMethod):
         return mean_of(taus)
 
 
-def sum_of(taus: list[torch.Tensor]) -> torch.Tensor:
-    """sum_t tau_t without stacking (one output buffer instead of K + 1)."""
-    total = taus[0].clone()
+def sum_of(taus: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """sum_t tau_t without stacking (one output buffer instead of K + 1), accumulated in ``dtype`` if given."""
+    total = taus[0].to(dtype, copy=True) if dtype is not None else taus[0].clone()
     for tau in taus[1:]:
         total.add_(tau)
     return total

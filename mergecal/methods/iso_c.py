@@ -7,24 +7,37 @@ K = 1: alpha * the flat-spectrum tau (U mean(S) V^T) on matrices, alpha * tau el
 Degenerate input: if the sum is rank-deficient, its null-space singular vectors (completed arbitrarily
 by LAPACK) also receive the mean singular value, exactly as in the original algorithm. Real task-vector
 sums are full-rank.
+Solvers: ``"gram"`` (default) gets U V^T and the mean singular value from the eigendecomposition of the
+sum's smaller Gram matrix in float64 (mergecal.linalg.flat_polar_gram: exact, no randomized step);
+``"svd"`` is the original full thin SVD, in float32 or, with ``float64``, float64.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..linalg import svd
+from typing import Literal
+
+from ..linalg import flat_polar_gram, svd
 from .base import MatrixMergeMethod, MergeParams, register, sum_of
 
 
 class IsoCParams(MergeParams):
     scaling: float = 1.0  # alpha
     key_rule: str = "matrices_except_text_projection"
-    float64: bool = False
+    float64: bool = False  # the "svd" solver's precision ("gram" always works in float64)
+    solver: Literal["gram", "svd"] = "gram"
 
 
-def iso_c_matrix(taus: list[torch.Tensor], float64: bool = False) -> torch.Tensor:
-    U, S, Vh = svd(sum_of(taus), float64=float64)
+def iso_c_matrix(taus: list[torch.Tensor], float64: bool = False, solver: str = "gram") -> torch.Tensor:
+    if solver == "gram":
+        # summed in float64: the flat spectrum weights the smallest directions like the largest, so float32
+        # rounding of the sum would show (~eps32 sigma_1 / sigma_r)
+        polar, mean = flat_polar_gram(sum_of(taus, torch.float64))
+        return (polar * mean).float()
+    if solver != "svd":
+        raise ValueError(f"unknown solver {solver!r}")
+    U, S, Vh = svd(sum_of(taus, torch.float64 if float64 else None), float64=float64)
     return (U * S.mean()) @ Vh
 
 
@@ -36,4 +49,4 @@ class IsoC(MatrixMergeMethod):
     summary = "flat spectrum (mean singular value) of the task-vector sum"
 
     def merge_matrix(self, taus):
-        return iso_c_matrix(taus, self.params.float64)
+        return iso_c_matrix(taus, self.params.float64, self.params.solver)

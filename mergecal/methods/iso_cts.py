@@ -12,6 +12,10 @@ K = 1: the common and the task-specific triplets together span tau's SVD, so the
 alpha * U mean(S) V^T (up to round-off).
 Degenerate input: rank-deficient residuals contribute LAPACK's arbitrary null-space vectors, which the
 flat spectrum then weights like any other direction, as in the original algorithm.
+Solvers: ``"gram"`` (default) takes the sum's and the residuals' top triplets from float64
+eigendecompositions of their smaller Gram matrices and the polar factors from r x r Gram matrices
+(mergecal.linalg: exact, no randomized step); ``"svd"`` is the original route of full thin SVDs, in float32
+or, with ``float64``, float64.
 """
 
 from __future__ import annotations
@@ -19,7 +23,18 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..linalg import polar_factor, svd
+from typing import Literal
+
+from ..linalg import (
+    _eigh_desc,
+    _gram_eigh,
+    _orthonormal_columns,
+    gram_matrix,
+    polar_factor,
+    polar_gram,
+    svd,
+    top_svd,
+)
 from .base import MatrixMergeMethod, MergeParams, register, sum_of
 
 
@@ -27,7 +42,8 @@ class IsoCtsParams(MergeParams):
     scaling: float = 1.0  # alpha
     common_space_fraction: float = Field(0.8, ge=0.0, le=1.0)
     key_rule: str = "matrices_except_text_projection"
-    float64: bool = False
+    float64: bool = False  # the "svd" solver's precision ("gram" always works in float64)
+    solver: Literal["gram", "svd"] = "gram"
 
 
 def iso_cts_ranks(r: int, K: int, common_space_fraction: float) -> tuple[int, int]:
@@ -41,10 +57,15 @@ def iso_cts_ranks(r: int, K: int, common_space_fraction: float) -> tuple[int, in
     return r - task_total, task_total // K
 
 
-def iso_cts_matrix(taus: list[torch.Tensor], common_space_fraction: float, float64: bool = False) -> torch.Tensor:
+def iso_cts_matrix(taus: list[torch.Tensor], common_space_fraction: float, float64: bool = False,
+                   solver: str = "gram") -> torch.Tensor:
     K = len(taus)
     common_rank, task_rank = iso_cts_ranks(min(taus[0].shape), K, common_space_fraction)
-    U, S, Vh = svd(sum_of(taus), float64=float64)
+    if solver == "gram":
+        return _iso_cts_gram(taus, common_rank, task_rank)
+    if solver != "svd":
+        raise ValueError(f"unknown solver {solver!r}")
+    U, S, Vh = svd(sum_of(taus, torch.float64 if float64 else None), float64=float64)
     us, ss, vhs = [U[:, :common_rank]], [S[:common_rank]], [Vh[:common_rank, :]]
     if task_rank > 0:
         U_c = us[0]
@@ -59,6 +80,44 @@ def iso_cts_matrix(taus: list[torch.Tensor], common_space_fraction: float, float
     return (U_orth * torch.cat(ss).mean()) @ Vh_orth
 
 
+def _iso_cts_gram(taus: list[torch.Tensor], common_rank: int, task_rank: int) -> torch.Tensor:
+    """The Gram route (mergecal.linalg), in float64. The residuals' Gram matrices are formed without the
+    residuals: tall keys (m >= n) as tau^T tau - C^T C with C = U_c^T tau; wide keys (m < n, where the sum's
+    m x m Gram gives all m left singular vectors) through the complement N of U_c, R R^T = N (N^T tau)(N^T
+    tau)^T N^T, an (r - k_c)-sized eigenproblem."""
+    total = sum_of(taus, torch.float64)
+    m, n = total.shape
+    wide = m < n
+    if wide:
+        _, w = _gram_eigh(total, transpose=True)
+        U_c, N = w[:, :common_rank], w[:, common_rank:]
+        V_c, S_c = _orthonormal_columns(total.T @ U_c)
+        Vh_c = V_c.T
+    else:
+        U_c, S_c, Vh_c = top_svd(total, common_rank)
+    del total
+    us, ss, vhs = [U_c], [S_c], [Vh_c]
+    if task_rank > 0:
+        for tau in taus:
+            tau = tau.to(torch.float64)
+            if wide:
+                T = N.T @ tau
+                _, z = _eigh_desc(gram_matrix(T, transpose=True), task_rank)
+                U_t = N @ z
+                V_t, S_t = _orthonormal_columns(T.T @ z)
+            else:
+                C = U_c.T @ tau
+                gram = gram_matrix(tau) - gram_matrix(C)
+                _, V_t = _eigh_desc(gram, task_rank)
+                U_t, S_t = _orthonormal_columns(tau @ V_t - U_c @ (C @ V_t))
+            us.append(U_t)
+            ss.append(S_t)
+            vhs.append(V_t.T)
+    U_orth = polar_gram(torch.cat(us, dim=1))
+    Vh_orth = polar_gram(torch.cat(vhs, dim=0))
+    return ((U_orth * torch.cat(ss).mean()) @ Vh_orth).float()
+
+
 @register
 class IsoCts(MatrixMergeMethod):
     name = "iso_cts"
@@ -67,4 +126,5 @@ class IsoCts(MatrixMergeMethod):
     summary = "flat spectrum over a common subspace plus per-task residual subspaces"
 
     def merge_matrix(self, taus):
-        return iso_cts_matrix(taus, self.params.common_space_fraction, self.params.float64)
+        return iso_cts_matrix(taus, self.params.common_space_fraction, self.params.float64,
+                              self.params.solver)

@@ -6,6 +6,10 @@ matrix is low rank plus noise (a decaying spectrum over 32 directions and 5% iso
 real task vectors. The merge streams key by key; each merged key is consumed and dropped, so the
 memory column is the method's working memory above the task vectors already in memory.
 
+A second table times TSV-M, Iso-C and Iso-CTS's default exact Gram route against their previous full-SVD
+route (``solver="svd"``), alternated key by key in the same run, with the largest relative difference and the
+machine's measured matmul GFLOP/s (``--no-solvers`` skips it).
+
 Printed per method: seconds, ratio to task arithmetic (same process, same data), peak extra memory.
 With ``--calibrations``, a second table times the weight-space calibrations (SVC, WSC) applied to the
 task-arithmetic merge (lambda = 1), excluding the merge itself. With ``--streaming``, a third merges K + 1
@@ -137,6 +141,76 @@ def run_streaming(task_vectors: list[dict], workdir: Path, shard_mb: int = 64) -
     return rows
 
 
+SOLVER_METHODS = ["tsv_m", "iso_c", "iso_cts"]
+
+
+def matmul_gflops(n: int = 1024, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """Measured matmul throughput (median of ``repeats`` n x n products), for reading the timings."""
+    import statistics
+
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def run_solver_comparison(task_vectors: list[dict], methods: list[str] = SOLVER_METHODS) -> list[dict]:
+    """Per SVD method, the default ``solver="gram"`` against the previous exact route ``solver="svd"`` on the
+    same 2-D keys, alternated key by key in one process (the order flips every key), so machine load hits
+    both alike. Reports summed seconds, the ratio, the median of per-key ratios and the largest per-key
+    relative difference ||gram - svd||_F / ||svd||_F (mostly the float32 SVD route's own error: on these
+task vectors it sits 1e-5 to 1e-3 from a float64 SVD where the Gram route sits ~5e-7; see
+tests/test_gram_solver.py for the comparison with the float64 reference)."""
+    import statistics
+
+    from ..methods.iso_c import iso_c_matrix
+    from ..methods.iso_cts import iso_cts_matrix
+    from ..methods.tsv_m import tsv_merge_matrix
+
+    fns = {"tsv_m": tsv_merge_matrix, "iso_c": iso_c_matrix,
+           "iso_cts": lambda taus, **kw: iso_cts_matrix(taus, 0.8, **kw)}
+    keys = [k for k, v in task_vectors[0].items() if v.dim() == 2]
+    rows = []
+    for name in methods:
+        seconds = {"svd": 0.0, "gram": 0.0}
+        ratios, diffs = [], []
+        for i, key in enumerate(keys):
+            taus = [tv[key] for tv in task_vectors]
+            out, times = {}, {}
+            for solver in (("svd", "gram") if i % 2 == 0 else ("gram", "svd")):
+                start = time.perf_counter()
+                out[solver] = fns[name](taus, solver=solver)
+                times[solver] = time.perf_counter() - start
+                seconds[solver] += times[solver]
+            if out["svd"] is None:
+                continue
+            ratios.append(times["svd"] / times["gram"])
+            diffs.append((float((out["gram"].double() - out["svd"].double()).norm() / out["svd"].double().norm()), key))
+        row = {"label": name, "svd_seconds": seconds["svd"], "gram_seconds": seconds["gram"],
+               "speedup": seconds["svd"] / seconds["gram"], "median_key_speedup": statistics.median(ratios),
+               "max_rel_diff": max(diffs)[0], "max_rel_diff_key": max(diffs)[1], "keys": len(ratios)}
+        rows.append(row)
+        print(f"  {name:8s} svd {row['svd_seconds']:8.2f} s  gram {row['gram_seconds']:8.2f} s  "
+              f"x{row['speedup']:.2f} (median per key x{row['median_key_speedup']:.2f})  "
+              f"max rel diff {row['max_rel_diff']:.1e} ({row['max_rel_diff_key']})", flush=True)
+    return rows
+
+
+def format_solver_table(rows: list[dict], setting: str, gflops: dict) -> str:
+    lines = [f"SVD methods, exact Gram route (default) against the full-SVD route (solver='svd'), alternated key "
+             f"by key: {setting}; matmul {gflops['float32']:.0f} GFLOP/s float32, {gflops['float64']:.0f} GFLOP/s "
+             "float64 (1024^3)", "",
+             "| method | svd route (s) | gram route (s) | speed-up | median per-key speed-up | max rel. difference |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['label']} | {r['svd_seconds']:.2f} | {r['gram_seconds']:.2f} | {r['speedup']:.2f} | "
+              f"{r['median_key_speedup']:.2f} | {r['max_rel_diff']:.1e} |" for r in rows]
+    return "\n".join(lines)
+
+
 def run_one(tvs: TaskVectorSet, name: str, params: dict) -> dict:
     method = get_merge_method(name, **params)
     checksum = 0.0
@@ -156,9 +230,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small setting for smoke tests: 2 blocks, width 96, K=4")
     parser.add_argument("--only", nargs="*", help="run only these variant labels (substring match)")
     parser.add_argument("--output", help="also write the table as Markdown here and a .json beside it")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads, and numpy/scipy BLAS threads through threadpoolctl (default: theirs)")
     parser.add_argument("--calibrations", action="store_true", help="also time SVC and WSC after task arithmetic")
     parser.add_argument("--no-merges", action="store_true", help="skip the merge-method table")
+    parser.add_argument("--no-solvers", action="store_true",
+                        help="skip the table of the SVD methods' Gram route against their full-SVD route")
     parser.add_argument("--models", action="store_true",
                         help="also time FSC estimation and DisTaC steps on an open_clip ViT-B/32 (random init)")
     parser.add_argument("--streaming", action="store_true",
@@ -179,6 +256,12 @@ def main(args: argparse.Namespace) -> int:
         args.blocks, args.width, args.tasks = 2, 96, 4
     if args.threads:
         torch.set_num_threads(args.threads)
+        try:  # the Gram route's syrk and eigh run in numpy / scipy's OpenBLAS, which torch's setting misses
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(args.threads)
+        except ImportError:
+            print("threadpoolctl missing: set OPENBLAS_NUM_THREADS too for a like-for-like thread count")
     shapes = vit_b32_shapes(args.blocks, args.width)
     n_params = sum(torch.Size(s).numel() for s in shapes.values())
     start = time.perf_counter()
@@ -198,6 +281,16 @@ def main(args: argparse.Namespace) -> int:
                f"K = {args.tasks}, {torch.get_num_threads()} torch threads, "
                f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
     tables = [format_table(rows, f"Merge benchmark: {setting}")] if rows else []
+    if not args.no_solvers:
+        gflops = {"float32": matmul_gflops(), "float64": matmul_gflops(dtype=torch.float64)}
+        print(f"  matmul: {gflops['float32']:.1f} GFLOP/s float32, {gflops['float64']:.1f} GFLOP/s float64",
+              flush=True)
+        methods = [m for m in SOLVER_METHODS if not args.only or any(o in m for o in args.only)]
+        solver_rows = run_solver_comparison(task_vectors, methods)
+        for r in solver_rows:
+            rows.append({**r, "label": f"{r['label']} (gram vs svd)", "seconds": r["gram_seconds"],
+                         "peak_extra_mb": None})
+        tables.append(format_solver_table(solver_rows, setting, gflops))
     if args.calibrations:
         merged = {k: v.clone() for k, v in iter_merge(tvs, get_merge_method("task_arithmetic", scaling=1.0))}
         calibration_rows = []
