@@ -23,9 +23,10 @@ def summarize(path: str) -> str:
                    f"{rows[t].get('relative_norm', float('nan')):.4f} |")
     out.append(f"| **average** | | {zs_avg:.3f} | {ft_avg:.3f} | {ta:.3f} | |")
     out.append("")
+    validation = r["ta_normalized_validation"]
     out.append("TA per λ (test avg / normalized validation avg): " + ", ".join(
-        f"{l:g}: {np.mean([rows[t][f'ta_{l:g}'] for t in tasks]):.3f} / {r['ta_normalized_validation'][f'{l:g}']:.3f}"
-        for l in GRID if f"ta_{l:g}" in rows[tasks[0]]))
+        f"{lam:g}: {np.mean([rows[t][f'ta_{lam:g}'] for t in tasks]):.3f} / {validation[f'{lam:g}']:.3f}"
+        for lam in GRID if f"ta_{lam:g}" in rows[tasks[0]]))
     p = r.get("probe", {})
     checks = [
         ("1. min fine-tuned ≥ 0.80", min(ft.values()), min(ft.values()) >= 0.80),
