@@ -70,13 +70,14 @@ def test_importing_the_recipe_module_loads_no_calibration_module():
     assert out.strip() == "['mergecal.calibrations.registry']"
 
 
-#: computed with the code before the registry (commit b337f8e): recipe ids are cache keys and run names, so they
-#: must not change. (recipe text, label, id, digest)
+#: computed with the code before the registry (commit b337f8e): recipe ids are cache keys and run names, so the
+#: registry must not change them. The one later change is deliberate: the SVD methods' new `solver` parameter
+#: (default 'gram', #17) is written into their ids. (recipe text, label, id, digest)
 RECIPE_IDS = [
     ('distac(preset=norm_mismatch)->tsv_m->svc(alpha=1.0)->dsc',
      'distac→tsv_m→svc→dsc',
-     "distac(apply_to='largest_norm',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',seed=0,steps=500,t_student=10.0,t_teacher=10.0)→tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0)→svc(alpha=1.0,calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,space='column',targeted_task=None)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
-     '069adfc6fec708c2'),
+     "distac(apply_to='largest_norm',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',seed=0,steps=500,t_student=10.0,t_teacher=10.0)→tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0,solver='gram')→svc(alpha=1.0,calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,space='column',targeted_task=None)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
+     '5069e72249c3ec01'),
     ('distac(preset=low_confidence, steps=50)->ties(top_k=0.3)->svc->wsc(projection=least_squares)->dsc_a',
      'distac→ties→svc→wsc→dsc_a',
      "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=1.0,lr=1e-05,optimizer='adam',seed=0,steps=50,t_student=10.0,t_teacher=1.0)→ties(disjoint='mean',scaling=1.0,sign_vote='mass',top_k=0.3,trim_scope='global')→svc(alpha=None,calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,space='column',targeted_task=None)→wsc(key_rule='wsc_weights',projection='least_squares',sensitive=None)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
@@ -92,12 +93,12 @@ RECIPE_IDS = [
      'df2fef54ccfc0096'),
     ('tsv_m->dsc_a(fsc={n_samples_per_task: 2})',
      'tsv_m→dsc_a',
-     "tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=2,norm='l1',sensitive=None,token_ratios='per_token')",
-     '0533053dd841524d'),
+     "tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0,solver='gram')→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=2,norm='l1',sensitive=None,token_ratios='per_token')",
+     'e56817ce08ddfc6f'),
     ('iso_cts>svc(calibrate_vectors=true, float64=true)',
      'iso_cts→svc',
-     "iso_cts(common_space_fraction=0.8,float64=False,key_rule='matrices_except_text_projection',scaling=1.0)→svc(alpha=None,calibrate_vectors=True,float64=True,key_rule='svc_authors',roundoff_guard=True,space='column',targeted_task=None)",
-     '3bfec8e77af1aa54'),
+     "iso_cts(common_space_fraction=0.8,float64=False,key_rule='matrices_except_text_projection',scaling=1.0,solver='gram')→svc(alpha=None,calibrate_vectors=True,float64=True,key_rule='svc_authors',roundoff_guard=True,space='column',targeted_task=None)",
+     '2c656a4f63e575b7'),
 ]
 
 CONFIG = ('distac→dare→svc→dsc',

@@ -13,8 +13,8 @@ from mergecal.recipe import Recipe, iter_weight_space
 def test_string_form_is_canonical_and_round_trips():
     short = Recipe.parse("tsv_m->svc(alpha=1.0)->wsc")
     assert short.label == "tsv_m→svc→wsc"
-    assert short.id.startswith("tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0)"
-                               "→svc(alpha=1.0,")
+    assert short.id.startswith("tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0,"
+                               "solver='gram')→svc(alpha=1.0,")
     assert Recipe.parse(short.id) == short and Recipe.parse(short.id).id == short.id
     # defaults written out or left implicit give the same id; other spellings of the arrow too
     assert Recipe.parse("tsv_m(scaling=1.0) > svc(alpha=1.0, space='column') → wsc") == short
