@@ -258,7 +258,9 @@ def test_an_output_swapped_out_by_a_killed_commit_is_put_back(tmp_path, pretrain
 
 
 SLOW_CLI = """
-import sys, time
+import signal, sys, time
+# as from a terminal: a process started in the background by a shell without job control inherits SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from mergecal import checkpoint
 add = checkpoint.ShardedCheckpointWriter.add
 def slow_add(self, key, tensor):
