@@ -6,12 +6,13 @@ from stages._common import run
 
 
 def stage(params, root, args):
+    from mergecal.pipeline.results import INVOCATION_FILE
     from mergecal.pipeline.tracking import tracking_uri
     from mergecal.reports import write_reports
 
     testbed = root / "reports" / "testbed.md"
     # the invocation that wrote results/benchmark.json (the flow writes its id beside it); else the latest
-    run_file = root / "results" / "invocation.json"
+    run_file = root / "results" / INVOCATION_FILE
     invocation = json.loads(run_file.read_text())["invocation_id"] if run_file.exists() else None
     written = write_reports(tracking_uri(root, params.tracking.store), params.tracking.experiment, root / "reports",
                             invocation, testbed=testbed.read_text() if testbed.exists() else None)
