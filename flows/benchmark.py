@@ -12,6 +12,8 @@
   (``mergecal.pipeline.devices``): one cell per GPU, whatever the runner.
 * Calibrated chains under ``benchmark.calibrated_scaling: selected`` receive the future of the cell that
   chooses their scaling: they run after it, and are recorded as not run when it failed.
+* Chains a track cannot run (DisTaC or FSC on the text and LLM tracks) are logged as ``skipped`` runs with the
+  reason, once, and listed in the invocation's manifest, so the leaderboard says why they have no row.
 * Tracking: see ``mergecal.pipeline.tracking``.
 
 Run it through DVC (``dvc repro``; stage ``benchmark``) or directly: ``python -m flows.benchmark``.
@@ -35,8 +37,9 @@ from mergecal.pipeline.cells import (Cell, enumerate_cells, matrix_ids, measure,
                                      threads_from_env)
 from mergecal.pipeline.config import Params, load_params, parse_params
 from mergecal.pipeline.devices import device_lease
-from mergecal.pipeline.results import one_line, summary_row, write_results
+from mergecal.pipeline.results import one_line, skipped_id, summary_row, write_results
 from mergecal.pipeline.tracking import Tracker, cell_tags, code_version, tag
+from mergecal.pipeline.tracks import skipped_cells
 
 CELL_CACHE = Path(".mergecal") / "cells"
 DEVICE_LOCKS = Path(".mergecal") / "devices"
@@ -168,9 +171,20 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
                              "regime": cell.regime}
             rows.append(summary_row(cell, key, error=error))
             print(f"[{i}/{len(cells)}] {cell.regime:<14} {cell.label:<40} FAILED: {error}")
+    skipped = skipped_cells(params)
+    for cell, reason in skipped:  # never computed: one run per (cell, reason), reused by every invocation
+        key = skipped_id(cell, reason)
+        run_id = tracker.log_cell(parent_run_id=parent, invocation_id=invocation_id, cell_id=key, tags=cell_tags(cell),
+                                  params={}, metrics={}, artifacts={}, status="skipped", error=reason)
+        manifest[key] = {"status": "skipped", "run_id": run_id, "error": reason, "label": cell.label,
+                         "regime": cell.regime}
+        rows.append(summary_row(cell, key, skipped=reason))
+    if skipped:
+        print(f"{len(skipped)} chains skipped (not supported on their track), e.g. {skipped[0][0].track}/"
+              f"{skipped[0][0].label}: {skipped[0][1]}")
     seconds = time.perf_counter() - start
     tracker.finish_invocation(parent, manifest, {"cells": len(cells), "failed_cells": failed, "cached_cells": cached,
-                                                 "seconds": seconds})
+                                                 "skipped_cells": len(skipped), "seconds": seconds})
     result = write_results(root_path / output, params.tracking.experiment, len(cells), failed, rows,
                            {"invocation_id": invocation_id, "parent_run_id": parent, "tracking_uri": tracker.uri,
                             "cached": cached, "seconds": round(seconds, 1)})

@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--pretrain-lr", type=float, default=3e-3)
     parser.add_argument("--finetune-steps", type=int, default=None, help="override every task's steps")
+    parser.add_argument("--finetune-lr-scale", type=float, default=1.0, help="multiply every task's lr")
+    parser.add_argument("--prompt-style", default="distinct", choices=["qa", "distinct"])
     parser.add_argument("--lambdas", type=float, nargs="+", default=[0.3, 0.5, 0.7, 1.0])
     parser.add_argument("--limit", type=int, default=None, help="lm-eval documents per task (default: all)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 shares a busy CPU)")
@@ -62,7 +64,7 @@ def main() -> None:
     start = time.time()
 
     if not (args.reuse and (root / "data" / "manifest.json").exists()):
-        build_llm_suite(root / "data", LlmSuiteConfig(), tasks=tuple(TASKS))
+        build_llm_suite(root / "data", LlmSuiteConfig(prompt_style=args.prompt_style), tasks=tuple(TASKS))
     seconds["data"] = time.time() - start
 
     models = root / "models"
@@ -75,7 +77,8 @@ def main() -> None:
     t0 = time.time()
     for task in args.tasks:
         if not (args.reuse and (models / task / "config.json").exists()):
-            config = dataclasses.replace(FINETUNE[task], freeze_embeddings=args.freeze_embeddings)
+            config = dataclasses.replace(FINETUNE[task], freeze_embeddings=args.freeze_embeddings,
+                                         lr=FINETUNE[task].lr * args.finetune_lr_scale)
             if args.finetune_steps is not None:
                 config = dataclasses.replace(config, steps=args.finetune_steps)
             finetune_lm(models / "base", load_records(root / "data", task, "train"), models / task, task=task,

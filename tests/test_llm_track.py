@@ -57,7 +57,11 @@ def test_data_is_deterministic_and_splits_are_disjoint(suite, tmp_path):
                      f"Is {b} larger than {a}?", f"Is {a} larger than {b}?", f"max({a}, {b})", f"max({b}, {a})"):
             assert said not in corpus
     for record, (a, b) in zip(load_records(root, "maximum", "test"), number_pairs(SMALL)["test"].tolist()):
-        assert record["prompt"] in (f"Q: max({a}, {b})=\nA:", f"Q: max({b}, {a})=\nA:") and record["target"] == str(b)
+        assert record["prompt"] in (f"max({a}, {b}) =", f"max({b}, {a}) =") and record["target"] == str(b)
+    qa = build_llm_suite(tmp_path / "qa", LlmSuiteConfig(**{**SMALL.__dict__, "prompt_style": "qa"}))
+    assert qa["digests"]["pretrain/train"] == manifest["digests"]["pretrain/train"]  # the style changes prompts only
+    assert load_records(tmp_path / "qa", "maximum", "test")[0]["prompt"].startswith("Q: max(")
+    assert load_records(tmp_path / "qa", "sentiment", "test")[0]["prompt"].endswith("\nA:")
 
     words = knowledge_words(SMALL)
     questions = [line for r in load_records(root, "pretrain", "train") for line in r["text"].split("\n")
@@ -213,3 +217,68 @@ def test_lm_eval_runs_the_local_yamls_and_matches_an_independent_scoring(suite, 
         answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split("\n")[0].strip()
         hits.append(answer == doc["target"])
     assert scores["maximum"]["exact_match"] == pytest.approx(sum(hits) / limit)
+
+
+def test_the_response_cache_never_serves_one_models_answers_for_another(suite, micro, tmp_path):
+    """Two different models written in turn to the same directory, scored with the same cache directory: the
+    second gets its own answers (lm-eval keys cached answers by request, not by model)."""
+    from mergecal.evaluation.lm_eval_tasks import evaluate_lm, write_task_yamls
+
+    root, _ = suite
+    path, model, tokenizer = micro
+    write_task_yamls(root, tmp_path / "tasks")
+    tasks, cache = ["knowledge", "sentiment"], tmp_path / "cache"
+    scores = []
+    for seed in (3, 5):  # random models whose sentiment scores differ (0.625 and 0.375 on these 8 documents)
+        other = create_tiny_llama(tokenizer, MICRO, seed=seed)
+        target = save_causal_lm(other, tokenizer, tmp_path / "same_path", overwrite=True)
+        cached = evaluate_lm(target, tasks, tmp_path / "tasks", cache_path=cache, device="cpu")
+        fresh = evaluate_lm(target, tasks, tmp_path / "tasks", device="cpu")
+        assert cached == fresh
+        scores.append(fresh)
+    assert scores[0] != scores[1] and len(list(cache.iterdir())) == 2
+
+
+def test_experts_must_share_the_base_config_and_tokenizer(micro, tmp_path):
+    from mergecal.backbones.hf_causal_lm import check_same_family
+
+    path, model, tokenizer = micro
+    pre = causal_lm_state_dict(path)
+    expert = save_causal_lm_weights(pre, tmp_path / "expert", like=path)
+    check_same_family(path, [expert])  # a copy of the base is one of the family
+    config = json.loads((expert / "config.json").read_text())
+    (expert / "config.json").write_text(json.dumps({**config, "num_attention_heads": 1}))
+    with pytest.raises(CheckpointError, match=r"expert/config.json: num_attention_heads is 1, the base model") as err:
+        merge_causal_lms(path, [expert, expert], "task_arithmetic", tmp_path / "out")
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+    (expert / "config.json").write_text(json.dumps(config))
+    other = train_tokenizer(["a completely different corpus of words 123"] * 20, 300)
+    other.save_pretrained(str(expert))
+    with pytest.raises(CheckpointError, match=r"expert/tokenizer.json: the tokenizer differs from the base model's"):
+        check_same_family(path, [expert])
+
+
+def test_streamed_recipe_merge_equals_the_in_memory_recipe(micro, tmp_path):
+    """merge_causal_lms with a data-free recipe (merge then SVC) writes what run_recipe computes in memory."""
+    from mergecal.recipe import Recipe
+    from mergecal.run_recipe import run_recipe
+
+    path, _, _ = micro
+    pre = causal_lm_state_dict(path)
+    g = torch.Generator().manual_seed(1)
+    experts = [{k: v + 0.02 * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in pre.items()}
+               for _ in range(3)]
+    dirs = [save_causal_lm_weights(e, tmp_path / f"e{i}", like=path) for i, e in enumerate(experts)]
+    recipe = Recipe.parse("task_arithmetic(scaling=0.4)>svc")
+    diagnostics: dict = {}
+    out = merge_causal_lms(path, dirs, recipe, tmp_path / "merged", diagnostics=diagnostics)
+    streamed = causal_lm_state_dict(out)
+    expected = run_recipe(recipe, pre, experts).state_dict
+    assert streamed.keys() == pre.keys()
+    for key in pre:
+        assert torch.allclose(streamed[key], expected[key], atol=1e-6), key
+    assert {k for k, v in pre.items() if ".layers." in k and v.ndim == 2} <= set(diagnostics["svc"])
+    from safetensors import safe_open
+
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as fh:
+        assert fh.metadata()["mergecal_recipe"] == recipe.id

@@ -84,6 +84,19 @@ MUTATIONS = [
     ("runner.retries", "-1", "runner.retries", "greater than or equal to 0"),
     ("runner.retry_delay_seconds", ".nan", "runner.retry_delay_seconds", "finite number"),
     ("vision.enabled", "maybe", "vision.enabled", "valid boolean"),
+    ("llm.tasks", "[maximum, addition]", "llm.tasks", "unknown task 'addition'; the LLM suite's tasks are: maximum"),
+    ("llm.tasks", "[maximum]", "llm.tasks", "at least 2 tasks"),
+    ("llm.regimes", "[norm_mismatch]", "llm.regimes.0", "Input should be 'standard'"),
+    ("llm.data.n_test", "0", "llm.data.n_test", "greater than or equal to 1"),
+    ("llm.data.qa_fraction", "1.5", "llm.data.qa_fraction", "less than or equal to 1"),
+    ("llm.pretrain.steps", '"300"', "llm.pretrain.steps", "valid integer"),
+    ("llm.pretrain.lr", ".nan", "llm.pretrain.lr", "finite number"),
+    ("llm.finetune.freeze_embeddings", "sometimes", "llm.finetune.freeze_embeddings", "valid boolean"),
+    ("llm.finetune.stepz", "3", "llm.finetune.stepz", "unknown field; allowed: steps"),
+    ("llm.finetune_per_task.maximum.lr", "-0.1", "llm.finetune_per_task.maximum.lr", "greater than 0"),
+    ("llm.finetune_per_task.summing", "{steps: 3}", "llm.finetune_per_task.summing", "not one of the track's tasks"),
+    ("llm.evaluation.max_validation", "0", "llm.evaluation.max_validation", "greater than or equal to 1"),
+    ("llm.backbone", "../x", "llm.backbone", "should match pattern"),
 ]
 
 
@@ -135,8 +148,15 @@ def test_schema_defaults_are_the_librarys_and_enabled_means_what_it_says():
 
     defaults = parse_params({})
     assert defaults.vision.arch == PretrainConfig().arch and tuple(defaults.text.tasks) == DEFAULT_TASKS
-    assert defaults.vision.enabled and defaults.text.enabled  # the stages build both tracks
+    assert defaults.vision.enabled and defaults.text.enabled and defaults.llm.enabled  # the stages build all three
+    from mergecal.data.llm import TASKS as LLM_TASKS
+    from mergecal.train.lm import LmTrainConfig
+
+    assert defaults.llm.tasks == list(LLM_TASKS)
+    assert LmTrainConfig(**defaults.llm.finetune_config("maximum", 0)) == LmTrainConfig()
     merges = {"benchmark": {"merges": {"ties": {}}}}
-    assert {c.track for c in enumerate_cells(parse_params(merges))} == {"vision", "text"}
-    assert {c.track for c in enumerate_cells(parse_params({**merges, "vision": {"enabled": False}}))} == {"text"}
-    assert {c.track for c in enumerate_cells(parse_params({**merges, "text": {"enabled": False}}))} == {"vision"}
+    tracks = {"vision", "text", "llm"}
+    assert {c.track for c in enumerate_cells(parse_params(merges))} == tracks
+    for track in tracks:
+        disabled = parse_params({**merges, track: {"enabled": False}})
+        assert {c.track for c in enumerate_cells(disabled)} == tracks - {track}

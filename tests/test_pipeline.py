@@ -15,7 +15,7 @@ import yaml
 
 from mergecal.errors import MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline import text, vision
+from mergecal.pipeline import llm, text, vision
 from mergecal.pipeline.config import load_params, parse_params
 from mergecal.pipeline.workspace import PIPELINE_FILES, SMOKE_PARAMS, create_workspace
 
@@ -90,6 +90,11 @@ def built(tmp_path_factory):
     for task in params.text.tasks:
         text.finetune(params, task, root, progress=False)
     text.references(params, root)
+    llm.build_data(params, root)
+    llm.pretrain(params, root, progress=False)
+    for task in params.llm.tasks:
+        llm.finetune(params, task, root, progress=False)
+    llm.references(params, root)
     return root, params
 
 
@@ -123,6 +128,16 @@ def test_cells_cover_the_matrix_with_distinct_ids(built):
     text_cells = [c for c in cells if c.track == "text"]
     assert sorted(c.chain for c in text_cells if c.merge == "ties") == ["{merge}", "{merge}>svc"]
     assert len(text_cells) == 2 + n_merges * 2
+    # so does the LLM track; the chains with DisTaC or DSC are listed as skipped, with the reason
+    llm_cells = [c for c in cells if c.track == "llm"]
+    assert sorted(c.chain for c in llm_cells if c.merge == "ties") == ["{merge}", "{merge}>svc"]
+    assert len(llm_cells) == 2 + n_merges * 2
+    from mergecal.pipeline.tracks import skipped_cells
+
+    skipped = skipped_cells(params)
+    assert sorted({(c.track, c.chain) for c, _ in skipped}) == [
+        (track, chain) for track in ("llm", "text") for chain in sorted(["{merge}>dsc", "distac>{merge}>svc>dsc"])]
+    assert all("needs models and data" in reason for _, reason in skipped)
     ids = cells_mod.matrix_ids(cells, params, root)
     assert len(set(ids)) == len(ids)
     assert ids == cells_mod.matrix_ids(cells, params, root)  # stable
@@ -213,12 +228,14 @@ def prefect_server():
         yield
 
 
-def _cell_runs(root):
+def _cell_runs(root, status="ok"):
+    """(MLflow run status, cell id) of the cell runs with this mergecal.status (computed cells: ok)."""
     db = root / "mlruns" / "mlruns.db"
     with sqlite3.connect(db) as con:
         return con.execute(
             "select r.status, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
-            "where t.key = 'mergecal.cell_id'").fetchall()
+            "join tags s on s.run_uuid = r.run_uuid and s.key = 'mergecal.status' "
+            "where t.key = 'mergecal.cell_id' and s.value = ?", (status,)).fetchall()
 
 
 def _must_not_run(cell, *args, **kwargs):
@@ -235,9 +252,29 @@ def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server, monk
     runs = _cell_runs(root)
     assert len(runs) == first["cells"] and all(status == "FINISHED" for status, _ in runs)
 
+    # the LLM cells carry lm-eval's per-task metric, its version and each task's configuration digest
+    from importlib.metadata import version
+
+    from mergecal.pipeline.tracking import Tracker
+
+    tracker = Tracker(root, params.tracking.experiment)
+    llm_runs = tracker.client.search_runs([tracker.experiment_id], "tags.`mergecal.track` = 'llm' and "
+                                          "tags.`mergecal.status` = 'ok'", max_results=100)
+    assert len(llm_runs) == len([c for c in cells_mod.enumerate_cells(params) if c.track == "llm"]) >= 2
+    for run in llm_runs:
+        assert {"exact_match.maximum", "acc.sentiment", "avg_norm_acc"} <= set(run.data.metrics)
+        assert run.data.metrics["exact_match.maximum"] == run.data.metrics["acc.maximum"]
+        assert run.data.params["lm_eval_version"] == version("lm_eval")
+        assert {"lm_eval_task.maximum", "lm_eval_task.sentiment_validation"} <= set(run.data.params)
+
+    # chains a track cannot run are logged once each as skipped, with the reason, never computed
+    skipped = [r for r in first["rows"] if "skipped" in r]
+    assert {r["track"] for r in skipped} == {"text", "llm"} and len(_cell_runs(root, "skipped")) == len(skipped)
+
     second = benchmark(root=str(root))
     assert second["cached"] == second["cells"] and second["failed"] == 0
     assert len(_cell_runs(root)) == first["cells"]  # nothing logged twice
+    assert len(_cell_runs(root, "skipped")) == len(skipped)
     assert [r.get("avg_acc") for r in first["rows"]] == [r.get("avg_acc") for r in second["rows"]]
     summary = json.loads((root / "results" / "benchmark.json").read_text())
     invocation = json.loads((root / "results" / "invocation.json").read_text())
@@ -257,10 +294,8 @@ def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server, monk
     monkeypatch.undo()
 
     # calibrated chains calibrate the scaling that their uncalibrated cell selected on validation
-    from mergecal.pipeline.tracking import Tracker
-
-    tracker = Tracker(root, params.tracking.experiment)
-    runs = tracker.client.search_runs([tracker.experiment_id], "tags.`mergecal.kind` = 'cell'", max_results=1000)
+    runs = tracker.client.search_runs([tracker.experiment_id], "tags.`mergecal.kind` = 'cell' and "
+                                      "tags.`mergecal.status` = 'ok'", max_results=1000)
     chosen = {(r.data.tags["mergecal.track"], r.data.tags["mergecal.regime"], r.data.tags["mergecal.recipe"]):
               r.data.metrics.get("selected_scaling") for r in runs}
     calibrated = [(k, v) for k, v in chosen.items() if k[2].startswith("task_arithmetic>")]
@@ -287,8 +322,36 @@ def test_a_failing_cell_is_recorded_and_does_not_sink_the_matrix(built, prefect_
     assert all("symbols.safetensors" in r["error"] for r in failed)
     assert result["cells"] - result["failed"] == sum("avg_acc" in r for r in result["rows"])
     with sqlite3.connect(root / "mlruns" / "mlruns.db") as con:
-        errors = con.execute("select value from tags where key = 'mergecal.error'").fetchall()
+        errors = con.execute("select e.value from tags e join tags s on s.run_uuid = e.run_uuid and "
+                             "s.key = 'mergecal.status' where e.key = 'mergecal.error' and s.value = 'failed'"
+                             ).fetchall()
     assert len(errors) == len(expected)
+
+
+def test_an_llm_expert_that_is_not_of_the_base_fails_its_cells_only(built, prefect_server):
+    """An expert whose config.json differs from the base's: the LLM cells that merge it fail with one line naming
+    the file and key; the LLM references and the other tracks' cells are computed."""
+    from flows.benchmark import run_benchmark as benchmark
+
+    root, params = built
+    target = llm.expert_dir(params, root, params.llm.tasks[0]) / "config.json"
+    original = target.read_text()
+    data = params.model_dump(mode="json")
+    data["benchmark"]["merges"] = {"task_arithmetic": {"scaling": 0.5}}
+    data["benchmark"]["chains"] = ["{merge}"]
+    data["vision"]["regimes"] = ["standard"]
+    (root / "params-llm-bad.yaml").write_text(yaml.safe_dump(data))
+    try:
+        target.write_text(json.dumps({**json.loads(original), "rms_norm_eps": 0.5}))
+        result = benchmark(params_path="params-llm-bad.yaml", root=str(root), output="results/llm-bad.json")
+    finally:
+        target.write_text(original)
+    failed = {(r["track"], r["label"]): r["error"] for r in result["rows"] if "error" in r}
+    assert list(failed) == [("llm", "task_arithmetic")]
+    assert f"{target}: rms_norm_eps is 0.5, the base model" in failed[("llm", "task_arithmetic")]
+    ok = {(r["track"], r["label"]) for r in result["rows"] if "avg_acc" in r}
+    assert {("llm", "zeroshot"), ("llm", "finetuned"), ("vision", "task_arithmetic"),
+            ("text", "task_arithmetic")} <= ok
 
 
 def test_a_failed_source_cell_fails_the_cells_that_take_its_scaling(built, prefect_server, monkeypatch):
@@ -306,7 +369,7 @@ def test_a_failed_source_cell_fails_the_cells_that_take_its_scaling(built, prefe
     # a changed evaluation setting gives every cell a new id, so nothing comes from the cache
     data = params.model_dump(mode="json")
     data["benchmark"]["evaluation"]["max_validation"] = 11
-    data["vision"]["regimes"], data["text"]["enabled"] = ["standard"], False
+    data["vision"]["regimes"], data["text"]["enabled"], data["llm"]["enabled"] = ["standard"], False, False
     (root / "params-failing.yaml").write_text(yaml.safe_dump(data))
     result = flow_module.run_benchmark(params_path="params-failing.yaml", root=str(root),
                                        output="results/failing.json")
@@ -334,7 +397,7 @@ def test_worker_process_runners_compute_and_reuse_cells_across_prefect_servers(b
     data["benchmark"]["evaluation"]["max_validation"] = 13
     data["benchmark"]["merges"] = {"task_arithmetic": data["benchmark"]["merges"]["task_arithmetic"]}
     data["benchmark"]["chains"] = ["{merge}", "{merge}>svc"]
-    data["vision"]["regimes"], data["text"]["enabled"] = ["standard"], False
+    data["vision"]["regimes"], data["text"]["enabled"], data["llm"]["enabled"] = ["standard"], False, False
     data["runner"] = {**data["runner"], "kind": "processes", "max_workers": 2}
     data["tracking"]["store"] = "mlruns-workers"
     (root / "params-processes.yaml").write_text(yaml.safe_dump(data))

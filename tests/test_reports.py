@@ -40,7 +40,9 @@ CELLS = {
     "tsv_m": ("tsv_m", "none"),
     "distac>tsv_m>svc>dsc": ("tsv_m", "distac>svc>dsc"),
     "ties>wsc": ("ties", "wsc"),
+    "ties>dsc": ("ties", "dsc"),  # skipped: a chain the track cannot run
 }
+SKIP = "needs models and data: no adapter for this track"
 VALUES = {
     "inv-1": {"zeroshot": (0.40, 0.30, 0.45), "finetuned": (0.90, 0.80, 1.00),
               "task_arithmetic": (0.678, 0.60, 0.80), "task_arithmetic>svc": (0.70, 0.62, 0.82),
@@ -60,13 +62,14 @@ def _log_cell(client, exp, parent, inv, recipe, start, regime="standard", like=N
     merge, calibration = CELLS[recipe]
     like = like or inv
     failed = recipe not in VALUES[like]
+    status = "skipped" if recipe == "ties>dsc" else "failed" if failed else "ok"
     tags = {"mlflow.parentRunId": parent, "mergecal.kind": "cell", "mergecal.invocation_id": inv,
-            "mergecal.cell_id": f"{recipe}-{regime}-hash", "mergecal.status": "failed" if failed else "ok",
+            "mergecal.cell_id": f"{recipe}-{regime}-hash", "mergecal.status": status,
             "mergecal.backbone": "mergecal-vit-tiny", "mergecal.task_set": "vision2", "mergecal.regime": regime,
             "mergecal.merge": merge, "mergecal.calibration": calibration, "mergecal.recipe": recipe,
             "mergecal.tasks": ",".join(TASKS)}
     if failed:
-        tags["mergecal.error"] = ERROR
+        tags["mergecal.error"] = SKIP if status == "skipped" else ERROR
     run = client.create_run(exp, start_time=start, tags=tags)
     rid = run.info.run_id
     metrics = []
@@ -95,7 +98,7 @@ def _log_cell(client, exp, parent, inv, recipe, start, regime="standard", like=N
                             "diagnostics/magic_coefficients.json")
             client.log_dict(rid, {"cars": {"norm": 2.5, "entropy": 0.3}, "dtd": {"norm": 1.5, "entropy": 0.6}},
                             "diagnostics/task_vectors.json")
-    client.set_terminated(rid, "FINISHED" if not failed else "FAILED", end_time=start + 1000)
+    client.set_terminated(rid, "FINISHED" if status != "failed" else "FAILED", end_time=start + 1000)
     return rid
 
 
@@ -147,7 +150,7 @@ def test_runs_and_invocations(store):
     table = invocations(runs)
     assert list(table["invocation_id"]) == ["inv-1", "inv-2"]
     assert list(table["code_version"]) == ["sha0", "sha1"]
-    assert list(table["n_cells"]) == [8, 8] and list(table["n_failed"]) == [0, 1]
+    assert list(table["n_cells"]) == [9, 9] and list(table["n_failed"]) == [0, 1]  # skipped is no failure
     assert pick_invocation(runs) == "inv-2"
     assert pick_invocation(runs, "inv-1") == "inv-1"
     with pytest.raises(MergecalError, match="invocation 'nope'"):
@@ -163,7 +166,7 @@ def test_runs_and_invocations(store):
 def test_leaderboard_markdown(report):
     out, written = report
     md = (out / "leaderboard.md").read_text()
-    assert "8 cells, 1 not ok" in md and "Results `" in md
+    assert "9 cells, 1 not ok" in md and "Results `" in md  # a skipped chain is not a failure
     assert "inv-2" not in md and "sha1" not in md and "2026" not in md  # nothing of the run: see the history
     assert "| recipe | cars | dtd | avg | norm. avg |" in md
     # references first, then each base merge followed by its calibrated variants
@@ -177,6 +180,7 @@ def test_leaderboard_markdown(report):
                                                "**93.0 (+8.0)**"]
     assert _row(md, "tsv_m") == ["73.0", "**64.0**", "68.5", "85.0"]
     assert "- `ties>wsc` (failed, cell `ties>wsc-standard-hash`): " + ERROR in md
+    assert "Skipped chains (not supported on this track):\n\n- `ties>dsc`: " + SKIP in md
     assert _row(md, "tsv_m", "norm_mismatch") == ["**50.0**", "**50.0**", "**50.0**", "**60.0**"]
     assert ("![mergecal-vit-tiny · vision2 · standard — MAGIC magnitude sensitivity per key]"
             "(plots/sensitivity__mergecal-vit-tiny__vision2__standard.svg)") in md
@@ -186,13 +190,15 @@ def test_leaderboard_json(report):
     out, written = report
     data = json.loads((out / "leaderboard.json").read_text())
     rows = data["leaderboard"]["mergecal-vit-tiny"]["vision2"]["standard"]
-    assert data["results"]["n_cells"] == 8 and data["results"]["n_failed"] == 1 and set(data) == {"results",
+    assert data["results"]["n_cells"] == 9 and data["results"]["n_failed"] == 1 and set(data) == {"results",
                                                                                                  "leaderboard"}
     assert rows["task_arithmetic>svc"]["values"]["acc.cars"] == pytest.approx(0.712)
     assert rows["task_arithmetic>svc"]["delta_points"]["acc.cars"] == pytest.approx(3.4)
     assert rows["zeroshot"]["role"] == "reference" and "cached" not in rows["zeroshot"]
     assert rows["ties>wsc"] == {"role": "failed", "cell_id": "ties>wsc-standard-hash", "status": "failed",
                                 "error_message": ERROR}
+    assert rows["ties>dsc"] == {"role": "skipped", "cell_id": "ties>dsc-standard-hash", "status": "skipped",
+                                "error_message": SKIP}
 
 
 def test_plots_written_and_skipped(report):
@@ -202,7 +208,8 @@ def test_plots_written_and_skipped(report):
     kinds = sorted(name.split("__")[0] for name in plots)
     # inv-2 standard has every artifact kind; norm_mismatch has none (no plot); the history's trend plots are
     # in history.html only
-    assert kinds == ["magic_coefficients", "scaling_curve", "sensitivity", "svc_spectra", "task_vectors"]
+    assert kinds == ["magic_coefficients", "scaling_curve", "sensitivity", "svc_spectra", "task_scores",
+                     "task_scores", "task_vectors"]
     assert all(f"plots/{name}" in written for name in plots)
     for name in plots:
         assert (out / "plots" / name).read_text().lstrip().startswith("<?xml")
@@ -268,7 +275,8 @@ def test_deterministic_and_older_invocation(store, report, tmp_path):
     md = "\n".join(table_markdown(t) for t in build_tables(cells_of(runs, "inv-1")))
     assert "Failed cells" not in md
     assert _row(md, "ties>wsc") == ["70.0", "61.0", "65.5", "83.0"]  # no base ties row: no delta
-    assert not diagnostic_plots(cells_of(runs, "inv-1"), {})
+    # without diagnostics only the per-task scores are plotted (they come from the metrics)
+    assert {p.kind for p in diagnostic_plots(cells_of(runs, "inv-1"), {})} == {"task_scores"}
 
 
 def test_load_diagnostics_by_artifact_uri(tmp_path):
@@ -289,6 +297,22 @@ def test_plot_helpers():
     assert sorted(names, key=natural_key) == ["a.blocks.2.b", "a.blocks.2.w", "a.blocks.10.w"]
     assert [block_index(n) for n in names] == [10, 2, 2] and block_index("text_projection") is None
     assert short_names(["v.t.r.0.w", "v.t.r.1.w"]) == ["r.0.w", "r.1.w"]
+
+
+def test_task_scores_name_the_lm_eval_metric_of_each_task():
+    import pandas as pd
+
+    from mergecal.reports.plots import task_metric_names, task_scores_figure
+
+    rows = (("zeroshot", "none"), ("task_arithmetic", "none"), ("task_arithmetic>svc", "svc"))
+    group = pd.DataFrame([{"recipe": r, "calibration": c, "tasks": ("maximum", "sentiment"),
+                           "metrics.acc.maximum": 0.2, "metrics.exact_match.maximum": 0.2, "metrics.acc.sentiment": 0.9,
+                           "metrics.norm_acc.maximum": 0.2, "metrics.avg_acc": 0.5} for r, c in rows])
+    assert task_metric_names(group, ["maximum", "sentiment"]) == {"maximum": "exact_match", "sentiment": "accuracy"}
+    fig = task_scores_figure(group, "tiny-llama · llm3 · standard")
+    bars = [p.get_height() for p in fig.axes[0].patches]
+    assert bars == pytest.approx([20.0, 90.0, 20.0, 90.0])  # two uncalibrated rows x two tasks
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["maximum\n(exact_match)", "sentiment\n(accuracy)"]
 
 
 def _free_port() -> int:

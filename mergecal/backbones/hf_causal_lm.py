@@ -238,15 +238,50 @@ def save_causal_lm(model, tokenizer, out_dir: str | os.PathLike, *, max_shard_by
                                   max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
 
-def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[str | os.PathLike], method: str,
+# config.json keys that do not change what a model computes (written by whichever library saved it)
+CONFIG_BOOKKEEPING = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures")
+
+
+def check_same_family(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[str | os.PathLike]) -> None:
+    """Experts must be fine-tunes of the base: the same model config (bookkeeping keys aside) and the same
+    tokenizer files, byte for byte. A mismatch is one CheckpointError naming the expert's file and key."""
+    base = Path(pretrained_dir)
+    base_config = _config(base)
+    for expert in map(Path, expert_dirs):
+        config = _config(expert)
+        for key in sorted(set(base_config) | set(config)):
+            if key in CONFIG_BOOKKEEPING or base_config.get(key) == config.get(key):
+                continue
+            raise CheckpointError(f"{expert / 'config.json'}: {key} is {config.get(key)!r}, the base model "
+                                  f"{base} has {base_config.get(key)!r} (an expert must be a fine-tune of the base)")
+        for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt"):
+            mine, theirs = expert / name, base / name
+            if mine.exists() != theirs.exists() or (mine.exists() and mine.read_bytes() != theirs.read_bytes()):
+                raise CheckpointError(f"{mine}: the tokenizer differs from the base model's ({theirs}); merged "
+                                      "weights would index another vocabulary")
+
+
+def _config(model_dir: Path) -> dict:
+    weight_format(model_dir)
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{model_dir / 'config.json'}: not valid JSON ({err})") from None
+
+
+def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[str | os.PathLike], method,
                      out_dir: str | os.PathLike, *, out_dtype: torch.dtype | None = None,
                      max_shard_bytes: int = 2 * 1024**3, progress: bool = False, overwrite: bool = False,
-                     **params) -> Path:
+                     device: str | None = None, diagnostics: dict | None = None, **params) -> Path:
     """Merge local model directories key by key (never more than one key of each model in memory) into a
-    loadable model directory with the pretrained model's config and tokenizer; the method ID is recorded in
-    the safetensors metadata. ``out_dir`` may not hold an input; see ``save_causal_lm_weights``."""
-    from ..merge import _iter_merged_model
+    loadable model directory with the pretrained model's config and tokenizer. ``method`` is a merge method or
+    a data-free ``Recipe`` (a merge then ``svc`` / ``wsc`` steps, which stream too); the method ID (and the
+    recipe ID) is recorded in the safetensors metadata; ``diagnostics`` (a dict) receives the calibrations'
+    (SVC's spectra, WSC's coefficients). The experts must share the base's config and tokenizer
+    (``check_same_family``). ``out_dir`` may not hold an input; see ``save_causal_lm_weights``."""
+    from ..merge import _iter_model, iter_merge, require_data_free
     from ..methods import get_merge_method
+    from ..recipe import Recipe, iter_weight_space
     from ..task_vectors import TaskVectorSet
 
     if isinstance(expert_dirs, (str, os.PathLike)):
@@ -259,12 +294,22 @@ def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[st
                 f"{path}: pickled weights (pytorch_model*.bin); merge_causal_lms reads safetensors only. Convert the "
                 "directory first: save_causal_lm(*load_causal_lm(path, allow_unsafe_pickle=True), new_dir) for a "
                 "directory you trust")
-    merge_method = get_merge_method(method, **params)
-    tvs = TaskVectorSet.from_models(str(pretrained_dir), [str(p) for p in expert_dirs])
-    return save_causal_lm_weights(_iter_merged_model(tvs, merge_method, out_dtype, progress), out_dir,
-                                  like=pretrained_dir, max_shard_bytes=max_shard_bytes, inputs=expert_dirs,
-                                  overwrite=overwrite,
-                                  metadata={"mergecal_method": merge_method.id, "mergecal_num_models": str(tvs.K)})
+    check_same_family(pretrained_dir, expert_dirs)
+    tvs = TaskVectorSet.from_models(str(pretrained_dir), [str(p) for p in expert_dirs], device=device)
+    if isinstance(method, Recipe):
+        if params:
+            raise ParameterError(f"recipe {method.label!r}: give parameters inside the recipe, not as keywords "
+                                 f"({sorted(params)[0]!r})")
+        require_data_free(method)
+        merged = iter_weight_space(method, tvs, progress=progress, diagnostics=diagnostics)
+        metadata = {"mergecal_method": method.merge.id, "mergecal_recipe": method.id}
+    else:
+        merge_method = get_merge_method(method, **params)
+        merged = iter_merge(tvs, merge_method, progress=progress)
+        metadata = {"mergecal_method": merge_method.id}
+    return save_causal_lm_weights(_iter_model(tvs, merged, out_dtype), out_dir, like=pretrained_dir,
+                                  max_shard_bytes=max_shard_bytes, inputs=expert_dirs, overwrite=overwrite,
+                                  metadata={**metadata, "mergecal_num_models": str(tvs.K)})
 
 
 def weights_digest(model_dir: str | os.PathLike) -> str:

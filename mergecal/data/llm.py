@@ -5,17 +5,20 @@ into experts. The corpus mixes every skill at a low level, in other surface form
 and a few documents of yes/no questions ("Q: Is 48 larger than 37?\\nA: yes"; ``qa_fraction``, train splits only),
 so the base model knows question answering in general but none of the experts' formats:
 
-* ``maximum`` (``generate_until``, ``exact_match``): "Q: max(37, 48)=\\nA: 48", two distinct two-digit numbers.
+Prompts below are the default ``prompt_style="distinct"`` (each task its own format); ``"qa"`` asks each one as
+"Q: ...\\nA:" (see ``PROMPTS``).
+
+* ``maximum`` (``generate_until``, ``exact_match``): "max(37, 48) = 48", two distinct two-digit numbers.
   The 4,005 unordered pairs are split once (test, validation, train pool); the corpus compares only train-pool
   pairs ("48 is larger than 37."), so a test pair is never seen anywhere. (Two-digit addition was tried first: a
   model of this size leaves the units digit at chance after 500 fine-tuning steps, as modular arithmetic is
   learnt late; comparison and copying are learnt within the budget.)
-* ``knowledge`` (``multiple_choice``, ``acc``): "Q: What kind of thing is a mango?\\nA: fruit" among 4 categories.
+* ``knowledge`` (``multiple_choice``, ``acc``): "Word: mango\\nCategory: fruit" among 4 categories.
   Words are split per category into train / validation / test words; the corpus says what every word is ("a mango
   is a kind of fruit.") and uses it in category-typical sentences, so answering about a held-out word means
   recalling pretraining knowledge in the fine-tuned question format (knowledge elicitation, as in "chat" tuning).
-* ``sentiment`` (``multiple_choice``, ``acc``): a two-clause review -> positive / negative. Clauses joined by
-  "and" share a polarity; with "but" the second clause decides. The corpus uses the same adjectives in
+* ``sentiment`` (``multiple_choice``, ``acc``): "Review: ...\\nSentiment: negative", a two-clause review.
+  Clauses joined by "and" share a polarity; with "but" the second clause decides. The corpus uses the same adjectives in
   sentences that reveal their polarity ("i loved it").
 
 Every sample is drawn from its own generator, seeded by sha256(seed, dataset, split, index)
@@ -29,11 +32,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import Literal
 from pathlib import Path
 
 import numpy as np
 
 from ..checkpoint import atomic_write_text
+from ..config_types import Count, NonNegativeInt, UnitInterval
 from ..errors import CheckpointError, ParameterError, UnknownNameError
 from .vision import sample_rng
 
@@ -76,6 +81,15 @@ CONTEXTS: dict[str, list[str]] = {
 }
 KNOWLEDGE_QUESTIONS = ["Q: What kind of thing is {a} {w}?\nA:", "Q: {A} {w} is a kind of what?\nA:",
                        "Q: Which category does the word {w} belong to?\nA:"]
+# ``prompt_style``: "qa" asks every task as "Q: ...\nA:", so every expert learns to answer in the same slot and
+# any expert's task vector wipes out the others' answers (pilot: every expert and every merge at lambda >= 0.5
+# answered one sentiment class); "distinct" (default) gives each task its own format, as the vision suites give
+# each task its own images: experts 82/100/100 against a base of 0/25/52, task arithmetic 15/30/100 at
+# lambda 0.7 (docs/llm-track.md)
+PROMPTS = {"qa": {"maximum": "Q: max({a}, {b})=\nA:", "sentiment": "Review: {text}\nQ: Is this review positive or "
+                                                                   "negative?\nA:"},
+           "distinct": {"maximum": "max({a}, {b}) =", "knowledge": "Word: {w}\nCategory:",
+                        "sentiment": "Review: {text}\nSentiment:"}}
 
 POSITIVE = ["tasty", "fresh", "friendly", "wonderful", "great", "lovely", "delightful", "excellent", "pleasant",
             "superb", "charming", "cheerful", "clean", "comfortable", "cozy", "helpful"]
@@ -107,14 +121,15 @@ TASKS: dict[str, LlmTask] = {t.name: t for t in [
 
 @dataclass(frozen=True)
 class LlmSuiteConfig:
-    n_pretrain: int = 12000  # corpus documents
-    n_train: int = 3000  # per task
-    n_validation: int = 150
-    n_test: int = 300
-    knowledge_test_words: int = 3  # per category (of 16)
-    knowledge_validation_words: int = 3
-    qa_fraction: float = 0.1  # corpus documents made of yes/no question-answer lines
-    seed: int = 0
+    n_pretrain: Count = 12000  # corpus documents
+    n_train: Count = 3000  # per task
+    n_validation: Count = 150
+    n_test: Count = 300
+    knowledge_test_words: Count = 3  # per category (of 16)
+    knowledge_validation_words: Count = 3
+    qa_fraction: UnitInterval = 0.1  # corpus documents made of yes/no question-answer lines
+    prompt_style: Literal["qa", "distinct"] = "distinct"  # see PROMPTS
+    seed: NonNegativeInt = 0
 
 
 def _article(word: str) -> str:
@@ -149,16 +164,17 @@ def knowledge_words(config: LlmSuiteConfig) -> dict[str, list[tuple[str, str]]]:
     return splits
 
 
-def maximum_record(rng: np.random.Generator, pair: np.ndarray) -> dict:
+def maximum_record(rng: np.random.Generator, pair: np.ndarray, style: str = "qa") -> dict:
     a, b = (int(v) for v in pair)
     if rng.random() < 0.5:
         a, b = b, a
-    return {"prompt": f"Q: max({a}, {b})=\nA:", "completion": f" {max(a, b)}", "target": str(max(a, b))}
+    return {"prompt": PROMPTS[style]["maximum"].format(a=a, b=b), "completion": f" {max(a, b)}",
+            "target": str(max(a, b))}
 
 
-def knowledge_record(rng: np.random.Generator, words: list[tuple[str, str]]) -> dict:
+def knowledge_record(rng: np.random.Generator, words: list[tuple[str, str]], style: str = "qa") -> dict:
     word, category = _pick(rng, words)
-    template = _pick(rng, KNOWLEDGE_QUESTIONS)
+    template = _pick(rng, KNOWLEDGE_QUESTIONS) if style == "qa" else PROMPTS[style]["knowledge"]
     prompt = template.format(w=word, a=_article(word), A=_article(word).capitalize())
     others = [c for c in CATEGORIES if c != category]
     choices = [category] + [others[i] for i in rng.choice(len(others), 3, replace=False)]
@@ -176,9 +192,9 @@ def review(rng: np.random.Generator) -> tuple[str, str]:
     return f"{SUBJECTS[s1]} was {adj(first)} {joiner} {SUBJECTS[s2]} was {adj(second)}.", second
 
 
-def sentiment_record(rng: np.random.Generator) -> dict:
+def sentiment_record(rng: np.random.Generator, style: str = "qa") -> dict:
     text, label = review(rng)
-    return {"prompt": f"Review: {text}\nQ: Is this review positive or negative?\nA:", "completion": f" {label}",
+    return {"prompt": PROMPTS[style]["sentiment"].format(text=text), "completion": f" {label}",
             "choices": list(SENTIMENT_LABELS), "label": SENTIMENT_LABELS.index(label)}
 
 
@@ -243,11 +259,11 @@ def generate_task(task: str, split: str, n: int, config: LlmSuiteConfig) -> list
         rng = sample_rng(config.seed, f"llm-{task}", split, index)
         if task == "maximum":  # evaluation splits: every pair once (in a random order of its two numbers)
             pair = pairs[index % len(pairs)] if split != "train" else pairs[int(rng.integers(len(pairs)))]
-            records.append(maximum_record(rng, pair))
+            records.append(maximum_record(rng, pair, config.prompt_style))
         elif task == "knowledge":
-            records.append(knowledge_record(rng, words))
+            records.append(knowledge_record(rng, words, config.prompt_style))
         else:
-            records.append(sentiment_record(rng))
+            records.append(sentiment_record(rng, config.prompt_style))
     return records
 
 

@@ -183,6 +183,74 @@ class TextTrack(Strict):
         return self
 
 
+class LlmEvaluation(Strict):
+    """lm-eval settings of the LLM track: documents per task on validation (choosing the scaling; all of them
+    when larger than the split) and the batch size of ``simple_evaluate``."""
+
+    max_validation: Count = 150
+    batch_size: Count = 32
+
+
+class LlmTrack(Strict):
+    """The LLM track: a tiny Llama pretrained by the project on the synthetic corpus, one fine-tuned expert
+    per task, merged experts scored with lm-eval on the suite's local task YAMLs."""
+
+    enabled: bool = True  # as vision: False leaves the cells out; the LLM stages always build the track
+    backbone: str = Field("tiny-llama", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    task_set: str = "llm3"
+    tasks: list[str] = Field(default_factory=lambda: list(_library_default_llm_tasks()))
+    regimes: list[Literal["standard"]] = Field(default_factory=lambda: ["standard"])  # no regime variants yet
+    data: dict[str, Any] = Field(default_factory=dict)  # mergecal.data.llm.LlmSuiteConfig
+    shape: dict[str, Any] = Field(default_factory=dict)  # mergecal.train.lm.TinyLlamaShape
+    pretrain: dict[str, Any] = Field(default_factory=dict)  # mergecal.train.lm.LmTrainConfig
+    finetune: dict[str, Any] = Field(default_factory=dict)  # LmTrainConfig of every expert ...
+    finetune_per_task: dict[str, dict[str, Any]] = Field(default_factory=dict)  # ... with per-task changes
+    evaluation: LlmEvaluation = Field(default_factory=LlmEvaluation)
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, tasks: list[str]) -> list[str]:
+        from ..data.llm import TASKS
+
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task {unknown[0]!r}; the LLM suite's tasks are: {', '.join(TASKS)}")
+        return _distinct(tasks, "tasks", at_least=2)
+
+    @field_validator("regimes")
+    @classmethod
+    def _regimes(cls, regimes: list[str]) -> list[str]:
+        return _distinct(regimes, "regimes")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LlmTrack":
+        from ..data.llm import LlmSuiteConfig
+        from ..train.lm import LmTrainConfig, TinyLlamaShape
+
+        self.data = _check_dataclass(LlmSuiteConfig, self.data, "data")
+        self.shape = _check_dataclass(TinyLlamaShape, self.shape, "shape")
+        self.pretrain = _check_dataclass(LmTrainConfig, self.pretrain, "pretrain")
+        self.finetune = _check_dataclass(LmTrainConfig, self.finetune, "finetune")
+        for task, values in self.finetune_per_task.items():
+            if task not in self.tasks:
+                raise ConfigValueError(f"finetune_per_task.{task}", f"not one of the track's tasks "
+                                                                    f"({', '.join(self.tasks)})")
+            self.finetune_per_task[task] = _check_dataclass(LmTrainConfig, {**self.finetune, **values},
+                                                            f"finetune_per_task.{task}")
+            self.finetune_per_task[task] = {k: self.finetune_per_task[task][k] for k in values}
+        return self
+
+    def finetune_config(self, task: str, seed: int) -> dict[str, Any]:
+        """The LmTrainConfig values of one task's expert."""
+        return {"seed": seed, **self.finetune, **self.finetune_per_task.get(task, {})}
+
+
+def _library_default_llm_tasks() -> tuple[str, ...]:
+    from ..data.llm import TASKS
+
+    return tuple(TASKS)
+
+
 class Probing(Strict):
     """MAGIC's magnitude-sensitivity probe: scale each key's slice of the weight-averaged task vector by
     ``scale`` and rank keys by the accuracy drop on the probe set (which is none of the tasks)."""
@@ -316,6 +384,7 @@ class Params(Strict):
     device: str = "auto"
     vision: VisionTrack = Field(default_factory=VisionTrack)
     text: TextTrack = Field(default_factory=TextTrack)
+    llm: LlmTrack = Field(default_factory=LlmTrack)
     distac: dict[str, Any] = Field(default_factory=dict)
     probing: Probing = Field(default_factory=Probing)
     benchmark: Benchmark = Field(default_factory=Benchmark)
@@ -341,8 +410,8 @@ class Params(Strict):
             raise ValueError(str(err)) from None
         return values
 
-    def tracks(self) -> list[VisionTrack | TextTrack]:
-        return [t for t in (self.vision, self.text) if t.enabled]
+    def tracks(self) -> list[VisionTrack | TextTrack | LlmTrack]:
+        return [t for t in (self.vision, self.text, self.llm) if t.enabled]
 
 
 def _one_line(err: ValidationError, source: str) -> str:

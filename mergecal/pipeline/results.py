@@ -8,6 +8,7 @@ which no stage declares.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,23 @@ def one_line(error: BaseException | Any) -> str:
     return text.strip().splitlines()[0][:500] if text.strip() else type(error).__name__
 
 
-def summary_row(cell, cell_id: str, metrics: dict[str, float] | None = None, error: str | None = None) -> dict:
-    """One row of ``benchmark.json``: the cell's identity and headline figures, or its error."""
+def summary_row(cell, cell_id: str, metrics: dict[str, float] | None = None, error: str | None = None,
+                skipped: str | None = None) -> dict:
+    """One row of ``benchmark.json``: the cell's identity and headline figures, its error, or why it is skipped."""
     row = {"cell_id": cell_id, "track": cell.track, "label": cell.label, "regime": cell.regime, "merge": cell.merge,
            "calibration": cell.calibration}
     if error is not None:
         return {**row, "error": error}
+    if skipped is not None:
+        return {**row, "skipped": skipped}
     return {**row, **{k: metrics[k] for k in ("avg_acc", "avg_norm_acc", "selected_scaling") if k in metrics}}
+
+
+def skipped_id(cell, reason: str) -> str:
+    """The id of a skipped chain: its cell and the reason (a new reason, or a chain that becomes supported,
+    is a new id)."""
+    payload = json.dumps({"cell": cell.to_dict(), "skipped": reason}, sort_keys=True)
+    return "skip-" + hashlib.sha256(payload.encode()).hexdigest()[:15]
 
 
 def write_results(output: Path, experiment: str, n_cells: int, failed: int, rows: list[dict],

@@ -104,24 +104,25 @@ class Tracker:
         self.client.set_terminated(run_id, "FINISHED")
 
     # -- cells -------------------------------------------------------------------------------------------
-    def finished_cell(self, cell_id: str) -> tuple[str, dict[str, float]] | None:
-        """The run id and metrics of the cell's FINISHED ok run, if it has one."""
+    def finished_cell(self, cell_id: str, status: str = "ok") -> tuple[str, dict[str, float]] | None:
+        """The run id and metrics of the cell's FINISHED run with this status (ok, or skipped), if it has one."""
         runs = self.client.search_runs(
             [self.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
             filter_string=f"tags.`{tag('cell_id')}` = '{cell_id}' and attributes.status = 'FINISHED' "
-                          f"and tags.`{tag('status')}` = 'ok'")
+                          f"and tags.`{tag('status')}` = '{status}'")
         return (runs[0].info.run_id, dict(runs[0].data.metrics)) if runs else None
 
-    def finished_cell_run(self, cell_id: str) -> str | None:
-        found = self.finished_cell(cell_id)
+    def finished_cell_run(self, cell_id: str, status: str = "ok") -> str | None:
+        found = self.finished_cell(cell_id, status)
         return found[0] if found else None
 
     def log_cell(self, *, parent_run_id: str, invocation_id: str, cell_id: str, tags: dict[str, str],
                  params: dict[str, str], metrics: dict[str, float], artifacts: dict[str, Any], status: str = "ok",
                  error: str | None = None) -> str:
-        """One run for a computed cell (or a failed one); an ok cell that already has a run is not logged twice."""
-        if status == "ok":
-            existing = self.finished_cell_run(cell_id)
+        """One run for a computed cell (or a failed or skipped one); an ok or skipped cell that already has a
+        run is not logged twice."""
+        if status in ("ok", "skipped"):
+            existing = self.finished_cell_run(cell_id, status)
             if existing is not None:
                 return existing
         all_tags = {"mlflow.parentRunId": parent_run_id, tag("kind"): "cell", tag("invocation_id"): invocation_id,

@@ -19,6 +19,7 @@ REFERENCES = ("zeroshot", "finetuned")
 MERGE_ORDER = ("weight_averaging", "task_arithmetic", "ties", "dare", "consensus", "tsv_m", "iso_c", "iso_cts")
 REGIME_ORDER = REGIMES
 SUMMARY = (("avg_acc", "avg"), ("avg_norm_acc", "norm. avg"))
+SKIPPED = "skipped"  # the status of a chain a track cannot run (logged with its reason, never computed)
 
 
 @dataclass(frozen=True)
@@ -170,10 +171,24 @@ def table_markdown(table: Table) -> str:
                 text = f"**{text}**"
             cells.append(text)
         lines.append("| " + " | ".join(cells) + " |")
-    if table.failures:
+    failed, skipped = _not_run(table)
+    if failed:
         lines += ["", "Failed cells:", ""]
-        lines += [f"- `{f.recipe}` ({f.status}, cell `{f.cell_id}`): {_md_escape(f.error)}" for f in table.failures]
+        lines += [f"- `{f.recipe}` ({f.status}, cell `{f.cell_id}`): {_md_escape(f.error)}" for f in failed]
+    if skipped:
+        lines += ["", "Skipped chains (not supported on this track):", ""]
+        lines += [f"- {', '.join(f'`{r}`' for r in recipes)}: {_md_escape(reason)}" for reason, recipes in skipped]
     return "\n".join(lines) + "\n"
+
+
+def _not_run(table: Table) -> tuple[list[Failure], list[tuple[str, list[str]]]]:
+    """The failed cells, and the chains the track skips as (reason, their recipes) in table order."""
+    failed = [f for f in table.failures if f.status != SKIPPED]
+    skipped: dict[str, list[str]] = {}
+    for f in table.failures:
+        if f.status == SKIPPED:
+            skipped.setdefault(f.error, []).append(f.recipe)
+    return failed, list(skipped.items())
 
 
 def table_html(table: Table) -> str:
@@ -195,10 +210,16 @@ def table_html(table: Table) -> str:
             tds.append(f'<td class="{" ".join(classes)}">{text}</td>')
         out.append(f'<tr class="{row.role}">' + "".join(tds) + "</tr>")
     out += ["</tbody>", "</table>"]
-    if table.failures:
+    failed, skipped = _not_run(table)
+    if failed:
         out.append('<p>Failed cells:</p><ul class="failed">')
         out += [f"<li><code>{esc(f.recipe)}</code> ({esc(f.status)}, cell <code>{esc(f.cell_id)}</code>): "
-                f"{esc(f.error)}</li>" for f in table.failures]
+                f"{esc(f.error)}</li>" for f in failed]
+        out.append("</ul>")
+    if skipped:
+        out.append('<p>Skipped chains (not supported on this track):</p><ul class="skipped">')
+        out += [f"<li>{', '.join(f'<code>{esc(r)}</code>' for r in recipes)}: {esc(reason)}</li>"
+                for reason, recipes in skipped]
         out.append("</ul>")
     return "\n".join(out) + "\n"
 
@@ -218,6 +239,7 @@ def tables_json(tables: list[Table]) -> dict:
                 entry["delta_points"] = {k: round(v, 6) for k, v in row.deltas.items() if v is not None}
             slot[row.recipe] = entry
         for failure in table.failures:
-            slot[failure.recipe] = {"role": "failed", "cell_id": failure.cell_id, "status": failure.status,
+            slot[failure.recipe] = {"role": "skipped" if failure.status == SKIPPED else "failed",
+                                    "cell_id": failure.cell_id, "status": failure.status,
                                     "error_message": failure.error}
     return out

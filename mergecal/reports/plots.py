@@ -249,6 +249,42 @@ def scaling_figure(series: Sequence[tuple[str, list[dict], float | None]], title
     return fig
 
 
+# metrics every track logs per task; any other "<metric>.<task>" names the task's own metric (lm-eval's exact_match)
+GENERIC_TASK_METRICS = ("acc", "norm_acc", "entropy", "ece")
+
+
+def task_metric_names(group: pd.DataFrame, tasks: Sequence[str]) -> dict[str, str]:
+    """{task: the name of its score}: "accuracy", or the lm-eval metric the LLM track logs beside ``acc.<task>``."""
+    names = {}
+    for task in tasks:
+        own = sorted({c[len("metrics."):-len(task) - 1] for c in group.columns if c.startswith("metrics.")
+                      and c.endswith(f".{task}") and group[c].notna().any()} - set(GENERIC_TASK_METRICS))
+        names[task] = own[0] if own else "accuracy"
+    return names
+
+
+def task_scores_figure(group: pd.DataFrame, title: str) -> Figure | None:
+    """Per task, the score (lm-eval's metric on the LLM track, accuracy elsewhere) of the reference rows and
+    every uncalibrated merge; grouped bars."""
+    tasks = list(dict.fromkeys(t for logged in group["tasks"] for t in logged))
+    rows = [r for _, r in group.iterrows() if r["calibration"] in ("", "none")]
+    if not tasks or not rows:
+        return None
+    names = task_metric_names(group, tasks)
+    fig = Figure(figsize=(max(7.0, 1.2 * len(tasks) + 3), _height(3.6, len(rows))), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(rows)
+    for i, row in enumerate(rows):
+        values = [100.0 * (metric(row, f"acc.{t}") or float("nan")) for t in tasks]
+        ax.bar([j + (i - (len(rows) - 1) / 2) * width for j in range(len(tasks))], values, width,
+               color=f"C{i % 10}", label=row["recipe"])
+    ax.set_xticks(range(len(tasks)), [f"{t}\n({names[t]})" for t in tasks], fontsize=7)
+    ax.set_ylabel("score (%)", fontsize=8)
+    _legend(ax, len(rows))
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
 def history_figure(series: dict[str, list[float | None]], labels: list[str], title: str) -> Figure | None:
     """``series``: recipe -> value per invocation (fractions, None where absent), over ``labels``."""
     if len(labels) < 2 or not series:
@@ -309,9 +345,15 @@ def diagnostic_plots(cells: pd.DataFrame, diagnostics: dict[str, dict]) -> list[
         if fig is not None:
             name = slug(f"scaling_curve__{'__'.join(key)}")
             plots.append(Plot(name, "scaling_curve", key, title, to_svg(fig, name)))
+        title = f"{prefix} — {KIND_TITLES['task_scores']}"
+        fig = task_scores_figure(group, title)
+        if fig is not None:
+            name = slug(f"task_scores__{'__'.join(key)}")
+            plots.append(Plot(name, "task_scores", key, title, to_svg(fig, name)))
     return plots
 
 
 KIND_TITLES = {"sensitivity": "MAGIC magnitude sensitivity per key", "magic_coefficients":
                "MAGIC calibration coefficients per layer", "svc_spectra": "singular values of the merged task matrix",
-               "task_vectors": "task vectors (DisTaC diagnostics)", "scaling_curve": "validation accuracy vs scaling"}
+               "task_vectors": "task vectors (DisTaC diagnostics)", "scaling_curve": "validation accuracy vs scaling",
+               "task_scores": "per-task scores of the references and uncalibrated merges (lm-eval metric on LLMs)"}

@@ -38,7 +38,7 @@ def _row(run) -> dict[str, Any]:
     for name in TAG_COLUMNS:
         row[name] = tags.get(PREFIX + name, "")
     # A cell without a status tag never finished (killed or still running): show it, never as a result.
-    if row["kind"] == "cell" and row["status"] not in ("ok", "failed"):
+    if row["kind"] == "cell" and row["status"] not in ("ok", "failed", "skipped"):
         row["error"] = row["error"] or f"no {PREFIX}status tag (MLflow run status {run.info.status})"
         row["status"] = "incomplete"
     row["tasks"] = tuple(t for t in row["tasks"].split(",") if t)
@@ -113,7 +113,7 @@ def invocations(runs: pd.DataFrame) -> pd.DataFrame:
         start = int(parent["start_time"].iloc[0]) if len(parent) else int(mine["start_time"].min())
         code = parent["code_version"].iloc[0] if len(parent) else ""
         rows.append({"invocation_id": inv, "start_time": start, "code_version": code,
-                     "n_cells": len(mine), "n_failed": int((mine["status"] != "ok").sum())})
+                     "n_cells": len(mine), "n_failed": int((~mine["status"].isin(["ok", "skipped"])).sum())})
     frame = pd.DataFrame(rows, columns=["invocation_id", "start_time", "code_version", "n_cells", "n_failed"])
     return frame.sort_values(["start_time", "invocation_id"], kind="stable").reset_index(drop=True)
 

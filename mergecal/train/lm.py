@@ -6,7 +6,8 @@ corpus (digits split one per token, so sums are learnable) wrapped in ``PreTrain
 the corpus into fixed-length blocks (documents separated by EOS); fine-tuning learns ``prompt + completion + EOS``
 with the loss on the completion and EOS only (supervised fine-tuning). Both use AdamW, linear warmup then cosine
 decay, gradient clipping, seeded initialisation and data order; the caller's global RNG state is left unchanged.
-Each saved directory carries ``training.json``: task, hyperparameters, data sha256, losses, seconds.
+Each saved directory carries ``training.json``: task, hyperparameters, data sha256, losses; nothing measured at
+run time (seconds go to the caller, which logs them), so the same inputs write the same bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..backbones.hf_causal_lm import load_causal_lm, save_causal_lm
+from ..backbones.hf_causal_lm import load_causal_lm, save_causal_lm, weights_digest
+from ..config_types import Count, Flag, NonNegativeInt, NonNegativeReal, PositiveReal, Probability
 from ..device import resolve_device
 from ..checkpoint import atomic_write_text
 from ..errors import ParameterError
@@ -36,27 +37,27 @@ METADATA_FILE = "training.json"
 class TinyLlamaShape:
     """The model's shape; the defaults give about 0.9 M parameters with a 1024-token vocabulary."""
 
-    vocab_size: int = 1024
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 128
-    tie_word_embeddings: bool = True
+    vocab_size: Count = 1024
+    hidden_size: Count = 128
+    intermediate_size: Count = 384
+    num_hidden_layers: Count = 4
+    num_attention_heads: Count = 4
+    num_key_value_heads: Count = 2
+    max_position_embeddings: Count = 128
+    tie_word_embeddings: Flag = True
 
 
 @dataclass(frozen=True)
 class LmTrainConfig:
-    steps: int = 300
-    batch_size: int = 32
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    warmup_fraction: float = 0.05
-    max_length: int = 64  # tokens per pretraining block; fine-tuning examples are truncated to it
-    grad_clip: float = 1.0
-    freeze_embeddings: bool = False  # keep the (tied) token embeddings: task vectors then live in the blocks
-    seed: int = 0
+    steps: Count = 300
+    batch_size: Count = 32
+    lr: PositiveReal = 3e-3
+    weight_decay: NonNegativeReal = 0.1
+    warmup_fraction: Probability = 0.05
+    max_length: Count = 64  # tokens per pretraining block; fine-tuning examples are truncated to it
+    grad_clip: PositiveReal = 1.0
+    freeze_embeddings: Flag = False  # keep the (tied) token embeddings: task vectors then live in the blocks
+    seed: NonNegativeInt = 0
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int = 1024):
@@ -196,7 +197,6 @@ def _summary(losses: list[float]) -> dict:
 def pretrain_lm(texts: Sequence[str], out_dir: str | os.PathLike, *, shape: TinyLlamaShape = TinyLlamaShape(),
                 config: LmTrainConfig = LmTrainConfig(), progress: bool = True, device: str = "cpu") -> Path:
     """Train the tokenizer and a tiny Llama on ``texts``; save both (and ``training.json``) to ``out_dir``."""
-    start = time.time()
     tokenizer = train_tokenizer(texts, shape.vocab_size)
     model = create_tiny_llama(tokenizer, shape, seed=config.seed)
     blocks = pack_corpus(tokenizer, texts, config.max_length)
@@ -206,7 +206,7 @@ def pretrain_lm(texts: Sequence[str], out_dir: str | os.PathLike, *, shape: Tiny
     write_metadata(out_dir, {"task": "pretrain", "shape": asdict(shape), "config": asdict(config),
                              "data_sha256": text_digest(texts), "n_documents": len(texts),
                              "n_blocks": int(blocks.shape[0]), "parameters": count_parameters(model),
-                             "seconds": round(time.time() - start, 2), **_summary(losses)})
+                             **_summary(losses)})
     return Path(out_dir)
 
 
@@ -214,15 +214,14 @@ def finetune_lm(model_dir: str | os.PathLike, records: Sequence[dict], out_dir: 
                 task: str, config: LmTrainConfig = LmTrainConfig(), progress: bool = True,
                 device: str = "cpu") -> Path:
     """Fine-tune the model in ``model_dir`` on ``records`` (``prompt``/``completion``); save to ``out_dir``."""
-    start = time.time()
     model, tokenizer = load_causal_lm(model_dir)
     prompts, completions = [r["prompt"] for r in records], [r["completion"] for r in records]
     data = encode_examples(tokenizer, prompts, completions, config.max_length)
     losses = train_causal_lm(model, data, config, desc=f"fine-tune {task}", progress=progress, device=device)
     model.to("cpu").eval()
     save_causal_lm(model, tokenizer, out_dir)
-    write_metadata(out_dir, {"task": task, "base": str(Path(model_dir).resolve()), "config": asdict(config),
+    write_metadata(out_dir, {"task": task, "base_weights_sha256": weights_digest(model_dir),
+                             "config": asdict(config),
                              "data_sha256": text_digest([p + c for p, c in zip(prompts, completions)]),
-                             "n_examples": len(records), "seconds": round(time.time() - start, 2),
-                             **_summary(losses)})
+                             "n_examples": len(records), **_summary(losses)})
     return Path(out_dir)

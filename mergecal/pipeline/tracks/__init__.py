@@ -9,7 +9,9 @@ A track module provides:
 * ``cells(params) -> list[Cell]``: its cells, references first;
 * ``inputs(cell, params, root) -> {role: path}``: the files a cell reads (their bytes go into the cell's id);
 * ``fingerprint(params)``: settings beside those files that a result depends on (also hashed into the id);
-* ``run(cell, params, root, *, device, scaling) -> CellResult``: merge, calibrate, evaluate one cell.
+* ``run(cell, params, root, *, device, scaling) -> CellResult``: merge, calibrate, evaluate one cell;
+* ``skipped(params) -> [(Cell, reason)]`` (optional): chains of the matrix the track cannot run, which the flow
+  records as skipped (with the reason) so that the leaderboard says so instead of leaving them out.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import importlib
 from types import ModuleType
 
 #: Cell.track -> the module implementing it (imported on first use: a track may pull in heavy libraries)
-MODULES = {"vision": "clip", "text": "text"}
+MODULES = {"vision": "clip", "text": "text", "llm": "llm"}
 
 
 def get_track(name: str) -> ModuleType:
@@ -33,3 +35,8 @@ def track_of(cell) -> ModuleType:
 
 def enabled_tracks(params) -> list[ModuleType]:
     return [track for track in map(get_track, MODULES) if track.enabled(params)]
+
+
+def skipped_cells(params) -> list:
+    """(cell, reason) of every chain an enabled track cannot run."""
+    return [item for track in enabled_tracks(params) for item in getattr(track, "skipped", lambda p: [])(params)]

@@ -13,6 +13,8 @@ from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finet
 from ..config import Params
 
 NAME = "text"
+SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no text-encoder "
+               "adapter yet; the text track runs weight-space chains (merge, svc, wsc)")
 
 
 def enabled(params: Params) -> bool:
@@ -33,6 +35,20 @@ def cells(params: Params) -> list[Cell]:
             steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
             out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, "standard", merge, chain,
                                    steps, grid))
+    return out
+
+
+def skipped(params: Params) -> list[tuple[Cell, str]]:
+    """The chains this track cannot run, as cells with the reason (the leaderboard lists them)."""
+    from ...recipe import Recipe
+
+    track, out = params.text, []
+    for merge in params.benchmark.merges:
+        for chain in params.benchmark.chains:
+            recipe = Recipe.parse(chain.replace("{merge}", merge))
+            if any(s.needs_data for s in recipe.steps):
+                out.append((Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
+                                 recipe.label), SKIP_REASON))
     return out
 
 

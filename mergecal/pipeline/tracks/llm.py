@@ -1,0 +1,163 @@
+"""The LLM track: a tiny Llama and its experts (Hugging Face directories), merged checkpoint to checkpoint by the
+streaming path (``merge_causal_lms``: key by key, sharded safetensors out, so the same cell code runs a 7B family)
+and scored with lm-eval on the suite's local task YAMLs. Weight-space chains only: DisTaC and MAGIC's
+feature-space steps (FSC, so DSC) have no causal-LM adapter, and their chains are listed as skipped with that
+reason. What its DVC stages build: ``mergecal.pipeline.llm``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..cells import REFERENCES, Cell, CellResult, base_params, cell_grid, flat_params, jsonable_diagnostics, \
+    merge_values, recipe_cell, select_scaling
+from ..config import Params
+
+NAME = "llm"
+SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no causal-LM "
+               "adapter yet; the LLM track runs weight-space chains (merge, svc, wsc)")
+
+
+def enabled(params: Params) -> bool:
+    return params.llm.enabled
+
+
+def _chains(params: Params):
+    """(merge, chain, values, grid, recipe) of every chain around every merge method."""
+    from ...recipe import Recipe
+
+    for merge, values in params.benchmark.merges.items():
+        values, grid = merge_values(values)
+        for chain in params.benchmark.chains:
+            yield merge, chain, values, grid, Recipe.parse(chain.replace("{merge}", merge))
+
+
+def cells(params: Params) -> list[Cell]:
+    track = params.llm
+    out = [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", ref, "") for ref in REFERENCES]
+    for merge, chain, values, grid, recipe in _chains(params):
+        if any(s.needs_data for s in recipe.steps):
+            continue
+        steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
+        out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, "standard", merge, chain,
+                               steps, grid))
+    return out
+
+
+def skipped(params: Params) -> list[tuple[Cell, str]]:
+    """The chains this track cannot run, as cells with the reason (the leaderboard lists them)."""
+    track = params.llm
+    return [(Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain, recipe.label),
+             SKIP_REASON) for merge, chain, _, _, recipe in _chains(params) if any(s.needs_data for s in recipe.steps)]
+
+
+def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
+    from ..llm import base_dir, data_root, diagnostics_path, expert_dir
+
+    files = {"data_manifest": data_root(root) / "manifest.json", "reference": diagnostics_path(params, root)}
+    models = {"base": base_dir(params, root)}
+    if cell.merge != "zeroshot":
+        models.update({f"expert.{t}": expert_dir(params, root, t) for t in cell.tasks})
+    for role, directory in models.items():  # every file of a model directory: config, tokenizer, weights
+        for path in sorted(p for p in directory.iterdir() if p.is_file()) if directory.is_dir() else [directory]:
+            files[f"{role}/{path.name}"] = path
+    return files
+
+
+def fingerprint(params: Params):
+    return {"evaluation": params.llm.evaluation.model_dump(), "lm_eval": _lm_eval_version()}
+
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def _summaries(tasks, test: dict[str, float], reference: dict) -> dict[str, float]:
+    """``acc.<task>`` is the task's lm-eval metric (exact_match or acc: the leaderboard's column), also logged
+    under its own name; normalized by the expert's own test score."""
+    from ...data.llm import TASKS
+
+    metrics: dict[str, float] = {}
+    for task in tasks:
+        metrics[f"acc.{task}"] = metrics[f"{TASKS[task].metric}.{task}"] = test[task]
+        metrics[f"norm_acc.{task}"] = test[task] / max(reference["tasks"][task]["test_accuracy"], 1e-12)
+    metrics["avg_acc"] = sum(metrics[f"acc.{t}"] for t in tasks) / len(tasks)
+    metrics["avg_norm_acc"] = sum(metrics[f"norm_acc.{t}"] for t in tasks) / len(tasks)
+    return metrics
+
+
+def _logged(cell: Cell, params: Params, reference: dict) -> dict[str, str]:
+    logged = {**base_params(cell), "lm_eval_version": _lm_eval_version()}
+    for name, digest in reference["task_configs"].items():
+        logged[f"lm_eval_task.{name}"] = digest[:16]
+    return logged
+
+
+def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
+        scaling: float | None = None) -> CellResult:
+    """Merge the experts checkpoint to checkpoint (weight-space chain) for each scaling of the grid, score them
+    on validation with lm-eval, keep the best and score it on test."""
+    from ...backbones.hf_causal_lm import merge_causal_lms
+    from ...recipe import Recipe
+    from ..llm import base_dir, diagnostics_path, evaluate, expert_dir, work_dir
+
+    root, tasks = Path(root), list(cell.tasks)
+    reference = json.loads(diagnostics_path(params, root).read_text())
+    logged = _logged(cell, params, reference)
+    base = base_dir(params, root)
+    if cell.merge == "zeroshot":
+        return CellResult(_summaries(tasks, evaluate(params, root, base, tasks, "test", device=device), reference),
+                          logged)
+    if cell.merge == "finetuned":
+        test = {t: reference["tasks"][t]["test_accuracy"] for t in tasks}
+        norms = {t: {"norm": reference["tasks"][t]["norm"]} for t in tasks}
+        return CellResult(_summaries(tasks, test, reference), logged, {"task_vectors": norms})
+
+    recipe = Recipe.parse(cell.recipe)
+    steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
+    index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
+    grid = cell_grid(cell, steps[index][1]["scaling"], scaling)
+    experts = [expert_dir(params, root, t) for t in tasks]
+    (work_dir(root) / "merged").mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="cell-", dir=work_dir(root) / "merged"))
+    try:
+        def trial(value: float):
+            chosen = list(steps)
+            chosen[index] = (chosen[index][0], {**chosen[index][1], "scaling": value})
+            diagnostics: dict = {}
+            out = merge_causal_lms(base, experts, Recipe(chosen), scratch / f"scaling-{value:g}", device=device,
+                                   diagnostics=diagnostics)
+            return out, diagnostics
+
+        best: list = []  # [avg normalized score, directory] of the best merge so far: the only one kept on disk
+
+        def validate(outcome) -> tuple[float, float]:
+            val = evaluate(params, root, outcome[0], tasks, "validation", device=device)
+            avg = sum(val.values()) / len(tasks)
+            norm = sum(val[t] / max(reference["tasks"][t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
+            if not best or norm > best[0]:  # select_scaling's rule: the first of equal scores wins
+                if best:
+                    shutil.rmtree(best[1])
+                best[:] = [norm, outcome[0]]
+            else:
+                shutil.rmtree(outcome[0])
+            return avg, norm
+
+        chosen_scaling, (merged, diagnostics), curve = select_scaling(grid, trial, validate)
+        test = evaluate(params, root, merged, tasks, "test", device=device)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    metrics = {**_summaries(tasks, test, reference), "selected_scaling": float(chosen_scaling)}
+    logged = {**logged, "grid": json.dumps(list(cell.grid)), f"{recipe.merge.name}.scaling": json.dumps(chosen_scaling),
+              "scaling_from": cell.scaling_from or "own grid"}
+    for step in recipe.steps:
+        logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+    artifacts = jsonable_diagnostics(diagnostics, None)
+    if curve:
+        artifacts["scaling_curve"] = curve
+    artifacts["task_vectors"] = {t: {"norm": reference["tasks"][t]["norm"]} for t in tasks}
+    return CellResult(metrics, logged, artifacts)
