@@ -274,3 +274,30 @@ def test_bad_models_fail_their_cells_with_one_line_and_other_tracks_go_on(checkp
     assert not failed and ok == {("local_llm:good", label) for label in ("zeroshot", "finetuned", "task_arithmetic")}
     assert result["failed"] == 3 * len(bad)
     assert not marker.exists()  # the pickle was hashed as bytes, never loaded
+
+
+def test_a_users_task_directory_is_scored_with_its_metrics_and_hashed_with_its_data(checkpoints, tmp_path):
+    """task_dir: the user's lm-eval YAMLs (here the suite's, written as a user would have them), the metric per
+    task and the validation task by the ``<task>_validation`` convention; the YAMLs and the local data files they
+    name are the cells' inputs."""
+    from mergecal.data.llm import LlmSuiteConfig, build_llm_suite
+    from mergecal.errors import MergecalError
+    from mergecal.evaluation.lm_eval_tasks import write_task_yamls
+
+    root, _ = checkpoints
+    build_llm_suite(tmp_path / "data", LlmSuiteConfig(**DATA), tasks=("maximum", "sentiment"))
+    write_task_yamls(tmp_path / "data", tmp_path / "yamls", ("maximum", "sentiment"), splits=("validation", "test"))
+    track = {"name": "lab-yaml", "base": "ckpt/base", "experts": {"maximum": "ckpt/max", "sentiment": "ckpt/sent"},
+             "task_dir": str(tmp_path / "yamls"), "evaluation": EVALUATION,
+             "tasks": {"maximum": {"metric": "exact_match"}, "sentiment": {"metric": "acc"}}}
+    config = parse_params({"local_llm": [track]}).local_llm[0]
+    files = local_llm.task_files(config, root)
+    assert {"task_dir/maximum.yaml", "task_dir/sentiment_validation.yaml"} <= set(files)
+    assert str((tmp_path / "data" / "sentiment" / "test.jsonl").resolve()) in {str(p) for p in files.values()}
+    scores = local_llm.scorer(config, root).score(root / "ckpt" / "base", ["maximum", "sentiment"], "validation")
+    assert set(scores) == {"maximum", "sentiment"} and all(0 <= v <= 1 for v in scores.values())
+    track["tasks"]["sentiment"]["metric"] = "f1"
+    wrong = parse_params({"local_llm": [track]}).local_llm[0]
+    with pytest.raises(MergecalError, match=r"lm-eval task 'sentiment' reports acc.*, not 'f1' \(the metric "
+                                            r"configured for task 'sentiment'\)"):
+        local_llm.scorer(wrong, root).score(root / "ckpt" / "base", ["sentiment"], "test")
