@@ -301,3 +301,11 @@ def test_a_users_task_directory_is_scored_with_its_metrics_and_hashed_with_its_d
     with pytest.raises(MergecalError, match=r"lm-eval task 'sentiment' reports acc.*, not 'f1' \(the metric "
                                             r"configured for task 'sentiment'\)"):
         local_llm.scorer(wrong, root).score(root / "ckpt" / "base", ["sentiment"], "test")
+
+
+def test_the_readme_example_of_local_tracks_is_valid_params():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = text.split("## Your own models", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    params = parse_params(yaml.safe_load(example))
+    assert [t.name for t in params.local_llm] == ["lab-llama-1b", "lab-mistral-7b"]
+    assert params.local_llm[1].tasks["gsm8k_local"].validation == "gsm8k_local_validation"
