@@ -248,6 +248,15 @@ def test_local_tracks_run_through_the_flow_cache_and_recompute_exactly_what_chan
         ("local_llm:lab-a", label) for label in ("zeroshot", "finetuned", "task_arithmetic", "task_arithmetic>svc")])
     assert not marker.exists()
 
+    # the leaderboard has a section per family, with the lm-eval scores and the skipped chain's reason
+    from mergecal.pipeline.tracking import tracking_uri
+    from mergecal.reports import write_reports
+
+    write_reports(tracking_uri(root, "mlruns"), "mergecal", root / "reports", third["invocation_id"])
+    board = (root / "reports" / "leaderboard.md").read_text()
+    assert "lab-a · local · standard" in board and "lab-b · local · standard" in board
+    assert "task_arithmetic>svc" in board and "needs models and data" in board
+
 
 @pytest.mark.integration
 def test_bad_models_fail_their_cells_with_one_line_and_other_tracks_go_on(checkpoints, prefect_server):
