@@ -34,7 +34,7 @@ REFERENCES = ("zeroshot", "finetuned")
 
 @dataclass(frozen=True)
 class Cell:
-    track: str  # "vision" | "text"
+    track: str  # "vision" | "text" | "llm" | "local_llm:<name>" (a module of pipeline.tracks[:its entry])
     backbone: str
     task_set: str
     tasks: tuple[str, ...]
@@ -89,8 +89,13 @@ def cell_inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, str]:
     return {role: str(path) for role, path in track_of(cell).inputs(cell, params, root).items()}
 
 
-@lru_cache(maxsize=4096)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+#: per-file record of content hashes (size, sha256) by (path, size, mtime), so that a rerun reads no
+#: multi-GB checkpoint again: one JSON file per path, written atomically (several processes may hash)
+HASH_CACHE = Path(".mergecal") / "hashes"
+
+
+def _sha256_file(path: str) -> str:
+    """The streaming read (1 MiB blocks) behind every content hash."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -98,12 +103,39 @@ def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     return h.hexdigest()
 
 
-def file_digest(path: str | Path) -> str:
+@lru_cache(maxsize=4096)
+def _file_digest(path: str, size: int, mtime_ns: int, cache_dir: str | None = None) -> str:
+    record = None
+    if cache_dir is not None:
+        record = Path(cache_dir) / f"{hashlib.sha256(path.encode()).hexdigest()[:32]}.json"
+        try:
+            known = json.loads(record.read_text())
+            if (known["path"], known["size"], known["mtime_ns"]) == (path, size, mtime_ns):
+                return known["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # absent, cut short or of another file: hash again
+    digest = _sha256_file(path)
+    if record is not None:
+        from ..checkpoint import atomic_write_text
+
+        atomic_write_text(record, json.dumps({"path": path, "size": size, "mtime_ns": mtime_ns, "sha256": digest}))
+    return digest
+
+
+def file_digest(path: str | Path, cache_dir: str | Path | None = None) -> str:
+    """sha256 of a file's bytes, read streaming; cached in memory and, with ``cache_dir``, on disk by
+    (path, size, mtime): a file whose size or mtime changed is read again, an unchanged one never."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: input of the benchmark not found (run `dvc repro` to build it)")
     stat = path.stat()
-    return _file_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    return _file_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns,
+                        None if cache_dir is None else str(cache_dir))
+
+
+def content_record(path: str | Path, cache_dir: str | Path | None = None) -> dict[str, Any]:
+    """``{"size": bytes, "sha256": hex}`` of a file (what the stages of own-model tracks record)."""
+    return {"size": Path(path).stat().st_size, "sha256": file_digest(path, cache_dir)}
 
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -141,9 +173,14 @@ def cell_id(cell: Cell, params: Params, root: str | Path, source_id: str | None 
                             f"{'missing' if cell.scaling_from else 'unexpected'}")
     from .tracks import track_of
 
-    digests = {role: file_digest(path) for role, path in cell_inputs(cell, params, root).items()}
+    track = track_of(cell)
+    cache = Path(root) / HASH_CACHE
+    digests = {role: file_digest(path, cache) for role, path in cell_inputs(cell, params, root).items()}
+    # a track of several configured families (local_llm) fingerprints each cell's own family
+    fingerprint = track.cell_fingerprint(cell, params) if hasattr(track, "cell_fingerprint") else \
+        track.fingerprint(params)
     payload = {"cell": cell.to_dict(), "inputs": digests, "evaluation": params.benchmark.evaluation.model_dump(),
-               "track": track_of(cell).fingerprint(params),
+               "track": fingerprint,
                "code": cell_code_digest(), "scaling_source": source_id}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 

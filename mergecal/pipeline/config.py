@@ -251,6 +251,79 @@ def _library_default_llm_tasks() -> tuple[str, ...]:
     return tuple(TASKS)
 
 
+class LocalLmTask(Strict):
+    """A task of a user's lm-eval YAML directory: the metric the leaderboard reads (as lm-eval names it, e.g.
+    ``acc`` or ``exact_match``) and the lm-eval task scoring the validation split (the scaling is chosen on
+    it); by convention ``<task>_validation``."""
+
+    metric: str = Field(min_length=1)
+    validation: str | None = None
+
+
+class LocalLlmTrack(Strict):
+    """An LLM family from local Hugging Face directories (a lab's own checkpoints): a base model and one expert
+    fine-tuned from it per task, merged checkpoint to checkpoint and scored with lm-eval, as the embedded LLM
+    track. Tasks come from the suite (``task_dir`` unset: expert keys are suite task names, whose data the
+    ``local_tracks`` stage generates with ``data``) or from a directory of the user's lm-eval YAMLs
+    (``task_dir``, with ``tasks.<task>.metric`` and ``.validation``). Relative paths are relative to the
+    repository root. Nothing is downloaded and nothing is copied: the stages record each file's size and
+    sha256. Pickled weights (pytorch_model*.bin) are never unpickled: without ``allow_unsafe_pickle`` such an
+    expert is refused; with it, the error names the file and how to convert it to safetensors."""
+
+    enabled: bool = True
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the backbone label of the leaderboard
+    task_set: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    base: str = Field(min_length=1)
+    experts: dict[str, str]
+    task_dir: str | None = None
+    tasks: dict[str, LocalLmTask] = Field(default_factory=dict)  # with task_dir: one entry per expert
+    data: dict[str, Any] = Field(default_factory=dict)  # without task_dir: mergecal.data.llm.LlmSuiteConfig
+    evaluation: LlmEvaluation = Field(default_factory=LlmEvaluation)
+    allow_unsafe_pickle: bool = False
+
+    @field_validator("experts")
+    @classmethod
+    def _experts(cls, experts: dict[str, str]) -> dict[str, str]:
+        if len(experts) < 2:
+            raise ValueError(f"expected at least 2 experts (task: model directory), got {len(experts)}")
+        for task, path in experts.items():
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", task):
+                raise ConfigValueError(task, "a task name: letters, digits, '.', '_' or '-'")
+            if not path:
+                raise ConfigValueError(task, "expected a model directory")
+        return experts
+
+    @model_validator(mode="after")
+    def _check(self) -> "LocalLlmTrack":
+        from ..data.llm import TASKS, LlmSuiteConfig
+
+        if self.task_dir is None:
+            unknown = [t for t in self.experts if t not in TASKS]
+            if unknown:
+                raise ConfigValueError(f"experts.{unknown[0]}", f"not a task of the LLM suite ({', '.join(TASKS)});"
+                                                                " for your own lm-eval YAMLs set task_dir")
+            if self.tasks:
+                raise ConfigValueError("tasks", "only with task_dir (the suite's tasks have their own metric)")
+            self.data = _check_dataclass(LlmSuiteConfig, self.data, "data")
+            return self
+        if self.data:
+            raise ConfigValueError("data", "only without task_dir (data of the suite's tasks)")
+        for task in self.experts:
+            if task not in self.tasks:
+                raise ConfigValueError(f"tasks.{task}", "missing: give the metric (and the validation task) of "
+                                                        "every expert's task")
+            if self.tasks[task].validation is None:
+                self.tasks[task].validation = f"{task}_validation"
+        extra = [t for t in self.tasks if t not in self.experts]
+        if extra:
+            raise ConfigValueError(f"tasks.{extra[0]}", "no expert for this task")
+        return self
+
+    @property
+    def task_names(self) -> list[str]:
+        return list(self.experts)
+
+
 class Probing(Strict):
     """MAGIC's magnitude-sensitivity probe: scale each key's slice of the weight-averaged task vector by
     ``scale`` and rank keys by the accuracy drop on the probe set (which is none of the tasks)."""
@@ -385,6 +458,7 @@ class Params(Strict):
     vision: VisionTrack = Field(default_factory=VisionTrack)
     text: TextTrack = Field(default_factory=TextTrack)
     llm: LlmTrack = Field(default_factory=LlmTrack)
+    local_llm: list[LocalLlmTrack] = Field(default_factory=list)  # LLM families from local directories
     distac: dict[str, Any] = Field(default_factory=dict)
     probing: Probing = Field(default_factory=Probing)
     benchmark: Benchmark = Field(default_factory=Benchmark)
@@ -410,6 +484,17 @@ class Params(Strict):
             raise ValueError(str(err)) from None
         return values
 
+    @model_validator(mode="after")
+    def _local_names(self) -> "Params":
+        taken = {self.vision.backbone, self.text.backbone, self.llm.backbone}
+        seen: set[str] = set()
+        for i, track in enumerate(self.local_llm):
+            if track.name in taken or track.name in seen:
+                raise ConfigValueError(f"local_llm.{i}.name", f"{track.name!r} is already the name of another "
+                                                              "track (the leaderboard groups rows by it)")
+            seen.add(track.name)
+        return self
+
     def tracks(self) -> list[VisionTrack | TextTrack | LlmTrack]:
         return [t for t in (self.vision, self.text, self.llm) if t.enabled]
 
@@ -426,8 +511,12 @@ def _one_line(err: ValidationError, source: str) -> str:
         # name what is allowed at that level
         model: Any = Params
         for part in first["loc"][:-1]:
+            if isinstance(part, int):  # an item of a list section (local_llm): the item's model
+                continue
             field = model.model_fields.get(str(part)) if isinstance(model, type) else None
             model = field.annotation if field is not None else None
+            if getattr(model, "__origin__", None) is list:
+                model = model.__args__[0]
         allowed = ", ".join(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else ""
         message = "unknown key" + (f"; allowed: {allowed}" if allowed else "")
     elif first["type"] == "literal_error":

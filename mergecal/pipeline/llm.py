@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import atomic_write_text
@@ -87,37 +88,84 @@ def task_yamls(params: Params, root: str | Path) -> Path:
     return out
 
 
-def task_config_digests(params: Params, root: str | Path) -> dict[str, str]:
+def suite_config_digests(data: Path, tasks) -> dict[str, str]:
     """{lm-eval task name: sha256 of its configuration}, with the data file named by its content's sha256
     (not its absolute path): equal digests, equal tasks, wherever the repository lies."""
     from ..data.llm import split_path
     from ..evaluation.lm_eval_tasks import task_config, task_name
 
     out = {}
-    for task in params.llm.tasks:
+    for task in tasks:
         for split in ("validation", "test"):
-            path = split_path(data_root(root), task, split)
+            path = split_path(data, task, split)
             config = task_config(task, path, split)
             config["dataset_kwargs"] = {"data_files_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
             out[task_name(task, split)] = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     return out
 
 
+def task_config_digests(params: Params, root: str | Path) -> dict[str, str]:
+    return suite_config_digests(data_root(root), params.llm.tasks)
+
+
+@dataclass(frozen=True)
+class LmEval:
+    """How a track scores models with lm-eval: the YAML directory, the lm-eval task name of each (task, split),
+    the metric read per task, the response-cache directory, the validation limit (None: every document) and
+    the batch size. Shared by the embedded LLM track and the local ones (``mergecal.pipeline.local_llm``)."""
+
+    task_dir: Path
+    names: dict[str, dict[str, str]]  # {task: {split: lm-eval task name}}
+    metrics: dict[str, str]  # {task: metric}
+    cache: Path
+    max_validation: int | None
+    batch_size: int
+
+    def score(self, model_dir: str | Path, tasks, split: str, *, device: str = "cpu") -> dict[str, float]:
+        """{task: its metric} of one model on one split."""
+        from ..errors import MergecalError
+        from ..evaluation.lm_eval_tasks import evaluate_lm
+
+        names = [self.names[t][split] for t in tasks]
+        scores = evaluate_lm(model_dir, names, self.task_dir, cache_path=self.cache,
+                             limit=self.max_validation if split == "validation" else None, device=device,
+                             batch_size=self.batch_size)
+        out = {}
+        for task, name in zip(tasks, names):
+            if self.metrics[task] not in scores[name]:
+                raise MergecalError(f"{self.task_dir}: lm-eval task {name!r} reports "
+                                    f"{', '.join(k for k in scores[name] if k != 'n') or 'no metric'}, not "
+                                    f"{self.metrics[task]!r} (the metric configured for task {task!r})")
+            out[task] = scores[name][self.metrics[task]]
+        return out
+
+
+def suite_lm_eval(data: Path, tasks, out: Path, cache: Path, evaluation, n_validation: int) -> LmEval:
+    """The suite's tasks scored on their local YAMLs (written to ``out``, naming the data under ``data``)."""
+    from ..data.llm import TASKS
+    from ..evaluation.lm_eval_tasks import task_name, write_task_yamls
+
+    write_task_yamls(data, out, tasks, splits=("validation", "test"))
+    limit = evaluation.max_validation
+    if limit is not None and limit >= n_validation:
+        limit = None  # the whole split: lm-eval then reports no "limit" warning
+    return LmEval(out, {t: {s: task_name(t, s) for s in ("validation", "test")} for t in tasks},
+                  {t: TASKS[t].metric for t in tasks}, cache, limit, evaluation.batch_size)
+
+
+def lm_eval_setup(params: Params, root: str | Path) -> LmEval:
+    from ..data.llm import LlmSuiteConfig
+
+    return suite_lm_eval(data_root(root), params.llm.tasks, work_dir(root) / "lm_eval_tasks",
+                         work_dir(root) / "lm_eval_cache", params.llm.evaluation,
+                         LlmSuiteConfig(**params.llm.data).n_validation)
+
+
 def evaluate(params: Params, root: str | Path, model_dir: str | Path, tasks, split: str, *,
              device: str = "cpu") -> dict[str, float]:
     """{task: its lm-eval metric (exact_match or acc)} of one model on one split; validation is limited to
     ``llm.evaluation.max_validation`` documents per task."""
-    from ..data.llm import TASKS, LlmSuiteConfig
-    from ..evaluation.lm_eval_tasks import evaluate_lm, task_name
-
-    evaluation = params.llm.evaluation
-    limit = evaluation.max_validation if split == "validation" else None
-    if limit is not None and limit >= LlmSuiteConfig(**params.llm.data).n_validation:
-        limit = None  # the whole split: lm-eval then reports no "limit" warning
-    names = [task_name(t, split) for t in tasks]
-    scores = evaluate_lm(model_dir, names, task_yamls(params, root), cache_path=work_dir(root) / "lm_eval_cache",
-                         limit=limit, device=device, batch_size=evaluation.batch_size)
-    return {t: scores[task_name(t, split)][TASKS[t].metric] for t in tasks}
+    return lm_eval_setup(params, root).score(model_dir, tasks, split, device=device)
 
 
 def layer_type(key: str) -> str:
@@ -151,20 +199,29 @@ def task_vector_norms(base: Path, expert: Path) -> dict[str, float]:
             "norm_by_layer_type": {k: v ** 0.5 for k, v in sorted(per_type.items())}}
 
 
+def expert_reference(scorer: LmEval, base: Path, expert: Path, task: str, tasks, *, device: str = "cpu") -> dict:
+    """An expert's score on its own task (validation and test: normalized score's denominator), its test
+    scores on every task and its task vector's norms (read key by key)."""
+    val = scorer.score(expert, [task], "validation", device=device)[task]
+    test = scorer.score(expert, tasks, "test", device=device)
+    return {"val_accuracy": val, "test_accuracy": test[task], "test_all_tasks": test, **task_vector_norms(base, expert)}
+
+
+def base_reference(scorer: LmEval, base: Path, tasks, *, device: str = "cpu") -> dict:
+    return {"validation": scorer.score(base, tasks, "validation", device=device),
+            "test": scorer.score(base, tasks, "test", device=device)}
+
+
 def references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict:
     """The stage ``llm_task_vectors``: each expert's score on its own task (validation and test: normalized
     score's denominator), the base model's scores and the task vectors' norms."""
     tasks = params.llm.tasks
     base = base_dir(params, root)
-    report = {"base": {"validation": evaluate(params, root, base, tasks, "validation", device=device),
-                       "test": evaluate(params, root, base, tasks, "test", device=device)},
-              "tasks": {}}
+    scorer = lm_eval_setup(params, root)
+    report = {"base": base_reference(scorer, base, tasks, device=device), "tasks": {}}
     for task in tasks:
-        expert = expert_dir(params, root, task)
-        val = evaluate(params, root, expert, [task], "validation", device=device)[task]
-        test = evaluate(params, root, expert, tasks, "test", device=device)
-        report["tasks"][task] = {"val_accuracy": val, "test_accuracy": test[task], "test_all_tasks": test,
-                                 **task_vector_norms(base, expert)}
+        report["tasks"][task] = expert_reference(scorer, base, expert_dir(params, root, task), task, tasks,
+                                                 device=device)
     report["task_configs"] = task_config_digests(params, root)
     atomic_write_text(diagnostics_path(params, root), json.dumps(report, indent=2, sort_keys=True))
     return report

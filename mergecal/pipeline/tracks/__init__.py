@@ -4,11 +4,13 @@ track, a lab's own checkpoints) is one module plus its params section.
 
 A track module provides:
 
-* ``NAME``: the value of ``Cell.track`` (and of the ``mergecal.track`` tag);
+* ``NAME``: the value of ``Cell.track`` (and of the ``mergecal.track`` tag); a module of several configured
+  tracks (``local_llm``) names its cells ``NAME:<track name>``;
 * ``enabled(params) -> bool``: whether its cells are in the matrix;
 * ``cells(params) -> list[Cell]``: its cells, references first;
 * ``inputs(cell, params, root) -> {role: path}``: the files a cell reads (their bytes go into the cell's id);
-* ``fingerprint(params)``: settings beside those files that a result depends on (also hashed into the id);
+* ``fingerprint(params)``: settings beside those files that a result depends on (also hashed into the id), or
+  ``cell_fingerprint(cell, params)`` where they differ between the module's configured tracks;
 * ``run(cell, params, root, *, device, scaling) -> CellResult``: merge, calibrate, evaluate one cell;
 * ``skipped(params) -> [(Cell, reason)]`` (optional): chains of the matrix the track cannot run, which the flow
   records as skipped (with the reason) so that the leaderboard says so instead of leaving them out.
@@ -20,10 +22,11 @@ import importlib
 from types import ModuleType
 
 #: Cell.track -> the module implementing it (imported on first use: a track may pull in heavy libraries)
-MODULES = {"vision": "clip", "text": "text", "llm": "llm"}
+MODULES = {"vision": "clip", "text": "text", "llm": "llm", "local_llm": "local_llm"}
 
 
 def get_track(name: str) -> ModuleType:
+    name = name.split(":", 1)[0]  # "local_llm:<track name>": one module, several configured tracks
     if name not in MODULES:
         raise KeyError(f"unknown track {name!r}; tracks: {', '.join(MODULES)}")
     return importlib.import_module(f"{__name__}.{MODULES[name]}")

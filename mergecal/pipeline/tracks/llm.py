@@ -34,23 +34,41 @@ def _chains(params: Params):
             yield merge, chain, values, grid, Recipe.parse(chain.replace("{merge}", merge))
 
 
-def cells(params: Params) -> list[Cell]:
-    track = params.llm
-    out = [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", ref, "") for ref in REFERENCES]
+def family_cells(params: Params, track: str, backbone: str, task_set: str, tasks) -> list[Cell]:
+    """The cells of an LLM family (a base and one expert per task): references, then every weight-space
+    chain of the matrix."""
+    out = [Cell(track, backbone, task_set, tuple(tasks), "standard", ref, "") for ref in REFERENCES]
     for merge, chain, values, grid, recipe in _chains(params):
         if any(s.needs_data for s in recipe.steps):
             continue
         steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
-        out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, "standard", merge, chain,
-                               steps, grid))
+        out.append(recipe_cell(params, track, backbone, task_set, tasks, "standard", merge, chain, steps, grid))
     return out
 
 
-def skipped(params: Params) -> list[tuple[Cell, str]]:
-    """The chains this track cannot run, as cells with the reason (the leaderboard lists them)."""
+def family_skipped(params: Params, track: str, backbone: str, task_set: str, tasks) -> list[tuple[Cell, str]]:
+    """The chains an LLM family cannot run, as cells with the reason (the leaderboard lists them)."""
+    return [(Cell(track, backbone, task_set, tuple(tasks), "standard", merge, chain, recipe.label), SKIP_REASON)
+            for merge, chain, _, _, recipe in _chains(params) if any(s.needs_data for s in recipe.steps)]
+
+
+def cells(params: Params) -> list[Cell]:
     track = params.llm
-    return [(Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain, recipe.label),
-             SKIP_REASON) for merge, chain, _, _, recipe in _chains(params) if any(s.needs_data for s in recipe.steps)]
+    return family_cells(params, NAME, track.backbone, track.task_set, track.tasks)
+
+
+def skipped(params: Params) -> list[tuple[Cell, str]]:
+    track = params.llm
+    return family_skipped(params, NAME, track.backbone, track.task_set, track.tasks)
+
+
+def model_files(models: dict[str, Path]) -> dict[str, Path]:
+    """{role/file name: path} of every file of each model directory (config, tokenizer, weights)."""
+    files = {}
+    for role, directory in models.items():
+        for path in sorted(p for p in directory.iterdir() if p.is_file()) if directory.is_dir() else [directory]:
+            files[f"{role}/{path.name}"] = path
+    return files
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
@@ -60,38 +78,33 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     models = {"base": base_dir(params, root)}
     if cell.merge != "zeroshot":
         models.update({f"expert.{t}": expert_dir(params, root, t) for t in cell.tasks})
-    for role, directory in models.items():  # every file of a model directory: config, tokenizer, weights
-        for path in sorted(p for p in directory.iterdir() if p.is_file()) if directory.is_dir() else [directory]:
-            files[f"{role}/{path.name}"] = path
-    return files
+    return {**files, **model_files(models)}
 
 
 def fingerprint(params: Params):
-    return {"evaluation": params.llm.evaluation.model_dump(), "lm_eval": _lm_eval_version()}
+    return {"evaluation": params.llm.evaluation.model_dump(), "lm_eval": lm_eval_version()}
 
 
-def _lm_eval_version() -> str:
+def lm_eval_version() -> str:
     from importlib.metadata import version
 
     return version("lm_eval")
 
 
-def _summaries(tasks, test: dict[str, float], reference: dict) -> dict[str, float]:
+def summaries(tasks, test: dict[str, float], reference: dict, metrics_of: dict[str, str]) -> dict[str, float]:
     """``acc.<task>`` is the task's lm-eval metric (exact_match or acc: the leaderboard's column), also logged
     under its own name; normalized by the expert's own test score."""
-    from ...data.llm import TASKS
-
     metrics: dict[str, float] = {}
     for task in tasks:
-        metrics[f"acc.{task}"] = metrics[f"{TASKS[task].metric}.{task}"] = test[task]
+        metrics[f"acc.{task}"] = metrics[f"{metrics_of[task]}.{task}"] = test[task]
         metrics[f"norm_acc.{task}"] = test[task] / max(reference["tasks"][task]["test_accuracy"], 1e-12)
     metrics["avg_acc"] = sum(metrics[f"acc.{t}"] for t in tasks) / len(tasks)
     metrics["avg_norm_acc"] = sum(metrics[f"norm_acc.{t}"] for t in tasks) / len(tasks)
     return metrics
 
 
-def _logged(cell: Cell, params: Params, reference: dict) -> dict[str, str]:
-    logged = {**base_params(cell), "lm_eval_version": _lm_eval_version()}
+def logged_params(cell: Cell, reference: dict) -> dict[str, str]:
+    logged = {**base_params(cell), "lm_eval_version": lm_eval_version()}
     for name, digest in reference["task_configs"].items():
         logged[f"lm_eval_task.{name}"] = digest[:16]
     return logged
@@ -99,31 +112,38 @@ def _logged(cell: Cell, params: Params, reference: dict) -> dict[str, str]:
 
 def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         scaling: float | None = None) -> CellResult:
+    from ..llm import base_dir, diagnostics_path, expert_dir, lm_eval_setup, work_dir
+
+    root = Path(root)
+    reference = json.loads(diagnostics_path(params, root).read_text())
+    return run_family_cell(cell, reference, base_dir(params, root), [expert_dir(params, root, t) for t in cell.tasks],
+                           lm_eval_setup(params, root), work_dir(root) / "merged", device=device, scaling=scaling)
+
+
+def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path], scorer, scratch_root: Path, *,
+                    device: str = "cpu", scaling: float | None = None) -> CellResult:
     """Merge the experts checkpoint to checkpoint (weight-space chain) for each scaling of the grid, score them
-    on validation with lm-eval, keep the best and score it on test."""
+    on validation with lm-eval (``scorer``: a ``mergecal.pipeline.llm.LmEval``), keep the best and score it on
+    test. ``reference``: the family's references (base and experts' scores, norms, task configurations)."""
     from ...backbones.hf_causal_lm import merge_causal_lms
     from ...recipe import Recipe
-    from ..llm import base_dir, diagnostics_path, evaluate, expert_dir, work_dir
 
-    root, tasks = Path(root), list(cell.tasks)
-    reference = json.loads(diagnostics_path(params, root).read_text())
-    logged = _logged(cell, params, reference)
-    base = base_dir(params, root)
+    tasks = list(cell.tasks)
+    logged = logged_params(cell, reference)
     if cell.merge == "zeroshot":
-        return CellResult(_summaries(tasks, evaluate(params, root, base, tasks, "test", device=device), reference),
-                          logged)
+        return CellResult(summaries(tasks, scorer.score(base, tasks, "test", device=device), reference,
+                                    scorer.metrics), logged)
     if cell.merge == "finetuned":
         test = {t: reference["tasks"][t]["test_accuracy"] for t in tasks}
         norms = {t: {"norm": reference["tasks"][t]["norm"]} for t in tasks}
-        return CellResult(_summaries(tasks, test, reference), logged, {"task_vectors": norms})
+        return CellResult(summaries(tasks, test, reference, scorer.metrics), logged, {"task_vectors": norms})
 
     recipe = Recipe.parse(cell.recipe)
     steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
     index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
     grid = cell_grid(cell, steps[index][1]["scaling"], scaling)
-    experts = [expert_dir(params, root, t) for t in tasks]
-    (work_dir(root) / "merged").mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="cell-", dir=work_dir(root) / "merged"))
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="cell-", dir=scratch_root))
     try:
         def trial(value: float):
             chosen = list(steps)
@@ -136,7 +156,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         best: list = []  # [avg normalized score, directory] of the best merge so far: the only one kept on disk
 
         def validate(outcome) -> tuple[float, float]:
-            val = evaluate(params, root, outcome[0], tasks, "validation", device=device)
+            val = scorer.score(outcome[0], tasks, "validation", device=device)
             avg = sum(val.values()) / len(tasks)
             norm = sum(val[t] / max(reference["tasks"][t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
             if not best or norm > best[0]:  # select_scaling's rule: the first of equal scores wins
@@ -148,10 +168,10 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
             return avg, norm
 
         chosen_scaling, (merged, diagnostics), curve = select_scaling(grid, trial, validate)
-        test = evaluate(params, root, merged, tasks, "test", device=device)
+        test = scorer.score(merged, tasks, "test", device=device)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    metrics = {**_summaries(tasks, test, reference), "selected_scaling": float(chosen_scaling)}
+    metrics = {**summaries(tasks, test, reference, scorer.metrics), "selected_scaling": float(chosen_scaling)}
     logged = {**logged, "grid": json.dumps(list(cell.grid)), f"{recipe.merge.name}.scaling": json.dumps(chosen_scaling),
               "scaling_from": cell.scaling_from or "own grid"}
     for step in recipe.steps:

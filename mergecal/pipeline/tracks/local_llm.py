@@ -1,0 +1,109 @@
+"""LLM families from local directories (``local_llm:`` in params.yaml), one configured track each: cells named
+``local_llm:<name>``, the same cells, merges and lm-eval scoring as the embedded LLM track
+(``mergecal.pipeline.tracks.llm``), on the lab's own base and experts, read in place (never copied). What the
+stages record: ``mergecal.pipeline.local_llm``.
+
+A cell's inputs are the files of the model directories it reads (the base; the experts unless it is the
+``zeroshot`` row), the files defining its tasks and its track's references.json, each hashed by content (cached
+by path, size and mtime). A model that failed its checks in the ``local_tracks`` stage fails the cells that
+need it with the stage's one-line error; the other cells, and the other tracks, go on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ...errors import CheckpointError
+from ..cells import Cell, CellResult
+from ..config import LocalLlmTrack, Params
+from . import llm
+
+NAME = "local_llm"
+
+
+def track_name(track: LocalLlmTrack) -> str:
+    return f"{NAME}:{track.name}"
+
+
+def _enabled(params: Params) -> list[LocalLlmTrack]:
+    return [t for t in params.local_llm if t.enabled]
+
+
+def _config(cell: Cell, params: Params) -> LocalLlmTrack:
+    from ..local_llm import get_track
+
+    return get_track(params, cell.track.split(":", 1)[1])
+
+
+def enabled(params: Params) -> bool:
+    return bool(_enabled(params))
+
+
+def cells(params: Params) -> list[Cell]:
+    return [cell for t in _enabled(params)
+            for cell in llm.family_cells(params, track_name(t), t.name, t.task_set, t.task_names)]
+
+
+def skipped(params: Params) -> list[tuple[Cell, str]]:
+    return [item for t in _enabled(params)
+            for item in llm.family_skipped(params, track_name(t), t.name, t.task_set, t.task_names)]
+
+
+def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
+    """references.json, the task files and every file of the model directories the cell reads; a missing
+    directory contributes nothing (references.json then holds its error, and the cell fails with it)."""
+    from ..local_llm import base_path, expert_path, references_path, task_files
+
+    track = _config(cell, params)
+    models = {"base": base_path(track, root)}
+    if cell.merge != "zeroshot":
+        models.update({f"expert.{t}": expert_path(track, t, root) for t in cell.tasks})
+    present = {role: path for role, path in models.items() if path.is_dir()}
+    return {"reference": references_path(track, root), **task_files(track, root), **llm.model_files(present)}
+
+
+def fingerprint(params: Params):
+    return {"lm_eval": llm.lm_eval_version()}
+
+
+def cell_fingerprint(cell: Cell, params: Params):
+    """The cell's own track's settings (another track's edit changes none of its ids)."""
+    track = _config(cell, params)
+    return {"track": track.model_dump(mode="json"), "lm_eval": llm.lm_eval_version()}
+
+
+def _reference(track: LocalLlmTrack, cell: Cell, root: Path) -> dict:
+    """The track's references, or the stage's recorded error of a model this cell needs."""
+    from ..local_llm import references_path
+
+    path = references_path(track, root)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: references of local_llm track {track.name!r} not found (run `dvc repro`)")
+    reference = json.loads(path.read_text())
+    if "error" in reference:
+        raise CheckpointError(reference["error"])
+    for task in cell.tasks:
+        entry = reference["tasks"].get(task)
+        if entry is None:
+            raise CheckpointError(f"{path}: no reference for task {task!r} (run `dvc repro`)")
+        if "error" in entry:
+            raise CheckpointError(entry["error"])
+    return reference
+
+
+def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
+        scaling: float | None = None) -> CellResult:
+    from ..local_llm import base_path, check_expert, check_model_dir, expert_path, scorer, work_dir
+
+    root = Path(root)
+    track = _config(cell, params)
+    reference = _reference(track, cell, root)
+    base = base_path(track, root)
+    check_model_dir(base, allow_unsafe_pickle=track.allow_unsafe_pickle)
+    experts = [expert_path(track, t, root) for t in cell.tasks]
+    if cell.merge != "zeroshot":
+        for expert in experts:  # again here: a directory may have changed since the stage ran
+            check_expert(base, expert, allow_unsafe_pickle=track.allow_unsafe_pickle)
+    return llm.run_family_cell(cell, reference, base, experts, scorer(track, root), work_dir(root) / "merged",
+                               device=device, scaling=scaling)

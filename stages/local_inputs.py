@@ -1,0 +1,20 @@
+"""DVC stage (always run; cheap): size and sha256 of every file of the `local_llm` tracks' model directories
+and task files, hashes cached by path, size and mtime (.mergecal/hashes), so a multi-GB checkpoint is read only
+when it changed. Its output is the dependency through which DVC reruns `local_tracks` on a changed byte."""
+
+from stages._common import run
+
+
+def stage(params, root, args):
+    from mergecal.pipeline import local_llm
+
+    recorded = local_llm.record_inputs(params, root)
+    for name, track in recorded.items():
+        missing = [role for role, entry in track["files"].items() if "missing" in entry]
+        size = sum(entry.get("size", 0) for entry in track["files"].values())
+        print(f"{name}: {len(track['files'])} files, {size / 2**30:.2f} GiB"
+              + (f"; missing: {', '.join(missing)}" if missing else ""))
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(stage))

@@ -1,0 +1,320 @@
+"""LLM families from local directories (``local_llm:``): params, content hashes cached by mtime, the stages'
+checks and the Prefect flow end to end on a micro Llama base and its experts written to disk (random weights,
+the real key layout, no network)."""
+
+import json
+import os
+import pickle
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mergecal.errors import CheckpointError, ParameterError
+from mergecal.pipeline import cells as cells_mod
+from mergecal.pipeline import local_llm
+from mergecal.pipeline.config import load_params, parse_params
+
+MICRO = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=64)
+DATA = {"n_pretrain": 20, "n_train": 4, "n_validation": 4, "n_test": 4}
+EVALUATION = {"max_validation": 4, "batch_size": 8}
+
+
+def _track(name, experts, **extra):
+    return {"name": name, "base": "ckpt/base", "experts": experts, "data": DATA, "evaluation": EVALUATION, **extra}
+
+
+# ------------------------------------------------------------------------------------------------ params
+
+@pytest.mark.parametrize("track, message", [
+    (_track("lab", {"maximum": "m"}), r"local_llm.0.experts: expected at least 2 experts"),
+    (_track("lab", {"maximum": "m", "sentimnt": "s"}), r"local_llm.0.experts.sentimnt: not a task of the LLM suite"),
+    (_track("lab", {"maximum": "m", "sentiment": "s"}, allow_unsafe_pickle="yes"),
+     r"local_llm.0.allow_unsafe_pickle: Input should be a valid boolean"),
+    (_track("lab", {"maximum": "m", "sentiment": "s"}, bsae="x"), r"local_llm.0.bsae: unknown key; allowed: enabled"),
+    (_track("tiny-llama", {"maximum": "m", "sentiment": "s"}), r"local_llm.0.name: 'tiny-llama' is already the name"),
+    ({"name": "lab", "base": "b", "experts": {"a": "m", "b": "s"}, "task_dir": "t",
+      "tasks": {"a": {"metric": "acc"}}}, r"local_llm.0.tasks.b: missing: give the metric"),
+    (_track("lab", {"maximum": "m", "sentiment": "s"}, tasks={"maximum": {"metric": "acc"}}),
+     r"local_llm.0.tasks: only with task_dir"),
+])
+def test_local_llm_params_errors_are_one_clear_line(track, message):
+    with pytest.raises(ParameterError, match=message) as info:
+        parse_params({"local_llm": [track]})
+    assert "\n" not in str(info.value)
+
+
+def test_default_params_have_no_local_track():
+    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    assert params.local_llm == [] and not [c for c in cells_mod.enumerate_cells(params)
+                                           if c.track.startswith("local_llm")]
+    tasks = {"x": {"metric": "acc"}, "y": {"metric": "f1", "validation": "y_dev"}}
+    own = parse_params({"local_llm": [{"name": "lab", "base": "b", "experts": {"x": "m", "y": "s"}, "task_dir": "t",
+                                       "tasks": tasks}]})
+    assert {t: s.validation for t, s in own.local_llm[0].tasks.items()} == {"x": "x_validation", "y": "y_dev"}
+
+
+# ----------------------------------------------------------------------------------------- content hashes
+
+def test_content_hashes_are_cached_on_disk_by_path_size_and_mtime(tmp_path, monkeypatch):
+    cache = tmp_path / "hashes"
+    files = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    for i, f in enumerate(files):
+        f.write_bytes(bytes([i]) * 3000)
+    first = [cells_mod.file_digest(f, cache) for f in files]
+    assert len(list(cache.iterdir())) == 2
+
+    reads = []
+    real = cells_mod._sha256_file
+    monkeypatch.setattr(cells_mod, "_sha256_file", lambda path: reads.append(Path(path).name) or real(path))
+    cells_mod._file_digest.cache_clear()  # as a new process: only the on-disk records
+    assert [cells_mod.file_digest(f, cache) for f in files] == first and reads == []
+
+    files[1].write_bytes(bytes([7]) * 3000)  # same size, new bytes, new mtime
+    stat = files[1].stat()
+    os.utime(files[1], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    cells_mod._file_digest.cache_clear()
+    again = [cells_mod.file_digest(f, cache) for f in files]
+    assert reads == ["b.bin"] and again[0] == first[0] and again[1] != first[1]
+    assert cells_mod.content_record(files[1], cache) == {"size": 3000, "sha256": again[1]}
+    assert reads == ["b.bin"]  # the new record serves it
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+class _CreatesAFile:
+    """Unpickling this creates ``path``: a pickle that must never be loaded."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A micro Llama base and experts (random perturbations of it) in the layouts a lab has on disk: single
+    and sharded safetensors; and the bad ones (config of another model, a shard missing, pickled only)."""
+    from mergecal.backbones.hf_causal_lm import causal_lm_state_dict, save_causal_lm, save_causal_lm_weights
+    from mergecal.train.lm import TinyLlamaShape, create_tiny_llama, train_tokenizer
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("local_llm")
+    corpus = ["max(12, 7) = 12", "The movie was great. Sentiment: positive", "Is 5 larger than 3? Yes."] * 30
+    tokenizer = train_tokenizer(corpus, MICRO["vocab_size"])
+    base = save_causal_lm(create_tiny_llama(tokenizer, TinyLlamaShape(**MICRO), seed=1), tokenizer,
+                          root / "ckpt" / "base")
+    state = causal_lm_state_dict(base)
+
+    def expert(name, seed, **kwargs):
+        g = torch.Generator().manual_seed(seed)
+        perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                     for k, v in state.items()}
+        return save_causal_lm_weights(perturbed, root / "ckpt" / name, like=base, **kwargs)
+
+    expert("max", 2)
+    expert("sent", 3, max_shard_bytes=4096)  # sharded, with model.safetensors.index.json
+    expert("sent2", 4)
+    bad_config = expert("sent-config", 5)
+    config = json.loads((bad_config / "config.json").read_text())
+    (bad_config / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+    shards = expert("sent-shard", 6, max_shard_bytes=4096)
+    index = json.loads((shards / "model.safetensors.index.json").read_text())
+    (shards / sorted(set(index["weight_map"].values()))[-1]).unlink()
+    pickled = root / "ckpt" / "sent-pickle"
+    pickled.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (base / name).exists():
+            shutil.copy2(base / name, pickled / name)
+    marker = root / "UNPICKLED"
+    (pickled / "pytorch_model.bin").write_bytes(pickle.dumps(_CreatesAFile(marker)))
+    return root, marker
+
+
+def test_model_directory_checks_are_one_line_and_never_unpickle(checkpoints):
+    root, marker = checkpoints
+    ckpt = root / "ckpt"
+    cases = [("nowhere", r"nowhere: model directory not found"),
+             ("sent-config", r"sent-config/config.json: rms_norm_eps is 0.5, the base model"),
+             ("sent-shard", r"model.safetensors.index.json: shard 'model-\d+-of-\d+.safetensors' for key .* not found"),
+             ("sent-pickle", r"sent-pickle/pytorch_model.bin: pickled weights \(pytorch_model\*.bin\) and no "
+                             r"\*.safetensors; unpickling can run arbitrary code, so they are not read")]
+    for name, message in cases:
+        with pytest.raises(CheckpointError, match=message) as err:
+            local_llm.check_expert(ckpt / "base", ckpt / name)
+        assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match=r"pytorch_model.bin: pickled weights; the streaming merge reads "
+                                              r"safetensors only, so convert it once to safetensors"):
+        local_llm.check_expert(ckpt / "base", ckpt / "sent-pickle", allow_unsafe_pickle=True)
+    local_llm.check_expert(ckpt / "base", ckpt / "sent")
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------- the flow
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def _write_params(root: Path, tracks: list[dict], name: str, chains=("{merge}", "{merge}>svc", "{merge}>dsc"),
+                  scaling=(0.3, 1.0)) -> str:
+    data = {"vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
+            "benchmark": {"merges": {"task_arithmetic": {"scaling": list(scaling)}}, "chains": list(chains)},
+            "local_llm": tracks}
+    (root / name).write_text(yaml.safe_dump(data))
+    return name
+
+
+def _stages(root: Path, params_name: str):
+    """The stages `local_inputs` and `local_tracks`, in process."""
+    params = load_params(root / params_name)
+    local_llm.record_inputs(params, root)
+    return local_llm.all_references(params, root)
+
+
+@pytest.mark.integration
+def test_local_tracks_run_through_the_flow_cache_and_recompute_exactly_what_changed(checkpoints, prefect_server,
+                                                                                    monkeypatch):
+    import flows.benchmark as flow_module
+    from mergecal.pipeline.tracking import Tracker
+
+    root, marker = checkpoints
+    name = _write_params(root, [_track("lab-a", {"maximum": "ckpt/max", "sentiment": "ckpt/sent"}),
+                                _track("lab-b", {"maximum": "ckpt/max", "sentiment": "ckpt/sent2"})], "params.yaml")
+    references = _stages(root, name)
+    assert set(references) == {"lab-a", "lab-b"} and not any("error" in r for r in references.values())
+    assert json.loads((root / "models/local/tracks/index.json").read_text()) == ["lab-a", "lab-b"]
+    recorded = json.loads((root / "models/local/inputs.json").read_text())
+    entry = recorded["lab-a"]["files"]["expert.sentiment/model.safetensors.index.json"]
+    assert entry["size"] > 0 and len(entry["sha256"]) == 64
+    assert not list((root / "models").rglob("*.safetensors"))  # nothing copied
+
+    first = flow_module.run_benchmark(params_path=name, root=str(root))
+    assert (first["cells"], first["failed"], first["cached"]) == (8, 0, 0)
+    tracks = {r["track"] for r in first["rows"]}
+    assert tracks == {"local_llm:lab-a", "local_llm:lab-b"}
+    skipped = [r for r in first["rows"] if "skipped" in r]
+    assert {r["label"] for r in skipped} == {"task_arithmetic>dsc"} and len(skipped) == 2
+
+    tracker = Tracker(root, "mergecal")
+    runs = tracker.client.search_runs([tracker.experiment_id], "tags.`mergecal.track` = 'local_llm:lab-a' and "
+                                      "tags.`mergecal.status` = 'ok'", max_results=100)
+    assert len(runs) == 4 and {r.data.tags["mergecal.backbone"] for r in runs} == {"lab-a"}
+    for run in runs:
+        assert {"exact_match.maximum", "acc.sentiment", "acc.maximum", "avg_norm_acc"} <= set(run.data.metrics)
+        assert {"lm_eval_version", "lm_eval_task.maximum", "lm_eval_task.sentiment_validation"} <= set(run.data.params)
+
+    # a rerun computes nothing
+    def must_not_run(cell, *args, **kwargs):
+        raise AssertionError(f"{cell.track} {cell.label} computed again")
+
+    monkeypatch.setattr(flow_module, "run_cell", must_not_run)
+    second = flow_module.run_benchmark(params_path=name, root=str(root))
+    assert (second["cached"], second["failed"]) == (8, 0)
+    monkeypatch.undo()
+
+    # a changed expert file (lab-a's only): its hash alone is read again, and exactly lab-a's cells recompute
+    # (its zeroshot row too: it is normalized by the experts' scores)
+    shard = sorted((root / "ckpt" / "sent").glob("model-*.safetensors"))[0]
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(shard))
+    key = sorted(tensors)[0]
+    tensors[key] = tensors[key] + 0.5
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    reads = []
+    real = cells_mod._sha256_file
+    monkeypatch.setattr(cells_mod, "_sha256_file", lambda path: reads.append(Path(path)) or real(path))
+    cells_mod._file_digest.cache_clear()
+    _stages(root, name)
+    assert [p.name for p in reads if "ckpt" in p.parts] == [shard.name]
+    third = flow_module.run_benchmark(params_path=name, root=str(root))
+    computed = {(r["track"], r["label"]) for r in third["rows"] if "avg_acc" in r}
+    assert third["failed"] == 0 and third["cached"] == 4
+    with sqlite3.connect(root / "mlruns" / "mlruns.db") as con:
+        new = con.execute("select t.value, r.value from tags t join tags r on r.run_uuid = t.run_uuid and "
+                          "r.key = 'mergecal.recipe' join tags s on s.run_uuid = t.run_uuid and "
+                          "s.key = 'mergecal.status' and s.value = 'ok' where t.key = 'mergecal.track'").fetchall()
+    assert sorted(new) == sorted([(t, label) for t, label in computed] + [
+        ("local_llm:lab-a", label) for label in ("zeroshot", "finetuned", "task_arithmetic", "task_arithmetic>svc")])
+    assert not marker.exists()
+
+    # the leaderboard has a section per family, with the lm-eval scores and the skipped chain's reason
+    from mergecal.pipeline.tracking import tracking_uri
+    from mergecal.reports import write_reports
+
+    write_reports(tracking_uri(root, "mlruns"), "mergecal", root / "reports", third["invocation_id"])
+    board = (root / "reports" / "leaderboard.md").read_text()
+    assert "lab-a · local · standard" in board and "lab-b · local · standard" in board
+    assert "task_arithmetic>svc" in board and "needs models and data" in board
+
+
+@pytest.mark.integration
+def test_bad_models_fail_their_cells_with_one_line_and_other_tracks_go_on(checkpoints, prefect_server):
+    from flows.benchmark import run_benchmark
+
+    root, marker = checkpoints
+    bad = {"missing": ("ckpt/nowhere", "nowhere: model directory not found"),
+           "config": ("ckpt/sent-config", "sent-config/config.json: rms_norm_eps is 0.5, the base model"),
+           "shard": ("ckpt/sent-shard", "not found at"),
+           "pickle": ("ckpt/sent-pickle", "pytorch_model.bin: pickled weights (pytorch_model*.bin) and no")}
+    tracks = [_track("good", {"maximum": "ckpt/max", "sentiment": "ckpt/sent2"})]
+    tracks += [_track(f"bad-{k}", {"maximum": "ckpt/max", "sentiment": path}) for k, (path, _) in bad.items()]
+    name = _write_params(root, tracks, "params-bad.yaml", chains=("{merge}",), scaling=(0.5,))
+    references = _stages(root, name)
+    for key, (_, message) in bad.items():
+        assert message in references[f"bad-{key}"]["tasks"]["sentiment"]["error"]
+        assert "error" not in references[f"bad-{key}"]["tasks"]["maximum"]
+    result = run_benchmark(params_path=name, root=str(root), output="results/bad.json")
+    failed = {(r["track"], r["label"]): r["error"] for r in result["rows"] if "error" in r}
+    ok = {(r["track"], r["label"]) for r in result["rows"] if "avg_acc" in r}
+    for key, (_, message) in bad.items():  # the zeroshot row too: it is normalized by the experts' scores
+        for label in ("zeroshot", "finetuned", "task_arithmetic"):
+            assert message in failed.pop((f"local_llm:bad-{key}", label))
+    assert not failed and ok == {("local_llm:good", label) for label in ("zeroshot", "finetuned", "task_arithmetic")}
+    assert result["failed"] == 3 * len(bad)
+    assert not marker.exists()  # the pickle was hashed as bytes, never loaded
+
+
+def test_a_users_task_directory_is_scored_with_its_metrics_and_hashed_with_its_data(checkpoints, tmp_path):
+    """task_dir: the user's lm-eval YAMLs (here the suite's, written as a user would have them), the metric per
+    task and the validation task by the ``<task>_validation`` convention; the YAMLs and the local data files they
+    name are the cells' inputs."""
+    from mergecal.data.llm import LlmSuiteConfig, build_llm_suite
+    from mergecal.errors import MergecalError
+    from mergecal.evaluation.lm_eval_tasks import write_task_yamls
+
+    root, _ = checkpoints
+    build_llm_suite(tmp_path / "data", LlmSuiteConfig(**DATA), tasks=("maximum", "sentiment"))
+    write_task_yamls(tmp_path / "data", tmp_path / "yamls", ("maximum", "sentiment"), splits=("validation", "test"))
+    track = {"name": "lab-yaml", "base": "ckpt/base", "experts": {"maximum": "ckpt/max", "sentiment": "ckpt/sent"},
+             "task_dir": str(tmp_path / "yamls"), "evaluation": EVALUATION,
+             "tasks": {"maximum": {"metric": "exact_match"}, "sentiment": {"metric": "acc"}}}
+    config = parse_params({"local_llm": [track]}).local_llm[0]
+    files = local_llm.task_files(config, root)
+    assert {"task_dir/maximum.yaml", "task_dir/sentiment_validation.yaml"} <= set(files)
+    assert str((tmp_path / "data" / "sentiment" / "test.jsonl").resolve()) in {str(p) for p in files.values()}
+    scores = local_llm.scorer(config, root).score(root / "ckpt" / "base", ["maximum", "sentiment"], "validation")
+    assert set(scores) == {"maximum", "sentiment"} and all(0 <= v <= 1 for v in scores.values())
+    track["tasks"]["sentiment"]["metric"] = "f1"
+    wrong = parse_params({"local_llm": [track]}).local_llm[0]
+    with pytest.raises(MergecalError, match=r"lm-eval task 'sentiment' reports acc.*, not 'f1' \(the metric "
+                                            r"configured for task 'sentiment'\)"):
+        local_llm.scorer(wrong, root).score(root / "ckpt" / "base", ["sentiment"], "test")
+
+
+def test_the_readme_example_of_local_tracks_is_valid_params():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = text.split("## Your own models", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    params = parse_params(yaml.safe_load(example))
+    assert [t.name for t in params.local_llm] == ["lab-llama-1b", "lab-mistral-7b"]
+    assert params.local_llm[1].tasks["gsm8k_local"].validation == "gsm8k_local_validation"
