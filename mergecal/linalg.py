@@ -101,6 +101,29 @@ def top_svd(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, t
     return u, s, w.T
 
 
+def svd_gram(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full thin SVD (U [m, r], S [r], Vh [r, n]) in float64 via the smaller Gram matrix, for SVC's merged update.
+
+    V (or U if wide) = the Gram's eigenvectors; the other side = A V scaled to unit columns, S = those column
+    norms (not sqrt(lambda), which loses the small sigmas' digits). Full rank up to a sigma ratio of 1e6:
+    each u_r carries ~1e-16 (sigma_1 / sigma_r)^2 / gap, weighted by sigma_r wherever SVC uses it (sigma_r u_r
+    v_r^T, a_m = sigma_r v_r), so ~1e-16 sigma_1 / gap in the output. Beyond, rank-deficient input included:
+    Householder QR of A V, which completes null-space columns with orthonormal vectors as LAPACK's SVD does
+    (arbitrarily in both). The singular values come in descending order of the Gram's eigenvalues."""
+    a = matrix.to(torch.float64)
+    m, n = a.shape
+    if m < n:
+        u, s, vh = svd_gram(a.T)
+        return vh.T, s, u.T
+    evals, w = _gram_eigh(a, transpose=False)
+    b = a @ w
+    if float(evals[0]) > 0 and float(evals[-1]) >= 1e-12 * float(evals[0]):
+        s = b.norm(dim=0)
+        return b / s, s, w.T
+    u, s = _orthonormal_columns(b)
+    return u, s, w.T
+
+
 def _syrk(c: torch.Tensor) -> torch.Tensor:
     """c c^T through numpy's syrk on the CPU (half a general product's flops), torch's matmul elsewhere."""
     if c.device.type != "cpu":

@@ -141,7 +141,7 @@ def test_benchmark_quick_prints_a_row_per_method(tmp_path):
     table = out.read_text()
     rows = [line for line in table.splitlines()
             if line.startswith("| ") and not line.startswith(("| method", "| calibration"))]
-    assert len(rows) == 10 + 3 + 5 + 4 + 3  # merges, SVD methods gram vs svd, calibrations, FLOP floors, streaming
+    assert len(rows) == 10 + 4 + 5 + 4 + 3  # merges, gram vs svd (+SVC), calibrations, floors, streaming
     data = json.loads(out.with_suffix(".json").read_text())
     assert all(r["seconds"] > 0 for r in data["rows"])
     assert all(r["merged_norm"] > 0 for r in data["rows"] if "merged_norm" in r)

@@ -6,7 +6,7 @@ matrix is low rank plus noise (a decaying spectrum over 32 directions and 5% iso
 real task vectors. The merge streams key by key; each merged key is consumed and dropped, so the
 memory column is the method's working memory above the task vectors already in memory.
 
-A second table times TSV-M, Iso-C and Iso-CTS's default exact Gram route against their previous full-SVD
+A second table times TSV-M, Iso-C, Iso-CTS and SVC (after TA)'s default exact Gram route against their previous full-SVD
 route (``solver="svd"``), alternated key by key in the same run, with the largest relative difference and the
 machine's measured matmul GFLOP/s (``--no-solvers`` skips it). A FLOP-floor table then gives, per SVD-bound
 method (TSV-M, Iso-C, Iso-CTS, and SVC after TA with ``--calibrations``), its time as a multiple of its FLOP floor
@@ -152,7 +152,7 @@ def run_streaming(task_vectors: list[dict], workdir: Path, shard_mb: int = 64) -
     return rows
 
 
-SOLVER_METHODS = ["tsv_m", "iso_c", "iso_cts"]
+SOLVER_METHODS = ["tsv_m", "iso_c", "iso_cts", "svc"]
 
 
 def matmul_gflops(n: int = 1024, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
@@ -250,8 +250,13 @@ tests/test_gram_solver.py for the comparison with the float64 reference)."""
     from ..methods.iso_cts import iso_cts_matrix
     from ..methods.tsv_m import tsv_merge_matrix
 
+    from ..calibrations.svc import Svc
+    from ..methods.base import sum_of
+
     fns = {"tsv_m": tsv_merge_matrix, "iso_c": iso_c_matrix,
-           "iso_cts": lambda taus, **kw: iso_cts_matrix(taus, 0.8, **kw)}
+           "iso_cts": lambda taus, **kw: iso_cts_matrix(taus, 0.8, **kw),
+           # SVC at its defaults after task arithmetic with lambda = 1 (the merged update is the sum)
+           "svc": lambda taus, solver: Svc(solver=solver).calibrate("w", sum_of(taus), taus)[0]}
     keys = [k for k, v in task_vectors[0].items() if v.dim() == 2]
     rows = []
     for name in methods:
@@ -342,6 +347,8 @@ def main(args: argparse.Namespace) -> int:
     if args.quick:
         args.blocks, args.width, args.tasks = 2, 96, 4
     if args.threads:
+        import scipy.linalg  # noqa: F401  (loads scipy's own OpenBLAS now, so that the limit below reaches it)
+
         torch.set_num_threads(args.threads)
         try:  # the Gram route's syrk and eigh run in numpy / scipy's OpenBLAS, which torch's setting misses
             from threadpoolctl import threadpool_limits
@@ -376,7 +383,7 @@ def main(args: argparse.Namespace) -> int:
         for r in solver_rows:
             rows.append({**r, "label": f"{r['label']} (gram vs svd)", "seconds": r["gram_seconds"],
                          "peak_extra_mb": None})
-            floor_times[r["label"]] = r["gram_seconds"]  # the default route on the 2-D keys alone
+            floor_times[r["label"]] = r["gram_seconds"]  # the default route on the 2-D keys alone (SVC: no merge)
         tables.append(format_solver_table(solver_rows, setting, gflops_runs[0]))
     if args.calibrations:
         merged = {k: v.clone() for k, v in iter_merge(tvs, get_merge_method("task_arithmetic", scaling=1.0))}
