@@ -16,6 +16,8 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
+# OpenMP threads sleep when idle rather than spin beside other work (mergecal/offline.py; #17)
+export OMP_WAIT_POLICY := PASSIVE
 
 .PHONY: setup run test lint fast perf clean
 

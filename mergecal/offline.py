@@ -1,6 +1,7 @@
-"""The environment that keeps the stack offline and quiet (../shared/notes/stack.md), defined once. The stage
-scripts and the tests apply all of it; the model loaders apply the hub part before importing transformers or
-lm-eval. The Makefile exports the same variables for dvc and the servers it starts (a test keeps them equal)."""
+"""The environment that keeps the stack offline and quiet (../shared/notes/stack.md), and its OpenMP threads
+passive, defined once. The stage scripts and the tests apply all of it; the model loaders apply the hub part
+before importing transformers or lm-eval. The Makefile exports the same variables for dvc and the servers it
+starts (a test keeps them equal)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 # no telemetry, and a temporary Prefect server given time to start on a busy 2-core machine
 QUIET = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
          "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
-OFFLINE_ENV = {**HUB_OFFLINE, **QUIET}
+# OpenMP threads (torch's MKL and ATen, GNU OpenMP) sleep when idle instead of spinning: beside other work on the
+# cores (a training run, parallel cells, the test suite) spinning threads slowed a 3072 x 768 SVD 20-60x (#17;
+# scripts/perf_wait_policy.py measures it). Thread counts stay the libraries' own (all cores) for the default single
+# worker; MERGECAL_TORCH_THREADS (mergecal.pipeline.cells.threads_from_env) caps torch's per worker.
+THREADING = {"OMP_WAIT_POLICY": "PASSIVE"}
+OFFLINE_ENV = {**HUB_OFFLINE, **QUIET, **THREADING}
 
 
 def apply(variables: Mapping[str, str] = OFFLINE_ENV, environ: MutableMapping[str, str] = os.environ) -> None:

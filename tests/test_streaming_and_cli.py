@@ -121,6 +121,18 @@ def test_console_script_lists_methods():
     assert "top_k=0.2" in result.stdout and "common_space_fraction=0.8" in result.stdout
 
 
+def test_flop_floor_of_svc_on_vit_b32_is_the_issues_teraflop():
+    from mergecal.perf.merging import flop_floor, vit_b32_shapes
+
+    shapes = [s for s in vit_b32_shapes(12).values() if len(s) == 2]
+    assert sum(flop_floor("svc", s, 8) for s in shapes) == pytest.approx(1.04e12, rel=0.01)
+    m, n = 3072, 768
+    assert flop_floor("tsv_m", (m, n), 8) == flop_floor("tsv_m", (n, m), 8) == 8 * m * n * n
+    assert flop_floor("iso_c", (m, n), 8) == m * n * n + 2 * m * n * n
+    with pytest.raises(ValueError):
+        flop_floor("ties", (m, n), 8)
+
+
 def test_benchmark_quick_prints_a_row_per_method(tmp_path):
     out = tmp_path / "bench.md"
     result = subprocess.run([sys.executable, "-m", "mergecal.cli", "perf", "--quick", "--calibrations", "--streaming",
@@ -129,7 +141,7 @@ def test_benchmark_quick_prints_a_row_per_method(tmp_path):
     table = out.read_text()
     rows = [line for line in table.splitlines()
             if line.startswith("| ") and not line.startswith(("| method", "| calibration"))]
-    assert len(rows) == 10 + 3 + 5 + 3  # merges, SVD methods gram vs svd, calibrations, streaming
+    assert len(rows) == 10 + 4 + 5 + 4 + 3  # merges, gram vs svd (+SVC), calibrations, floors, streaming
     data = json.loads(out.with_suffix(".json").read_text())
     assert all(r["seconds"] > 0 for r in data["rows"])
     assert all(r["merged_norm"] > 0 for r in data["rows"] if "merged_norm" in r)

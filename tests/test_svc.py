@@ -6,7 +6,7 @@ import torch
 
 from mergecal import TaskVectorSet, merge_task_vectors
 from mergecal.calibrations.base import iter_calibrated
-from mergecal.calibrations.svc import Svc
+from mergecal.calibrations.svc import Svc, svc_coefficients
 from mergecal.errors import ParameterError
 from mergecal.merge import iter_merge
 from mergecal.methods import get_merge_method
@@ -148,3 +148,39 @@ def test_float64_option_agrees_with_float32():
     a, _ = Svc().calibrate("w", sum(taus), taus)
     b, _ = Svc(float64=True).calibrate("w", sum(taus), taus)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(40, 24), (24, 24), (24, 40)], ids=str)
+@pytest.mark.parametrize("space", ["column", "row"])
+def test_gram_solver_matches_the_float64_reference_and_the_svd_solver(shape, space):
+    """solver='gram' (default, #17) against Algorithm 1 on a float64 SVD: the calibrated update to 1e-6 relative
+    (float32 output), and the svd solver in float64 alike."""
+    m, n = shape
+    taus = random_taus(K=4, m=m, n=n, seed=3)
+    merged = 0.5 * sum(taus)
+    gram, info = Svc(space=space).calibrate("w", merged, taus)
+    svd64, _ = Svc(space=space, solver="svd", float64=True).calibrate("w", merged, taus)
+    if space == "column":
+        U, S, Vt, _, gamma = reference_gamma(merged, taus, 1 / 4)
+        expected = (U * (gamma * S)) @ Vt
+    else:
+        expected = svd64.double().numpy()
+    rel = np.linalg.norm(gram.double().numpy() - expected) / np.linalg.norm(expected)
+    assert rel < 1e-6
+    torch.testing.assert_close(info["sigma"], torch.linalg.svdvals(merged.double()).float(), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="unknown solver"):
+        svc_coefficients(merged, taus, 0.5, solver="nope")
+
+
+def test_gram_solver_on_a_rank_deficient_update_stays_finite_and_guarded():
+    """Tasks on disjoint rows, merged rank 4 < 12: the QR branch completes the null space (sigma = 0 there, so
+    the output is unique) and the round-off guard zeroes the null directions' coefficients."""
+    g = torch.Generator().manual_seed(4)
+    taus = [torch.zeros(20, 12) for _ in range(2)]
+    taus[0][:5] = torch.randn(5, 2, generator=g) @ torch.randn(2, 12, generator=g)
+    taus[1][10:15] = torch.randn(5, 2, generator=g) @ torch.randn(2, 12, generator=g)
+    merged = sum(taus)
+    gram, info = Svc(alpha=1.0).calibrate("w", merged, taus)
+    svd64, _ = Svc(alpha=1.0, solver="svd", float64=True).calibrate("w", merged, taus)
+    assert torch.isfinite(gram).all() and torch.isfinite(info["s"]).all()
+    torch.testing.assert_close(gram, svd64, rtol=1e-5, atol=1e-6)

@@ -172,10 +172,24 @@ class MatrixMergeMethod(MergeMethod):
 
 
 def sum_of(taus: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """sum_t tau_t without stacking (one output buffer instead of K + 1), accumulated in ``dtype`` if given."""
-    total = taus[0].to(dtype, copy=True) if dtype is not None else taus[0].clone()
-    for tau in taus[1:]:
-        total.add_(tau)
+    """sum_t tau_t without stacking (one output buffer instead of K + 1), accumulated in ``dtype`` if given.
+
+    Accumulating a wider ``dtype`` on the CPU goes through blocks of rows that stay in cache (each element
+    still receives the same additions in the same order, so the result is bitwise the same): a whole-tensor
+    mixed-dtype add_ per task is memory-bound, ~4x slower on a 3072 x 768 float64 sum of K = 8 (measured)."""
+    first = taus[0]
+    if dtype is None or dtype == first.dtype or first.device.type != "cpu" or first.dim() == 0:
+        total = first.to(dtype, copy=True) if dtype is not None else first.clone()
+        for tau in taus[1:]:
+            total.add_(tau)
+        return total
+    total = torch.empty(first.shape, dtype=dtype)
+    rows = max(1, (1 << 18) // max(1, first[0].numel()))  # ~2 MiB of float64 per block
+    for start in range(0, first.shape[0], rows):
+        block = total[start:start + rows]
+        block.copy_(first[start:start + rows])
+        for tau in taus[1:]:
+            block.add_(tau[start:start + rows])
     return total
 
 

@@ -6,9 +6,12 @@ matrix is low rank plus noise (a decaying spectrum over 32 directions and 5% iso
 real task vectors. The merge streams key by key; each merged key is consumed and dropped, so the
 memory column is the method's working memory above the task vectors already in memory.
 
-A second table times TSV-M, Iso-C and Iso-CTS's default exact Gram route against their previous full-SVD
+A second table times TSV-M, Iso-C, Iso-CTS and SVC (after TA)'s default exact Gram route against their previous full-SVD
 route (``solver="svd"``), alternated key by key in the same run, with the largest relative difference and the
-machine's measured matmul GFLOP/s (``--no-solvers`` skips it).
+machine's measured matmul GFLOP/s (``--no-solvers`` skips it). A FLOP-floor table then gives, per SVD-bound
+method (TSV-M, Iso-C, Iso-CTS, and SVC after TA with ``--calibrations``), its time as a multiple of its FLOP floor
+(``flop_floor``) at the matmul rate measured before and after the timings in the same run. ``--shapes vit-l-14``
+uses ViT-L/14's 24 blocks of width 1024 (TSV-M and SVC only by default; ``--blocks`` takes a subset).
 
 Printed per method: seconds, ratio to task arithmetic (same process, same data), peak extra memory.
 With ``--calibrations``, a second table times the weight-space calibrations (SVC, WSC) applied to the
@@ -47,6 +50,14 @@ VARIANTS: list[tuple[str, str, dict]] = [
     ("iso_c", "iso_c", {}),
     ("iso_cts", "iso_cts", {}),
 ]
+
+
+#: --shapes: (blocks, width, --only default). Both are CLIP ViT blocks (in_proj 3w x w, out_proj w x w, c_fc 4w x w,
+#: c_proj w x 4w); on ViT-L/14 only TSV-M and SVC (the issue's acceptance) unless --only says otherwise.
+SHAPE_SETS: dict[str, tuple[int, int, list[str] | None]] = {
+    "vit-b-32": (12, 768, None),
+    "vit-l-14": (24, 1024, ["tsv_m", "svc (alpha=1/K)"]),
+}
 
 
 def vit_b32_shapes(blocks: int, width: int = WIDTH) -> dict[str, tuple[int, ...]]:
@@ -141,7 +152,7 @@ def run_streaming(task_vectors: list[dict], workdir: Path, shard_mb: int = 64) -
     return rows
 
 
-SOLVER_METHODS = ["tsv_m", "iso_c", "iso_cts"]
+SOLVER_METHODS = ["tsv_m", "iso_c", "iso_cts", "svc"]
 
 
 def matmul_gflops(n: int = 1024, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
@@ -158,6 +169,74 @@ def matmul_gflops(n: int = 1024, dtype: torch.dtype = torch.float32, repeats: in
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
+def flop_floor(method: str, shape: tuple[int, int], K: int, common_space_fraction: float = 0.8) -> float:
+    """The FLOP floor of one 2-D key of ``shape`` = (m, n) for ``method`` with K tasks: the dense products that
+    an exact route computing every kept singular direction cannot skip, each counted at its BLAS cost, and
+    nothing else (no eigendecomposition, QR, polar factor or reconstruction). With M = max(m, n) and
+    r = min(m, n), a Gram product A^T A (or A A^T) of an m x n matrix costs M r^2 flops (syrk):
+
+    * ``tsv_m``: K Gram products, one per task (each task's top floor(r/K) subspace is read from it):
+      K M r^2;
+    * ``iso_c``: the Gram product of the task-vector sum, plus the output, the sum times an r x r matrix
+      (U V^T = A (A^T A)^{-1/2}): M r^2 + 2 m n r;
+    * ``iso_cts``: the Gram product of the sum, plus each task projected on the (r - k_c)-dimensional
+      complement of the common space (where its residual's kept directions lie): M r^2 + K 2 m n (r - k_c);
+    * ``svc``: the K projections U^T dW_i of the task matrices on the merged update's r left singular vectors,
+      K 2 m n r (the issue's "about 1 TFLOP" on ViT-B/32).
+
+    ``perf`` divides it by the measured matmul rate of the precision the default route computes in (float64
+    for the Gram route of the first three, float32 for SVC) to get the floor's seconds; a method's time over
+    that is its FLOP-floor multiple (1 would mean nothing but these products, at full matmul speed)."""
+    m, n = shape
+    M, r = max(m, n), min(m, n)
+    if method == "tsv_m":
+        return K * M * r**2
+    if method == "iso_c":
+        return M * r**2 + 2 * m * n * r
+    if method == "iso_cts":
+        from ..methods.iso_cts import iso_cts_ranks
+
+        common_rank, _ = iso_cts_ranks(r, K, common_space_fraction)
+        return M * r**2 + K * 2 * m * n * (r - common_rank)
+    if method == "svc":
+        return K * 2 * m * n * r
+    raise ValueError(f"no FLOP floor defined for {method!r}")
+
+
+#: the precision each method's default route computes its floor products in (see ``flop_floor``)
+FLOOR_DTYPE = {"tsv_m": "float64", "iso_c": "float64", "iso_cts": "float64", "svc": "float32"}
+
+
+def floor_rows(times: dict[str, float], shapes: list[tuple[int, int]], K: int, gflops: dict[str, float]) -> list[dict]:
+    """Per method timed in ``times`` (seconds over the 2-D keys of ``shapes``): its FLOP floor and multiple."""
+    rows = []
+    for method, seconds in times.items():
+        flops = sum(flop_floor(method, s, K) for s in shapes)
+        dtype = FLOOR_DTYPE[method]
+        floor_seconds = flops / (gflops[dtype] * 1e9)
+        rows.append({"label": f"{method} (FLOP floor)", "method": method, "seconds": seconds,
+                     "floor_gflop": flops / 1e9, "floor_dtype": dtype, "gflops": gflops[dtype],
+                     "floor_seconds": floor_seconds, "floor_multiple": seconds / floor_seconds, "peak_extra_mb": None})
+    return rows
+
+
+def format_floor_table(rows: list[dict], setting: str, gflops_runs: list[dict]) -> str:
+    measured = "; ".join(f"{g['float32']:.0f} / {g['float64']:.0f}" for g in gflops_runs)
+    lines = [f"FLOP-floor multiples (mergecal.perf.merging.flop_floor): {setting}; matmul GFLOP/s float32 / float64 "
+             f"measured {measured} (before / after the timings; the floor uses the faster)", "",
+             "| method | seconds | floor GFLOP | at | floor seconds | multiple of the floor |",
+             "|---|---:|---:|---|---:|---:|"]
+    lines += [f"| {r['method']} | {r['seconds']:.2f} | {r['floor_gflop']:.3g} | {r['floor_dtype']} "
+              f"{r['gflops']:.0f} GFLOP/s | {r['floor_seconds']:.3g} | {r['floor_multiple']:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def measure_gflops() -> dict[str, float]:
+    gflops = {"float32": matmul_gflops(), "float64": matmul_gflops(dtype=torch.float64)}
+    print(f"  matmul: {gflops['float32']:.1f} GFLOP/s float32, {gflops['float64']:.1f} GFLOP/s float64", flush=True)
+    return gflops
+
+
 def run_solver_comparison(task_vectors: list[dict], methods: list[str] = SOLVER_METHODS) -> list[dict]:
     """Per SVD method, the default ``solver="gram"`` against the previous exact route ``solver="svd"`` on the
     same 2-D keys, alternated key by key in one process (the order flips every key), so machine load hits
@@ -171,8 +250,13 @@ tests/test_gram_solver.py for the comparison with the float64 reference)."""
     from ..methods.iso_cts import iso_cts_matrix
     from ..methods.tsv_m import tsv_merge_matrix
 
+    from ..calibrations.svc import Svc
+    from ..methods.base import sum_of
+
     fns = {"tsv_m": tsv_merge_matrix, "iso_c": iso_c_matrix,
-           "iso_cts": lambda taus, **kw: iso_cts_matrix(taus, 0.8, **kw)}
+           "iso_cts": lambda taus, **kw: iso_cts_matrix(taus, 0.8, **kw),
+           # SVC at its defaults after task arithmetic with lambda = 1 (the merged update is the sum)
+           "svc": lambda taus, solver: Svc(solver=solver).calibrate("w", sum_of(taus), taus)[0]}
     keys = [k for k, v in task_vectors[0].items() if v.dim() == 2]
     rows = []
     for name in methods:
@@ -224,9 +308,13 @@ def run_one(tvs: TaskVectorSet, name: str, params: dict) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=int, default=12, help="transformer blocks (ViT-B/32: 12)")
+    parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="vit-b-32",
+                        help="vit-b-32 (default: 12 blocks, width 768, every method) or vit-l-14 (24 blocks, width "
+                             "1024: 3072x1024, 1024x1024, 4096x1024, 1024x4096; only TSV-M and SVC unless --only)")
+    parser.add_argument("--blocks", type=int, default=None, help="transformer blocks (default: the shapes' own, "
+                                                                 "ViT-B/32 12, ViT-L/14 24; fewer for a subset)")
     parser.add_argument("--tasks", type=int, default=8, help="K, the number of task vectors (default 8)")
-    parser.add_argument("--width", type=int, default=WIDTH, help="model width (ViT-B/32: 768)")
+    parser.add_argument("--width", type=int, default=None, help="model width (default: the shapes' own, 768 / 1024)")
     parser.add_argument("--quick", action="store_true", help="a small setting for smoke tests: 2 blocks, width 96, K=4")
     parser.add_argument("--only", nargs="*", help="run only these variant labels (substring match)")
     parser.add_argument("--output", help="also write the table as Markdown here and a .json beside it")
@@ -252,9 +340,15 @@ def format_table(rows: list[dict], header: str, what: str = "method", base_label
 
 
 def main(args: argparse.Namespace) -> int:
+    blocks, width, only = SHAPE_SETS[args.shapes]
+    args.blocks = args.blocks or blocks
+    args.width = args.width or width
+    args.only = args.only if args.only is not None else only
     if args.quick:
         args.blocks, args.width, args.tasks = 2, 96, 4
     if args.threads:
+        import scipy.linalg  # noqa: F401  (loads scipy's own OpenBLAS now, so that the limit below reaches it)
+
         torch.set_num_threads(args.threads)
         try:  # the Gram route's syrk and eigh run in numpy / scipy's OpenBLAS, which torch's setting misses
             from threadpoolctl import threadpool_limits
@@ -270,6 +364,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"built {args.tasks} task vectors x {n_params / 1e6:.1f} M parameters in {time.perf_counter() - start:.1f} s",
           flush=True)
     run_one(tvs, "task_arithmetic", {})  # warm-up: the first pass pays the allocator's page faults
+    gflops_runs = [measure_gflops()]
     rows = []
     for label, name, params in [] if args.no_merges else VARIANTS:
         if args.only and not any(o in label for o in args.only):
@@ -281,16 +376,15 @@ def main(args: argparse.Namespace) -> int:
                f"K = {args.tasks}, {torch.get_num_threads()} torch threads, "
                f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
     tables = [format_table(rows, f"Merge benchmark: {setting}")] if rows else []
+    floor_times = {r["label"]: r["seconds"] for r in rows if r["label"] in FLOOR_DTYPE}  # whole merges, 1-D keys too
     if not args.no_solvers:
-        gflops = {"float32": matmul_gflops(), "float64": matmul_gflops(dtype=torch.float64)}
-        print(f"  matmul: {gflops['float32']:.1f} GFLOP/s float32, {gflops['float64']:.1f} GFLOP/s float64",
-              flush=True)
         methods = [m for m in SOLVER_METHODS if not args.only or any(o in m for o in args.only)]
         solver_rows = run_solver_comparison(task_vectors, methods)
         for r in solver_rows:
             rows.append({**r, "label": f"{r['label']} (gram vs svd)", "seconds": r["gram_seconds"],
                          "peak_extra_mb": None})
-        tables.append(format_solver_table(solver_rows, setting, gflops))
+            floor_times[r["label"]] = r["gram_seconds"]  # the default route on the 2-D keys alone (SVC: no merge)
+        tables.append(format_solver_table(solver_rows, setting, gflops_runs[0]))
     if args.calibrations:
         merged = {k: v.clone() for k, v in iter_merge(tvs, get_merge_method("task_arithmetic", scaling=1.0))}
         calibration_rows = []
@@ -299,11 +393,23 @@ def main(args: argparse.Namespace) -> int:
                 continue
             row = {"label": label, **run_calibration(tvs, merged, name, params)}
             calibration_rows.append(row)
+            if label == CALIBRATIONS[0][0]:  # SVC at its defaults
+                floor_times["svc"] = row["seconds"]
             rows.append(row)
             print(f"  {label:32s} {row['seconds']:8.2f} s  peak +{row['peak_extra_mb']:7.0f} MiB", flush=True)
         tables.append(format_table(calibration_rows,
                                    f"Calibration benchmark (after task arithmetic, lambda = 1): {setting}",
                                    what="calibration", base_label=CALIBRATIONS[0][0]))
+    if floor_times:
+        gflops_runs.append(measure_gflops())
+        gflops = {d: max(g[d] for g in gflops_runs) for d in ("float32", "float64")}
+        matrix_shapes = [s for s in shapes.values() if len(s) == 2]
+        flop_rows = floor_rows(floor_times, matrix_shapes, args.tasks, gflops)
+        for r in flop_rows:
+            print(f"  {r['method']:8s} {r['seconds']:8.2f} s = {r['floor_multiple']:5.1f} x its FLOP floor "
+                  f"({r['floor_gflop']:.3g} GFLOP at {r['gflops']:.0f} GFLOP/s {r['floor_dtype']})", flush=True)
+        rows.extend(flop_rows)
+        tables.append(format_floor_table(flop_rows, setting, gflops_runs))
     if args.streaming:
         import tempfile
 
