@@ -5,6 +5,7 @@ killed with SIGKILL mid-run resumes without losing or duplicating anything; the 
 import difflib
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -53,10 +54,14 @@ def _wait(process):
     return output
 
 
-def _cell_runs(root):
+def _cell_runs(root, skipped=False):
+    """(MLflow status, cell id) of the cell runs: computed (or failed) ones, or with ``skipped`` the chains a
+    track cannot run, logged once with their reason."""
     with sqlite3.connect(root / "mlruns" / "mlruns.db") as con:
         return con.execute("select r.status, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
-                           "where t.key = 'mergecal.cell_id'").fetchall()
+                           "left join tags s on s.run_uuid = r.run_uuid and s.key = 'mergecal.status' "
+                           "where t.key = 'mergecal.cell_id' and (coalesce(s.value, '') = 'skipped') = ?",
+                           (skipped,)).fetchall()
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +83,7 @@ def test_cold_repro_builds_everything_and_reports(workspace):
     summary = json.loads((root / "results" / "benchmark.json").read_text())
     assert summary["cells"] > 0 and summary["failed"] == 0
     assert len(_cell_runs(root)) == summary["cells"]
+    assert len(_cell_runs(root, skipped=True)) == sum("skipped" in r for r in summary["rows"]) > 0
     html = (root / "reports" / "leaderboard.html").read_text()
     refs = []
 
@@ -108,7 +114,8 @@ def test_second_repro_does_nothing(workspace):
     (root / "mergecal" / "methods" / "__pycache__").mkdir(exist_ok=True)
     (root / "mergecal" / "methods" / "__pycache__" / "ties.cpython-311.pyc").write_bytes(b"bytecode")
     output = _repro(root)
-    assert "Running stage" not in output
+    # `local_inputs` always runs (it stats the files of the own-model tracks, none here) and changes nothing
+    assert re.findall(r"Running stage '([^']+)'", output) == ["local_inputs"]
     assert (root / "results" / "benchmark.json").read_text() == before
 
 
@@ -123,7 +130,8 @@ def test_changing_one_calibration_parameter_recomputes_only_its_cells(workspace)
     assert "Running stage 'benchmark'" in output and "Running stage 'finetune" not in output
     summary = {**json.loads((root / "results" / "benchmark.json").read_text()),
                **json.loads((root / "results" / "invocation.json").read_text())}
-    touched = (len(params["vision"]["regimes"]) + params["text"]["enabled"]) * len(params["benchmark"]["merges"])
+    tracks = len(params["vision"]["regimes"]) + params["text"]["enabled"] + params["llm"]["enabled"]
+    touched = tracks * len(params["benchmark"]["merges"])
     assert summary["cells"] - summary["cached"] == touched
     assert len(_cell_runs(root)) == n_before + touched
 
@@ -158,7 +166,7 @@ def test_sigkill_mid_benchmark_then_rerun_loses_and_duplicates_nothing(workspace
     finished = Counter(cell for status, cell in runs if status == "FINISHED")
     assert max(finished.values()) == 1  # no cell logged twice
     assert not [s for s, _ in runs if s == "RUNNING"]
-    assert {row["cell_id"] for row in summary["rows"]} <= set(finished)
+    assert {row["cell_id"] for row in summary["rows"] if "skipped" not in row} <= set(finished)
 
 
 def test_scheduled_rerun_deployment_and_flow(workspace):
