@@ -48,6 +48,15 @@ def _library_default(module: str, cls: str, field: str) -> Any:
     return next(f.default for f in dataclasses.fields(config) if f.name == field)
 
 
+def _known_tasks(tasks: list[str], allowed, listing: str) -> list[str]:
+    """``tasks`` if each is one of ``allowed`` and there are at least two, distinct; else a ValueError naming
+    the first unknown one and ``listing: <allowed>``."""
+    unknown = [t for t in tasks if t not in allowed]
+    if unknown:
+        raise ValueError(f"unknown task {unknown[0]!r}; {listing}: {', '.join(allowed)}")
+    return _distinct(tasks, "tasks", at_least=2)
+
+
 def _distinct(values: list[str], what: str, at_least: int = 1) -> list[str]:
     if len(values) < at_least:
         raise ValueError(f"expected at least {at_least} {what}, got {len(values)}")
@@ -163,10 +172,7 @@ class TextTrack(Strict):
     def _tasks(cls, tasks: list[str]) -> list[str]:
         from ..data.text import ALL_TASKS
 
-        unknown = [t for t in tasks if t not in ALL_TASKS]
-        if unknown:
-            raise ValueError(f"unknown task {unknown[0]!r}; choose from: {', '.join(ALL_TASKS)}")
-        return _distinct(tasks, "tasks", at_least=2)
+        return _known_tasks(tasks, ALL_TASKS, "choose from")
 
     @field_validator("regimes")
     @classmethod
@@ -212,10 +218,7 @@ class LlmTrack(Strict):
     def _tasks(cls, tasks: list[str]) -> list[str]:
         from ..data.llm import TASKS
 
-        unknown = [t for t in tasks if t not in TASKS]
-        if unknown:
-            raise ValueError(f"unknown task {unknown[0]!r}; the LLM suite's tasks are: {', '.join(TASKS)}")
-        return _distinct(tasks, "tasks", at_least=2)
+        return _known_tasks(tasks, TASKS, "the LLM suite's tasks are")
 
     @field_validator("regimes")
     @classmethod

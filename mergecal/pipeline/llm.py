@@ -79,15 +79,6 @@ def finetune(params: Params, task: str, root: str | Path = ".", *, device: str =
     return read_metadata(out)
 
 
-def task_yamls(params: Params, root: str | Path) -> Path:
-    """Write the lm-eval task YAMLs (validation and test of every task) under the work directory."""
-    from ..evaluation.lm_eval_tasks import write_task_yamls
-
-    out = work_dir(root) / "lm_eval_tasks"
-    write_task_yamls(data_root(root), out, params.llm.tasks, splits=("validation", "test"))
-    return out
-
-
 def suite_config_digests(data: Path, tasks) -> dict[str, str]:
     """{lm-eval task name: sha256 of its configuration}, with the data file named by its content's sha256
     (not its absolute path): equal digests, equal tasks, wherever the repository lies."""
@@ -159,13 +150,6 @@ def lm_eval_setup(params: Params, root: str | Path) -> LmEval:
     return suite_lm_eval(data_root(root), params.llm.tasks, work_dir(root) / "lm_eval_tasks",
                          work_dir(root) / "lm_eval_cache", params.llm.evaluation,
                          LlmSuiteConfig(**params.llm.data).n_validation)
-
-
-def evaluate(params: Params, root: str | Path, model_dir: str | Path, tasks, split: str, *,
-             device: str = "cpu") -> dict[str, float]:
-    """{task: its lm-eval metric (exact_match or acc)} of one model on one split; validation is limited to
-    ``llm.evaluation.max_validation`` documents per task."""
-    return lm_eval_setup(params, root).score(model_dir, tasks, split, device=device)
 
 
 def layer_type(key: str) -> str:
