@@ -199,15 +199,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM as an exception, so that writers remove their staging directories as on Ctrl-C."""
+    """SIGTERM (or SIGINT) as an exception, so that writers remove their staging directories as on Ctrl-C."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
 
 
+_received: list[int] = []  # signals received during this main(): a library may turn the exception into another
+
+
 def _raise_interrupted(signum, frame):
+    _received.append(signum)
     raise Interrupted(signum)
+
+
+def _signal_of(err: BaseException) -> int | None:
+    """The signal that ended the command: the exception's own, or one received while it ran (safetensors turns
+    an exception raised inside get_tensor into a ValueError), or SIGINT for a plain KeyboardInterrupt."""
+    if getattr(err, "signum", None) is not None:
+        return err.signum
+    if _received:
+        return _received[0]
+    return signal.SIGINT if isinstance(err, KeyboardInterrupt) else None
 
 
 def _os_error(err: OSError) -> str:
@@ -219,22 +233,28 @@ def _os_error(err: OSError) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main_thread else None
+    _received.clear()
+    # SIGINT only where Python's own handler is installed (a background job may run with SIGINT ignored)
+    handled = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                                  else [])
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in handled} if in_main_thread else {}
     try:
         return args.func(args)
-    except MergecalError as err:
-        print(f"mergecal: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"mergecal: error: {_os_error(err)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as err:
-        signum = getattr(err, "signum", signal.SIGINT)
-        print(f"mergecal: error: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + signum
+    except BaseException as err:
+        signum = _signal_of(err)
+        if signum is not None:
+            print(f"mergecal: error: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+            return 128 + signum
+        if isinstance(err, MergecalError):
+            print(f"mergecal: error: {err}", file=sys.stderr)
+            return 2
+        if isinstance(err, OSError):
+            print(f"mergecal: error: {_os_error(err)}", file=sys.stderr)
+            return 2
+        raise
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

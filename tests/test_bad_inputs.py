@@ -289,7 +289,7 @@ def test_a_signal_removes_staging_and_is_one_line(inputs_dir, tmp_path, sig):
     proc = start_slow_merge(merge_args(inputs_dir, out), tmp_path)
     proc.send_signal(sig)
     err = proc.stderr.read().strip()
-    assert proc.wait(60) == 128 + sig
+    assert proc.wait(60) == 128 + sig, err
     assert err == f"mergecal: error: interrupted by {sig.name}"
     assert not out.exists() and leftovers(tmp_path) == []
 
