@@ -3,8 +3,11 @@
 Each task's YAML reads a split's JSON lines by absolute path (lm-eval resolves relative ``data_files`` against
 the working directory, not the YAML) with exactly one ``dataset_kwargs`` key. ``generate_until`` tasks are
 scored by ``exact_match`` after stripping whitespace from the greedy answer; ``multiple_choice`` tasks by
-``acc`` (log-likelihood of each choice after the prompt). Only ``lm_eval.simple_evaluate`` is used (its
-internals change between releases), with ``bootstrap_iters=0`` and a task manager that sees only these YAMLs.
+``acc`` (log-likelihood of each choice after the prompt). Scoring goes through lm-eval's documented Python API
+for a model object built by the caller (``HFLM``, ``CachingLM``, ``TaskManager.load``, ``evaluator.evaluate``),
+with ``bootstrap_iters=0`` and a task manager that sees only these YAMLs. ``simple_evaluate`` does the same and
+then, unconditionally, attaches an environment report (torch's ``collect_env`` runs pip and ten other
+subprocesses): about half of each call on the tiny LLM, for nothing the benchmark reads.
 
 Response caches: lm-eval keys cached answers by request, not by model, so merged models written to the same
 path would share stale answers. ``evaluate_lm`` therefore names each model's cache file by a sha256 of its
@@ -29,6 +32,7 @@ offline.apply(offline.HUB_OFFLINE)  # before transformers is imported
 
 
 MAX_GEN_TOKS = 8  # answers are a few tokens; generation also stops at a newline or EOS
+FEWSHOT_SEED = 1234  # simple_evaluate's default fewshot_random_seed (the suite's tasks are zero-shot)
 
 
 def task_name(task: str, split: str = "test") -> str:
@@ -97,7 +101,9 @@ def evaluate_lm(model_dir: str | os.PathLike, tasks: Sequence[str], task_dir: st
 
     ``cache_path``: a directory for response caches; the model's cache file in it is named by the sha256 of
     its config and weights, so every distinct model gets its own. ``device="auto"``: CUDA when present."""
-    import lm_eval
+    from lm_eval.api.model import CachingLM
+    from lm_eval.evaluator import evaluate
+    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     weight_format(model_dir)  # a one-line CheckpointError for a missing or weightless directory
@@ -111,10 +117,16 @@ def evaluate_lm(model_dir: str | os.PathLike, tasks: Sequence[str], task_dir: st
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise UnknownNameError(f"{task_dir}: no lm-eval task named {', '.join(unknown)} (write_task_yamls first)")
-    results = lm_eval.simple_evaluate(
-        model="hf", model_args={"pretrained": str(Path(model_dir).resolve()), "dtype": dtype},
-        tasks=list(tasks), task_manager=manager, device=resolve_device(device), batch_size=batch_size,
-        use_cache=use_cache, limit=limit, bootstrap_iters=0, log_samples=False)
+    lm = HFLM(pretrained=str(Path(model_dir).resolve()), dtype=dtype, device=resolve_device(device),
+              batch_size=batch_size)
+    if use_cache is not None:
+        lm = CachingLM(lm, f"{use_cache}_rank0.db")  # the file name simple_evaluate gives a single process
+    loaded = manager.load(list(tasks))
+    for task_obj in loaded["tasks"].values():  # what simple_evaluate does for tasks with no few-shot setting
+        if task_obj.get_config("num_fewshot") is None:
+            task_obj.set_config(key="num_fewshot", value=0)
+        task_obj.set_fewshot_seed(seed=FEWSHOT_SEED)
+    results = evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=False)
     out = {}
     for task in tasks:
         out[task] = _metrics(results["results"][task])

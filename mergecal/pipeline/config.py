@@ -191,7 +191,7 @@ class TextTrack(Strict):
 
 class LlmEvaluation(Strict):
     """lm-eval settings of the LLM track: documents per task on validation (choosing the scaling; all of them
-    when larger than the split) and the batch size of ``simple_evaluate``."""
+    when larger than the split) and the batch size of each lm-eval scoring call."""
 
     max_validation: Count = 150
     batch_size: Count = 32
