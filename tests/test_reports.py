@@ -151,6 +151,7 @@ def test_runs_and_invocations(store):
     assert list(table["invocation_id"]) == ["inv-1", "inv-2"]
     assert list(table["code_version"]) == ["sha0", "sha1"]
     assert list(table["n_cells"]) == [9, 9] and list(table["n_failed"]) == [0, 1]  # skipped is no failure
+    assert list(table["n_skipped"]) == [1, 1]
     assert pick_invocation(runs) == "inv-2"
     assert pick_invocation(runs, "inv-1") == "inv-1"
     with pytest.raises(MergecalError, match="invocation 'nope'"):
@@ -166,7 +167,8 @@ def test_runs_and_invocations(store):
 def test_leaderboard_markdown(report):
     out, written = report
     md = (out / "leaderboard.md").read_text()
-    assert "9 cells, 1 not ok" in md and "Results `" in md  # a skipped chain is not a failure
+    # a skipped chain is neither a computed cell nor a failure
+    assert "8 cells computed, 1 not ok; skipped chains (not supported on their track): 1." in md and "Results `" in md
     assert "inv-2" not in md and "sha1" not in md and "2026" not in md  # nothing of the run: see the history
     assert "| recipe | cars | dtd | avg | norm. avg |" in md
     # references first, then each base merge followed by its calibrated variants
@@ -190,8 +192,8 @@ def test_leaderboard_json(report):
     out, written = report
     data = json.loads((out / "leaderboard.json").read_text())
     rows = data["leaderboard"]["mergecal-vit-tiny"]["vision2"]["standard"]
-    assert data["results"]["n_cells"] == 9 and data["results"]["n_failed"] == 1 and set(data) == {"results",
-                                                                                                 "leaderboard"}
+    assert data["results"]["n_computed"] == 8 and data["results"]["n_failed"] == 1
+    assert data["results"]["n_skipped"] == 1 and set(data) == {"results", "leaderboard"}
     assert rows["task_arithmetic>svc"]["values"]["acc.cars"] == pytest.approx(0.712)
     assert rows["task_arithmetic>svc"]["delta_points"]["acc.cars"] == pytest.approx(3.4)
     assert rows["zeroshot"]["role"] == "reference" and "cached" not in rows["zeroshot"]

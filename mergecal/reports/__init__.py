@@ -57,12 +57,14 @@ def _meta(runs, invocation: str, cells) -> dict:
     of the library's code) and the counts; the invocation's id, date and git version stay in the history."""
     row = invocations(runs).set_index("invocation_id").loc[invocation]
     digest = hashlib.sha256("\n".join(sorted(map(str, cells["cell_id"]))).encode()).hexdigest()[:12]
-    return {"results": digest, "n_cells": int(row["n_cells"]), "n_failed": int(row["n_failed"])}
+    return {"results": digest, "n_computed": int(row["n_cells"] - row["n_skipped"]), "n_failed": int(row["n_failed"]),
+            "n_skipped": int(row["n_skipped"])}
 
 
 def _meta_line(meta: dict) -> str:
     return (f"Results `{meta['results']}` (a digest of the cell ids, which hash every input and the code): "
-            f"{meta['n_cells']} cells, {meta['n_failed']} not ok. Invocations, dates and reruns: history.md / "
+            f"{meta['n_computed']} cells computed, {meta['n_failed']} not ok; skipped chains (not supported on their "
+            f"track): {meta['n_skipped']}. Invocations, dates and reruns: history.md / "
             "history.html beside this file.")
 
 

@@ -98,7 +98,8 @@ def _reused_cells(tracking_uri: str, rows: list[dict[str, Any]]) -> list[dict[st
 
 
 def invocations(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per invocation in time order: id, start_time (ms), code_version, n_cells, n_failed.
+    """One row per invocation in time order: id, start_time (ms), code_version, n_cells, n_failed, n_skipped
+(n_cells counts the skipped chains' runs too: chains a track cannot run, logged with their reason).
 
     The time of an invocation is its parent run's start; cells logged without a parent fall back to
     their earliest cell.
@@ -113,8 +114,10 @@ def invocations(runs: pd.DataFrame) -> pd.DataFrame:
         start = int(parent["start_time"].iloc[0]) if len(parent) else int(mine["start_time"].min())
         code = parent["code_version"].iloc[0] if len(parent) else ""
         rows.append({"invocation_id": inv, "start_time": start, "code_version": code,
-                     "n_cells": len(mine), "n_failed": int((~mine["status"].isin(["ok", "skipped"])).sum())})
-    frame = pd.DataFrame(rows, columns=["invocation_id", "start_time", "code_version", "n_cells", "n_failed"])
+                     "n_cells": len(mine), "n_failed": int((~mine["status"].isin(["ok", "skipped"])).sum()),
+                     "n_skipped": int((mine["status"] == "skipped").sum())})
+    frame = pd.DataFrame(rows, columns=["invocation_id", "start_time", "code_version", "n_cells", "n_failed",
+                                        "n_skipped"])
     return frame.sort_values(["start_time", "invocation_id"], kind="stable").reset_index(drop=True)
 
 
