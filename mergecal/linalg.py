@@ -45,34 +45,71 @@ def is_matrix(shape: tuple[int, ...] | torch.Size) -> bool:
 # Float64 Gram entries carry an absolute error ~1e-16 sigma_1^2, so a kept singular vector is exact to
 # ~1e-16 (sigma_1 / sigma_i)^2 / relative gap -- below float32 SVD's own ~6e-8 sigma_1 / gap for any
 # sigma_1 / sigma_i < 1e4; float64 SVD (``solver="svd", float64=True``) remains the most accurate option.
+#
+# Two backends run the same route (``backend=``):
+#   "numpy": CPU tensors only; Gram products through numpy (BLAS syrk), eigenpairs from scipy's LAPACK drivers
+#            (dsyevr for a top-k range, dsyevd for all). The default on the CPU, bit for bit the earlier results.
+#   "torch": torch only (matmul, torch.linalg.eigh -- every eigenpair, then the top k --, torch.linalg.qr), and
+#            batched over leading dimensions, so the K task matrices of one key go through one batched eigh and
+#            one batched QR. It runs where the tensors live; the default off the CPU (CUDA), selectable on the
+#            CPU, where the tests compare it with the numpy route. Still float64: the squared condition number
+#            of a Gram matrix is what float64 absorbs (float32 Gram entries would carry ~6e-8 sigma_1^2, i.e.
+#            ~6e-8 (sigma_1 / sigma_i)^2 on a kept direction); data-centre GPUs (H100/H200) run float64 at
+#            half their float32 rate, consumer GPUs at 1/32-1/64.
+#   "auto":  "torch" for tensors off the CPU (``on_accelerator``), else "numpy".
 # --------------------------------------------------------------------------------------------------
-def _gram_eigh(a64: torch.Tensor, transpose: bool, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+BACKENDS = ("auto", "numpy", "torch")
+
+
+def on_accelerator(tensor: torch.Tensor) -> bool:
+    """The device predicate of ``backend="auto"``: True for a tensor off the CPU (CUDA)."""
+    return tensor.device.type != "cpu"
+
+
+def torch_route(backend: str, tensor: torch.Tensor) -> bool:
+    """Whether ``backend`` (auto | numpy | torch) runs the torch-only route for ``tensor``."""
+    if backend == "auto":
+        return on_accelerator(tensor)
+    if backend == "torch":
+        return True
+    if backend == "numpy":
+        if on_accelerator(tensor):
+            raise ValueError(f"backend='numpy' computes on the CPU; got a tensor on {tensor.device} "
+                             "(use backend='torch' or 'auto')")
+        return False
+    raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+
+
+def _gram_eigh(a64: torch.Tensor, transpose: bool, k: int | None = None, *,
+               use_torch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenvalues (descending, clamped at 0) and eigenvectors of a^T a (or a a^T if ``transpose``); only
     the top ``k`` if given. LAPACK drivers chosen by measurement (768 x 768, one thread): a top-k index range
     by dsyevr (MRRR: only k eigenvectors computed and back-transformed, ~0.09 s at k = 96 against ~0.15 s for
     torch's full eigh); the full decomposition by dsyevd (divide and conquer, ~0.09-0.10 s; dsyevr takes
-    ~0.45 s on the large eigenvalue clusters of a concatenated basis's Gram matrix)."""
-    return _eigh_desc(gram_matrix(a64, transpose), k)
+    ~0.45 s on the large eigenvalue clusters of a concatenated basis's Gram matrix). ``use_torch``: the torch
+    route (batched over leading dimensions)."""
+    return _eigh_desc(gram_matrix(a64, transpose, use_torch=use_torch), k, use_torch=use_torch)
 
 
-def gram_matrix(a64: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+def gram_matrix(a64: torch.Tensor, transpose: bool = False, *, use_torch: bool = False) -> torch.Tensor:
     """a^T a (or a a^T) of a float64 CPU tensor through numpy, which recognises the product of a matrix with
     its own transpose and calls BLAS syrk (half the flops of a general product; ~2x faster than torch's
-    matmul here, measured). Off the CPU, torch's matmul."""
-    if a64.device.type != "cpu":
-        return a64 @ a64.T if transpose else a64.T @ a64
+    matmul here, measured). With ``use_torch`` or off the CPU, torch's (batched) matmul."""
+    if use_torch or on_accelerator(a64):
+        return a64 @ a64.mT if transpose else a64.mT @ a64
     a = a64.numpy()
     return torch.from_numpy(a @ a.T if transpose else a.T @ a)
 
 
-def _eigh_desc(gram: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _eigh_desc(gram: torch.Tensor, k: int | None = None, *,
+               use_torch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     import scipy.linalg
 
-    n = gram.shape[0]
-    if gram.device.type != "cpu":  # e.g. CUDA: torch's eigh (all eigenpairs)
+    n = gram.shape[-1]
+    if use_torch or on_accelerator(gram):  # torch's (batched) eigh: every eigenpair, then the top k
         evals, evecs = torch.linalg.eigh(gram)
         keep = n if k is None else min(k, n)
-        return evals.flip(0)[:keep].clamp_min(0.0), evecs.flip(1)[:, :keep]
+        return evals.flip(-1)[..., :keep].clamp_min(0.0), evecs.flip(-1)[..., :keep]
     subset = None if k is None or k >= n else [n - k, n - 1]
     evals, evecs = scipy.linalg.eigh(gram.numpy(), driver="evd" if subset is None else "evr",
                                      subset_by_index=subset, check_finite=False, overwrite_a=True)
@@ -80,28 +117,39 @@ def _eigh_desc(gram: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, 
 
 
 def _orthonormal_columns(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q with orthonormal columns, signed so that Q[:, i] . b[:, i] >= 0, and |diag(R)|, from b = QR."""
+    """Q with orthonormal columns, signed so that Q[:, i] . b[:, i] >= 0, and |diag(R)|, from b = QR (batched
+    over leading dimensions)."""
     q, r = torch.linalg.qr(b)
-    d = r.diagonal()
+    d = r.diagonal(dim1=-2, dim2=-1)
     sign = torch.where(d < 0, -1.0, 1.0).to(b.dtype)
-    return q * sign, d.abs()
+    return q * sign.unsqueeze(-2), d.abs()
 
 
-def top_svd(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _matrix_route(backend: str, a: torch.Tensor) -> bool:
+    """``torch_route`` for a matrix, or a batch of them [..., m, n], which only the torch route takes."""
+    use_torch = torch_route(backend, a)
+    if a.dim() != 2 and not use_torch:
+        raise ValueError(f"a batch of matrices (shape {tuple(a.shape)}) needs backend='torch'")
+    return use_torch
+
+
+def top_svd(matrix: torch.Tensor, k: int, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top-k singular triplets (U [m, k], S [k], Vh [k, n]) in float64 via the smaller Gram matrix
-    (see the note above); exact up to round-off, same as ``svd(...)[:k]`` where the spectrum has a gap at k."""
+    (see the note above); exact up to round-off, same as ``svd(...)[:k]`` where the spectrum has a gap at k.
+    With the torch route, ``matrix`` may be a batch [B, m, n] (U [B, m, k], S [B, k], Vh [B, k, n])."""
     a = matrix.to(torch.float64)
-    m, n = a.shape
+    use_torch = _matrix_route(backend, a)
+    m, n = a.shape[-2:]
     wide = m < n
-    _, w = _gram_eigh(a, transpose=wide, k=k)
+    _, w = _gram_eigh(a, transpose=wide, k=k, use_torch=use_torch)
     if wide:  # w = U_k; V_k from a^T U_k = V_k S_k
-        v, s = _orthonormal_columns(a.T @ w)
-        return w, s, v.T
+        v, s = _orthonormal_columns(a.mT @ w)
+        return w, s, v.mT
     u, s = _orthonormal_columns(a @ w)  # w = V_k; a V_k = U_k S_k
-    return u, s, w.T
+    return u, s, w.mT
 
 
-def svd_gram(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def svd_gram(matrix: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full thin SVD (U [m, r], S [r], Vh [r, n]) in float64 via the smaller Gram matrix, for SVC's merged update.
 
     V (or U if wide) = the Gram's eigenvectors; the other side = A V scaled to unit columns, S = those column
@@ -111,11 +159,12 @@ def svd_gram(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     Householder QR of A V, which completes null-space columns with orthonormal vectors as LAPACK's SVD does
     (arbitrarily in both). The singular values come in descending order of the Gram's eigenvalues."""
     a = matrix.to(torch.float64)
+    use_torch = _matrix_route(backend, a)
     m, n = a.shape
     if m < n:
-        u, s, vh = svd_gram(a.T)
+        u, s, vh = svd_gram(a.T, backend=backend)
         return vh.T, s, u.T
-    evals, w = _gram_eigh(a, transpose=False)
+    evals, w = _gram_eigh(a, transpose=False, use_torch=use_torch)
     b = a @ w
     if float(evals[0]) > 0 and float(evals[-1]) >= 1e-12 * float(evals[0]):
         s = b.norm(dim=0)
@@ -124,16 +173,17 @@ def svd_gram(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return u, s, w.T
 
 
-def _syrk(c: torch.Tensor) -> torch.Tensor:
-    """c c^T through numpy's syrk on the CPU (half a general product's flops), torch's matmul elsewhere."""
-    if c.device.type != "cpu":
+def _syrk(c: torch.Tensor, use_torch: bool = False) -> torch.Tensor:
+    """c c^T through numpy's syrk on the CPU (half a general product's flops), torch's matmul with ``use_torch``
+    or off the CPU."""
+    if use_torch or on_accelerator(c):
         return c @ c.T
     x = c.numpy()
     return torch.from_numpy(x @ x.T)
 
 
 def _polar_from_eigh(a: torch.Tensor, evals: torch.Tensor, w: torch.Tensor, well_conditioned: float = 1e-6,
-                     polishable: float = 1e-12) -> torch.Tensor:
+                     polishable: float = 1e-12, use_torch: bool = False) -> torch.Tensor:
     """P Q^T of a tall float64 ``a`` [m, n] from the eigendecomposition (evals descending, w) of a^T a.
 
     * lambda_min >= ``well_conditioned`` lambda_max (sigma_max / sigma_min <= 1e3): P Q^T = a (a^T a)^{-1/2}, the
@@ -149,35 +199,45 @@ def _polar_from_eigh(a: torch.Tensor, evals: torch.Tensor, w: torch.Tensor, well
       (null-space columns completed arbitrarily, as LAPACK's SVD does)."""
     lam_max, lam_min = float(evals[0]), float(evals[-1])
     if lam_max > 0 and lam_min >= polishable * lam_max:
-        x = a @ _syrk(w * evals.rsqrt().sqrt())
+        x = a @ _syrk(w * evals.rsqrt().sqrt(), use_torch)
         if lam_min < well_conditioned * lam_max:
-            x = x @ (1.5 * torch.eye(x.shape[1], dtype=x.dtype, device=x.device) - 0.5 * _syrk(x.T))
+            x = x @ (1.5 * torch.eye(x.shape[1], dtype=x.dtype, device=x.device) - 0.5 * _syrk(x.T, use_torch))
         return x
     u, _ = _orthonormal_columns(a @ w)
     return u @ w.T
 
 
-def polar_gram(matrix: torch.Tensor, *, well_conditioned: float = 1e-6) -> torch.Tensor:
+def polar_gram(matrix: torch.Tensor, *, well_conditioned: float = 1e-6, backend: str = "auto") -> torch.Tensor:
     """Orthogonal polar factor P Q^T of ``matrix`` = P Sigma Q^T, in float64, via the smaller Gram matrix
     (branches by the Gram's condition number: see ``_polar_from_eigh``)."""
     a = matrix.to(torch.float64)
+    use_torch = _matrix_route(backend, a)
     m, n = a.shape
     if m < n:
-        return polar_gram(a.T, well_conditioned=well_conditioned).T
-    evals, w = _gram_eigh(a, transpose=False)
-    return _polar_from_eigh(a, evals, w, well_conditioned)
+        return polar_gram(a.T, well_conditioned=well_conditioned, backend=backend).T
+    evals, w = _gram_eigh(a, transpose=False, use_torch=use_torch)
+    return _polar_from_eigh(a, evals, w, well_conditioned, use_torch=use_torch)
 
 
-def flat_polar_gram(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def flat_polar_gram(matrix: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(P Q^T, mean singular value) of ``matrix`` in float64 via the Gram route, for Iso-C."""
     a = matrix.to(torch.float64)
+    use_torch = _matrix_route(backend, a)
     m, n = a.shape
     if m < n:
-        p, mean = flat_polar_gram(a.T)
+        p, mean = flat_polar_gram(a.T, backend=backend)
         return p.T, mean
-    evals, w = _gram_eigh(a, transpose=False)
+    evals, w = _gram_eigh(a, transpose=False, use_torch=use_torch)
     lam_max, lam_min = float(evals[0]), float(evals[-1])
     if lam_max > 0 and lam_min >= 1e-12 * lam_max:  # full rank: sigma_i = sqrt(lambda_i)
-        return _polar_from_eigh(a, evals, w), evals.sqrt().mean()
+        return _polar_from_eigh(a, evals, w, use_torch=use_torch), evals.sqrt().mean()
     u, s = _orthonormal_columns(a @ w)  # the null space's sigmas from the QR (exactly 0 there, not sqrt(round-off))
     return u @ w.T, s.mean()
+
+
+def stack64(taus: list[torch.Tensor]) -> torch.Tensor:
+    """The K matrices as one float64 batch [K, m, n], converted slice by slice (no float32 stack in between)."""
+    out = torch.empty((len(taus), *taus[0].shape), dtype=torch.float64, device=taus[0].device)
+    for i, tau in enumerate(taus):
+        out[i].copy_(tau)
+    return out

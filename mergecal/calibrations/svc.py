@@ -11,7 +11,8 @@ alpha defaults to 1/K; alpha = 1 (suppression only: gamma <= 1) is the authors' 
 Solvers (step 1): ``"gram"`` (default since 2026-11-25) takes U, sigma, V from the float64 eigendecomposition of
 the merged update's smaller Gram matrix (mergecal.linalg.svd_gram: exact, no randomized step; on ViT-B/32-shaped
 updates ~7e-8 from a float64 SVD where the float32 SVD is 3e-6 to 9e-6 away); ``"svd"`` is the full thin SVD
-(float32, or float64 with ``float64``), as the authors compute it.
+(float32, or float64 with ``float64``), as the authors compute it. On tensors off the CPU (CUDA) the "gram"
+solver runs torch-only, in float64 (mergecal.linalg's backends), and the projections run where the tensors are.
 
 Options: ``targeted_task`` (the paper's preference calibration: gamma_r = 1/max(alpha, s_t^r), and 1
 where s_t^r <= 0); ``space="row"`` (the paper's row-space ablation, a_i^r = dW_i v_r); ``float64``;
@@ -59,12 +60,14 @@ class SvcParams(CalibrationParams):
 
 def svc_coefficients(merged: torch.Tensor, taus: list[torch.Tensor], alpha: float, *, targeted_task: int | None = None,
                      space: str = "column", float64: bool = False,
-                     roundoff_guard: bool = True, solver: str = "gram") -> dict[str, torch.Tensor]:
-    """U, sigma, V^T of the merged update, the projection coefficients s [K, R] and gamma [R]."""
+                     roundoff_guard: bool = True, solver: str = "gram",
+                     backend: str = "auto") -> dict[str, torch.Tensor]:
+    """U, sigma, V^T of the merged update, the projection coefficients s [K, R] and gamma [R]. ``backend``: the
+    "gram" solver's implementation (mergecal.linalg: numpy/scipy on the CPU by default, torch-only off it)."""
     K = len(taus)
     dtype = torch.float64 if float64 else torch.float32
     if solver == "gram":
-        U, S, Vh = (x.float() for x in svd_gram(merged))
+        U, S, Vh = (x.float() for x in svd_gram(merged, backend=backend))
     elif solver == "svd":
         U, S, Vh = svd(merged, float64=float64)
     else:

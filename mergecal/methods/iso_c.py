@@ -10,6 +10,7 @@ sums are full-rank.
 Solvers: ``"gram"`` (default) gets U V^T and the mean singular value from the eigendecomposition of the
 sum's smaller Gram matrix in float64 (mergecal.linalg.flat_polar_gram: exact, no randomized step);
 ``"svd"`` is the original full thin SVD, in float32 or, with ``float64``, float64.
+On tensors off the CPU (CUDA) the "gram" solver runs torch-only, in float64 (mergecal.linalg's backends).
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ class IsoCParams(MergeParams):
     solver: Literal["gram", "svd"] = "gram"
 
 
-def iso_c_matrix(taus: list[torch.Tensor], float64: bool = False, solver: str = "gram") -> torch.Tensor:
+def iso_c_matrix(taus: list[torch.Tensor], float64: bool = False, solver: str = "gram",
+                 backend: str = "auto") -> torch.Tensor:
+    """``backend``: the Gram route's implementation (mergecal.linalg: numpy/scipy on the CPU by default,
+    torch-only off it)."""
     if solver == "gram":
         # summed in float64: the flat spectrum weights the smallest directions like the largest, so float32
         # rounding of the sum would show (~eps32 sigma_1 / sigma_r)
-        polar, mean = flat_polar_gram(sum_of(taus, torch.float64))
+        polar, mean = flat_polar_gram(sum_of(taus, torch.float64), backend=backend)
         return (polar * mean).float()
     if solver != "svd":
         raise ValueError(f"unknown solver {solver!r}")

@@ -16,6 +16,8 @@ Solvers: ``"gram"`` (default) takes the sum's and the residuals' top triplets fr
 eigendecompositions of their smaller Gram matrices and the polar factors from r x r Gram matrices
 (mergecal.linalg: exact, no randomized step); ``"svd"`` is the original route of full thin SVDs, in float32
 or, with ``float64``, float64.
+On tensors off the CPU (CUDA) the "gram" solver runs torch-only, in float64, the K residuals' Gram matrices
+through one batched eigh (mergecal.linalg's backends; ``iso_cts_matrix(..., backend="torch")`` on the CPU).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from ..linalg import (
     gram_matrix,
     polar_factor,
     polar_gram,
+    stack64,
     svd,
     top_svd,
+    torch_route,
 )
 from .base import MatrixMergeMethod, MergeParams, register, sum_of
 
@@ -58,11 +62,13 @@ def iso_cts_ranks(r: int, K: int, common_space_fraction: float) -> tuple[int, in
 
 
 def iso_cts_matrix(taus: list[torch.Tensor], common_space_fraction: float, float64: bool = False,
-                   solver: str = "gram") -> torch.Tensor:
+                   solver: str = "gram", backend: str = "auto") -> torch.Tensor:
+    """``backend``: the Gram route's implementation (mergecal.linalg: numpy/scipy on the CPU by default,
+    torch-only and batched over the K residuals off it)."""
     K = len(taus)
     common_rank, task_rank = iso_cts_ranks(min(taus[0].shape), K, common_space_fraction)
     if solver == "gram":
-        return _iso_cts_gram(taus, common_rank, task_rank)
+        return _iso_cts_gram(taus, common_rank, task_rank, torch_route(backend, taus[0]))
     if solver != "svd":
         raise ValueError(f"unknown solver {solver!r}")
     U, S, Vh = svd(sum_of(taus, torch.float64 if float64 else None), float64=float64)
@@ -80,41 +86,48 @@ def iso_cts_matrix(taus: list[torch.Tensor], common_space_fraction: float, float
     return (U_orth * torch.cat(ss).mean()) @ Vh_orth
 
 
-def _iso_cts_gram(taus: list[torch.Tensor], common_rank: int, task_rank: int) -> torch.Tensor:
+def _iso_cts_gram(taus: list[torch.Tensor], common_rank: int, task_rank: int, use_torch: bool) -> torch.Tensor:
     """The Gram route (mergecal.linalg), in float64. The residuals' Gram matrices are formed without the
     residuals: tall keys (m >= n) as tau^T tau - C^T C with C = U_c^T tau; wide keys (m < n, where the sum's
     m x m Gram gives all m left singular vectors) through the complement N of U_c, R R^T = N (N^T tau)(N^T
-    tau)^T N^T, an (r - k_c)-sized eigenproblem."""
+    tau)^T N^T, an (r - k_c)-sized eigenproblem. ``use_torch``: the torch route, the K residuals as one batch."""
     total = sum_of(taus, torch.float64)
     m, n = total.shape
     wide = m < n
     if wide:
-        _, w = _gram_eigh(total, transpose=True)
+        _, w = _gram_eigh(total, transpose=True, use_torch=use_torch)
         U_c, N = w[:, :common_rank], w[:, common_rank:]
         V_c, S_c = _orthonormal_columns(total.T @ U_c)
         Vh_c = V_c.T
     else:
-        U_c, S_c, Vh_c = top_svd(total, common_rank)
+        U_c, S_c, Vh_c = top_svd(total, common_rank, backend="torch" if use_torch else "numpy")
     del total
     us, ss, vhs = [U_c], [S_c], [Vh_c]
     if task_rank > 0:
-        for tau in taus:
-            tau = tau.to(torch.float64)
+        # batched: tau [K, m, n]; unbatched: one tau [m, n] at a time (the same expressions)
+        for tau in [stack64(taus)] if use_torch else [t.to(torch.float64) for t in taus]:
             if wide:
                 T = N.T @ tau
-                _, z = _eigh_desc(gram_matrix(T, transpose=True), task_rank)
+                _, z = _eigh_desc(gram_matrix(T, transpose=True, use_torch=use_torch), task_rank,
+                                  use_torch=use_torch)
                 U_t = N @ z
-                V_t, S_t = _orthonormal_columns(T.T @ z)
+                V_t, S_t = _orthonormal_columns(T.mT @ z)
             else:
                 C = U_c.T @ tau
-                gram = gram_matrix(tau) - gram_matrix(C)
-                _, V_t = _eigh_desc(gram, task_rank)
+                gram = gram_matrix(tau, use_torch=use_torch) - gram_matrix(C, use_torch=use_torch)
+                _, V_t = _eigh_desc(gram, task_rank, use_torch=use_torch)
                 U_t, S_t = _orthonormal_columns(tau @ V_t - U_c @ (C @ V_t))
-            us.append(U_t)
-            ss.append(S_t)
-            vhs.append(V_t.T)
-    U_orth = polar_gram(torch.cat(us, dim=1))
-    Vh_orth = polar_gram(torch.cat(vhs, dim=0))
+            if use_torch:
+                us += U_t.unbind(0)
+                ss += S_t.unbind(0)
+                vhs += V_t.mT.unbind(0)
+            else:
+                us.append(U_t)
+                ss.append(S_t)
+                vhs.append(V_t.T)
+    backend = "torch" if use_torch else "numpy"
+    U_orth = polar_gram(torch.cat(us, dim=1), backend=backend)
+    Vh_orth = polar_gram(torch.cat(vhs, dim=0), backend=backend)
     return ((U_orth * torch.cat(ss).mean()) @ Vh_orth).float()
 
 

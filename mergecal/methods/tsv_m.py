@@ -14,6 +14,8 @@ Solvers: ``"gram"`` (default) takes each task's top triplets from the eigendecom
 Gram matrix in float64 and the polar factors from r x r Gram matrices (mergecal.linalg: exact, no
 randomized step, ~2-3x faster than full SVDs); ``"svd"`` is the original route (a full thin SVD per task
 and per polar factor), in float32 or, with ``float64``, float64 (the most accurate option).
+On tensors off the CPU (CUDA) the "gram" solver runs torch-only, in float64, with the K tasks' top triplets
+from one batched eigh (mergecal.linalg's backends; ``tsv_merge_matrix(..., backend="torch")`` on the CPU).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from typing import Literal
 
-from ..linalg import polar_factor, polar_gram, svd, top_svd
+from ..linalg import polar_factor, polar_gram, stack64, svd, top_svd, torch_route
 from .base import MatrixMergeMethod, MergeParams, register
 
 
@@ -34,12 +36,19 @@ class TsvMParams(MergeParams):
 
 
 def tsv_merge_matrix(taus: list[torch.Tensor], float64: bool = False,
-                     solver: str = "gram") -> torch.Tensor | None:
-    """TSV-M of K task matrices; None when floor(r/K) = 0."""
+                     solver: str = "gram", backend: str = "auto") -> torch.Tensor | None:
+    """TSV-M of K task matrices; None when floor(r/K) = 0. ``backend`` picks the Gram route's implementation
+    (mergecal.linalg: numpy/scipy on the CPU by default, torch-only and batched off it)."""
     K = len(taus)
     rank = min(taus[0].shape) // K
     if rank == 0:
         return None
+    if solver == "gram" and torch_route(backend, taus[0]):
+        u, s, vh = top_svd(stack64(taus), rank, backend="torch")  # one batched eigh over the K tasks
+        m, n = taus[0].shape
+        U_orth = polar_gram(u.transpose(0, 1).reshape(m, K * rank), backend="torch")  # [U_1 ... U_K]
+        Vh_orth = polar_gram(vh.reshape(K * rank, n), backend="torch")
+        return ((U_orth * s.reshape(-1)) @ Vh_orth).float()
     if solver == "gram":
         triplets = [top_svd(tau, rank) for tau in taus]
         U_orth = polar_gram(torch.cat([u for u, _, _ in triplets], dim=1))
