@@ -146,3 +146,7 @@ def test_benchmark_quick_prints_a_row_per_method(tmp_path):
     assert all(r["seconds"] > 0 for r in data["rows"])
     assert all(r["merged_norm"] > 0 for r in data["rows"] if "merged_norm" in r)
     assert "task_arithmetic" in result.stdout
+    gram_rows = [r for r in data["rows"] if r["label"].endswith("(gram vs svd)")]
+    assert len(gram_rows) == 4 and all(r["torch_seconds"] > 0 and r["torch_max_rel_diff"] < 1e-6 for r in gram_rows)
+    if not torch.cuda.is_available():
+        assert "cuda route skipped: torch.cuda.is_available() is False" in result.stdout

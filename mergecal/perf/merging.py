@@ -237,61 +237,111 @@ def measure_gflops() -> dict[str, float]:
     return gflops
 
 
-def run_solver_comparison(task_vectors: list[dict], methods: list[str] = SOLVER_METHODS) -> list[dict]:
-    """Per SVD method, the default ``solver="gram"`` against the previous exact route ``solver="svd"`` on the
-    same 2-D keys, alternated key by key in one process (the order flips every key), so machine load hits
-    both alike. Reports summed seconds, the ratio, the median of per-key ratios and the largest per-key
-    relative difference ||gram - svd||_F / ||svd||_F (mostly the float32 SVD route's own error: on these
-task vectors it sits 1e-5 to 1e-3 from a float64 SVD where the Gram route sits ~5e-7; see
-tests/test_gram_solver.py for the comparison with the float64 reference)."""
+def svc_after_ta(taus: list[torch.Tensor], solver: str = "gram", backend: str = "auto") -> torch.Tensor:
+    """SVC at its defaults (alpha = 1/K) after task arithmetic with lambda = 1 (the merged update is the sum): what
+    ``Svc.calibrate`` computes on a 2-D key, with the Gram route's backend selectable."""
+    from ..calibrations.svc import svc_coefficients
+    from ..methods.base import sum_of
+
+    c = svc_coefficients(sum_of(taus), taus, 1.0 / len(taus), solver=solver, backend=backend)
+    return (c["U"] * (c["gamma"] * c["sigma"])) @ c["Vh"]
+
+
+#: the routes of one SVD method compared key by key: (solver, backend); "cuda" only where a GPU is present
+ROUTES = {"svd": ("svd", "auto"), "gram": ("gram", "numpy"), "torch": ("gram", "torch"), "cuda": ("gram", "auto")}
+
+
+def _timed(fn, taus: list[torch.Tensor], solver: str, backend: str, sync: bool) -> tuple[torch.Tensor | None, float]:
+    start = time.perf_counter()
+    out = fn(taus, solver=solver, backend=backend)
+    if sync:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def run_solver_comparison(task_vectors: list[dict], methods: list[str] = SOLVER_METHODS,
+                          cuda: bool | None = None) -> list[dict]:
+    """Per SVD method, the default ``solver="gram"`` (numpy/scipy backend on the CPU) against the previous exact
+    route ``solver="svd"`` and against the Gram route's torch-only backend (``backend="torch"``, what runs on a
+    GPU) on the CPU, on the same 2-D keys, the order rotating every key in one process, so machine load hits all
+    alike. Where ``torch.cuda.is_available()`` (or ``cuda=True``), the Gram route also runs on the GPU (the key's
+    task matrices copied there first, outside the timing; one untimed warm-up call per method; synchronised).
+    Reports summed seconds, the ratios, the median of per-key ratios and the largest per-key relative difference
+    ||x - ref||_F / ||ref||_F: gram against svd (mostly the float32 SVD route's own error: on these task vectors it
+    sits 1e-5 to 1e-3 from a float64 SVD where the Gram route sits ~5e-7; see tests/test_gram_solver.py), torch
+    and cuda against gram (the same float64 algorithm: float32 output rounding)."""
     import statistics
 
     from ..methods.iso_c import iso_c_matrix
     from ..methods.iso_cts import iso_cts_matrix
     from ..methods.tsv_m import tsv_merge_matrix
 
-    from ..calibrations.svc import Svc
-    from ..methods.base import sum_of
-
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        print("  cuda route skipped: torch.cuda.is_available() is False", flush=True)
     fns = {"tsv_m": tsv_merge_matrix, "iso_c": iso_c_matrix,
-           "iso_cts": lambda taus, **kw: iso_cts_matrix(taus, 0.8, **kw),
-           # SVC at its defaults after task arithmetic with lambda = 1 (the merged update is the sum)
-           "svc": lambda taus, solver: Svc(solver=solver).calibrate("w", sum_of(taus), taus)[0]}
+           "iso_cts": lambda taus, **kw: iso_cts_matrix(taus, 0.8, **kw), "svc": svc_after_ta}
+    routes = [r for r in ROUTES if r != "cuda" or cuda]
     keys = [k for k, v in task_vectors[0].items() if v.dim() == 2]
     rows = []
     for name in methods:
-        seconds = {"svd": 0.0, "gram": 0.0}
-        ratios, diffs = [], []
+        seconds = dict.fromkeys(routes, 0.0)
+        ratios = {r: [] for r in routes if r != "gram"}
+        diffs = {r: [] for r in routes if r != "gram"}
+        if cuda and keys:  # cuSOLVER / cuBLAS initialisation stays out of the timings
+            fns[name]([tv[keys[0]].cuda() for tv in task_vectors], solver="gram")
         for i, key in enumerate(keys):
             taus = [tv[key] for tv in task_vectors]
+            on_gpu = [t.cuda() for t in taus] if cuda else None
             out, times = {}, {}
-            for solver in (("svd", "gram") if i % 2 == 0 else ("gram", "svd")):
-                start = time.perf_counter()
-                out[solver] = fns[name](taus, solver=solver)
-                times[solver] = time.perf_counter() - start
-                seconds[solver] += times[solver]
+            for route in routes[i % len(routes):] + routes[:i % len(routes)]:
+                solver, backend = ROUTES[route]
+                out[route], times[route] = _timed(fns[name], on_gpu if route == "cuda" else taus, solver, backend,
+                                                  sync=route == "cuda")
+                seconds[route] += times[route]
             if out["svd"] is None:
                 continue
-            ratios.append(times["svd"] / times["gram"])
-            diffs.append((float((out["gram"].double() - out["svd"].double()).norm() / out["svd"].double().norm()), key))
+            for route in ratios:
+                ratios[route].append(times[route] / times["gram"])  # svd: the gram route's speed-up
+                x, ref = (out["gram"], out["svd"]) if route == "svd" else (out[route].cpu(), out["gram"])
+                diffs[route].append((float((x.double() - ref.double()).norm() / ref.double().norm()), key))
         row = {"label": name, "svd_seconds": seconds["svd"], "gram_seconds": seconds["gram"],
-               "speedup": seconds["svd"] / seconds["gram"], "median_key_speedup": statistics.median(ratios),
-               "max_rel_diff": max(diffs)[0], "max_rel_diff_key": max(diffs)[1], "keys": len(ratios)}
+               "speedup": seconds["svd"] / seconds["gram"],
+               "median_key_speedup": statistics.median(ratios["svd"]),
+               "max_rel_diff": max(diffs["svd"])[0], "max_rel_diff_key": max(diffs["svd"])[1],
+               "keys": len(ratios["svd"])}
+        for route in [r for r in ("torch", "cuda") if r in routes]:
+            row.update({f"{route}_seconds": seconds[route], f"{route}_over_gram": seconds[route] / seconds["gram"],
+                        f"{route}_median_key_over_gram": statistics.median(ratios[route]),
+                        f"{route}_max_rel_diff": max(diffs[route])[0]})
         rows.append(row)
+        extra = "".join(f"  {route} {row[route + '_seconds']:8.2f} s (x{row[route + '_over_gram']:.2f} of gram, "
+                        f"max rel diff {row[route + '_max_rel_diff']:.1e})" for route in ("torch", "cuda")
+                        if route in routes)
         print(f"  {name:8s} svd {row['svd_seconds']:8.2f} s  gram {row['gram_seconds']:8.2f} s  "
               f"x{row['speedup']:.2f} (median per key x{row['median_key_speedup']:.2f})  "
-              f"max rel diff {row['max_rel_diff']:.1e} ({row['max_rel_diff_key']})", flush=True)
+              f"max rel diff {row['max_rel_diff']:.1e} ({row['max_rel_diff_key']}){extra}", flush=True)
     return rows
 
 
 def format_solver_table(rows: list[dict], setting: str, gflops: dict) -> str:
-    lines = [f"SVD methods, exact Gram route (default) against the full-SVD route (solver='svd'), alternated key "
-             f"by key: {setting}; matmul {gflops['float32']:.0f} GFLOP/s float32, {gflops['float64']:.0f} GFLOP/s "
-             "float64 (1024^3)", "",
-             "| method | svd route (s) | gram route (s) | speed-up | median per-key speed-up | max rel. difference |",
-             "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['label']} | {r['svd_seconds']:.2f} | {r['gram_seconds']:.2f} | {r['speedup']:.2f} | "
-              f"{r['median_key_speedup']:.2f} | {r['max_rel_diff']:.1e} |" for r in rows]
+    cuda = any("cuda_seconds" in r for r in rows)
+    lines = [f"SVD methods, exact Gram route (default; numpy/scipy on the CPU) against the full-SVD route "
+             f"(solver='svd') and the Gram route's torch-only backend (backend='torch', what a GPU runs) on the CPU"
+             f"{' and on CUDA' if cuda else ''}, rotated key by key: {setting}; matmul {gflops['float32']:.0f} "
+             f"GFLOP/s float32, {gflops['float64']:.0f} GFLOP/s float64 (1024^3)", "",
+             "| method | svd route (s) | gram route (s) | speed-up | median per-key speed-up | max rel. difference "
+             "| torch backend (s) | torch / gram time | torch vs gram max rel. diff." + (
+                 " | cuda (s) | cuda / gram time | cuda vs gram max rel. diff. |" if cuda else " |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if cuda else "")]
+    for r in rows:
+        line = (f"| {r['label']} | {r['svd_seconds']:.2f} | {r['gram_seconds']:.2f} | {r['speedup']:.2f} | "
+                f"{r['median_key_speedup']:.2f} | {r['max_rel_diff']:.1e} | {r['torch_seconds']:.2f} | "
+                f"{r['torch_over_gram']:.2f} | {r['torch_max_rel_diff']:.1e} |")
+        if cuda:
+            line += f" {r['cuda_seconds']:.3f} | {r['cuda_over_gram']:.3f} | {r['cuda_max_rel_diff']:.1e} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
