@@ -206,10 +206,14 @@ def accelerator(monkeypatch):
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_auto_dispatch_runs_the_torch_route_off_the_cpu(method, accelerator):
+def test_auto_dispatch_runs_the_torch_route_off_the_cpu(method, accelerator, monkeypatch):
     mats = torch_list(tasks("full_rank", (30, 20), 3, seed=5))
     fn = METHODS[method]
+    eigh, batches = torch.linalg.eigh, []
+    monkeypatch.setattr(torch.linalg, "eigh", lambda g: batches.append(g.dim()) or eigh(g))
     out = fn(mats)  # backend="auto", as the merge methods call it
+    # TSV-M's K task matrices and Iso-CTS's K residuals go through one batched eigh
+    assert (3 in batches) == (method in ("tsv_m", "iso_cts"))
     assert torch.equal(out, fn(mats, backend="torch"))
     with pytest.raises(ValueError, match="backend='numpy' computes on the CPU"):
         fn(mats, backend="numpy")
