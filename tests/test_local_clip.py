@@ -180,6 +180,21 @@ def test_every_layout_reads_as_the_same_open_clip_image_encoder(lab):
     arch = local_clip.register_hf_arch(root / "ckpt/hf/pretrained")
     model = local_clip.build_model(arch, hf)  # every key of the HF CLIP maps onto open_clip's architecture
     assert set(model.state_dict()) == set(hf.keys())
+    # and the architecture read from config.json computes what the HF model computes, image and text
+    from transformers import CLIPModel
+
+    from mergecal.backbones.open_clip_vit import get_tokenizer
+
+    reference = CLIPModel.from_pretrained(str(root / "ckpt/hf/pretrained"), local_files_only=True).eval()
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    text = get_tokenizer(arch)(["a photo of a 3.", "a blurry photo of the number 7."])
+    with torch.no_grad():
+        hf_image = reference.get_image_features(pixel_values=images)
+        hf_text = reference.get_text_features(input_ids=text)
+        torch.testing.assert_close(model.encode_image(images), getattr(hf_image, "pooler_output", hf_image),
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model.encode_text(text), getattr(hf_text, "pooler_output", hf_text),
+                                   rtol=1e-4, atol=1e-5)
     view = local_clip.finetuned_visual(hf, root / "ckpt/hf/MNIST")
     assert view.keys() == local_clip.visual_keys(hf)
 
@@ -236,6 +251,7 @@ def _stages(root: Path, params_name: str):
     return local_llm.all_references(params, root)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what_changed(lab, prefect_server,
                                                                                          monkeypatch):
@@ -314,6 +330,7 @@ def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what
     assert "task_arithmetic>wsc" in board and "not run on local CLIP tracks yet" in board
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_bad_inputs_fail_their_tracks_cells_with_one_line_and_other_tracks_go_on(lab, prefect_server):
     from flows.benchmark import run_benchmark
