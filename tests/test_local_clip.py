@@ -3,6 +3,8 @@ the Prefect flow end to end on a micro open_clip ViT and a micro Hugging Face CL
 layouts) with three fine-tuned checkpoints each and three small datasets (ImageFolder and HF parquet), written to
 disk; nothing is downloaded."""
 
+import contextlib
+import io
 import json
 import shutil
 import sqlite3
@@ -16,7 +18,7 @@ from PIL import Image
 
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline import local_clip, local_llm
+from mergecal.pipeline import local_clip
 from mergecal.pipeline.config import load_params, parse_params
 
 ARCH = "mergecal-vit-micro"
@@ -244,11 +246,14 @@ def _write_params(root: Path, tracks: list[dict], name: str,
     return name
 
 
-def _stages(root: Path, params_name: str):
-    """The stages `local_inputs` and `local_tracks`, in process."""
+def _stages(root: Path, params_name: str) -> dict:
+    """The DVC stages `local_inputs` and `local_tracks` (their scripts, in process); the references written."""
+    from stages import local_inputs, local_tracks
+
+    for stage in (local_inputs, local_tracks):
+        assert stage.run(stage.stage, ["--root", str(root), "--params", params_name]) == 0
     params = load_params(root / params_name)
-    local_llm.record_inputs(params, root)
-    return local_llm.all_references(params, root)
+    return {t.name: json.loads(local_clip.references_path(t, root).read_text()) for t in params.local_clip}
 
 
 @pytest.mark.slow
@@ -260,9 +265,12 @@ def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what
 
     root, marker = lab
     name = _write_params(root, [_oc_track(), _hf_track()], "params.yaml")
-    with pytest.warns(UserWarning, match="finetuned.pt: unpickling"):
+    out = io.StringIO()  # not capsys: Prefect's console handler would keep its stream after the test
+    with pytest.warns(UserWarning, match="finetuned.pt: unpickling"), contextlib.redirect_stdout(out):
         references = _stages(root, name)
     assert set(references) == {"oc", "hf"}
+    printed = out.getvalue()
+    assert "hf/SVHN: fine-tuned " in printed and "(test, 20 images); |tau| " in printed, printed
     for report in references.values():
         assert "error" not in report and set(report["tasks"]) == set(TASKS), report
         for entry in report["tasks"].values():
