@@ -381,14 +381,16 @@ class LocalClipTrack(Strict):
     @field_validator("finetuned")
     @classmethod
     def _finetuned(cls, finetuned: dict[str, str]) -> dict[str, str]:
+        from ..data.real_vision import canonical_task
         from ..data.real_vision_metadata import REAL_TASKS
 
         if len(finetuned) < 2:
             raise ValueError(f"expected at least 2 fine-tuned checkpoints (task: path), got {len(finetuned)}")
-        known = {re.sub(r"[^0-9a-z]", "", t.lower()) for t in REAL_TASKS} | {"stanfordcars"}
         for task, path in finetuned.items():
-            if re.sub(r"[^0-9a-z]", "", task.lower()) not in known:
-                raise ConfigValueError(task, f"not one of the vision tasks ({', '.join(REAL_TASKS)})")
+            try:
+                canonical_task(task)
+            except MergecalError:
+                raise ConfigValueError(task, f"not one of the vision tasks ({', '.join(REAL_TASKS)})") from None
             if not path:
                 raise ConfigValueError(task, "expected a checkpoint file or directory")
         return finetuned
