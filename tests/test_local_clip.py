@@ -390,3 +390,15 @@ def test_the_readme_example_of_local_clip_tracks_is_valid_params():
     assert [t.name for t in params.local_clip] == ["vitb32-fusionbench", "vitb32-task-vectors"]
     assert [len(t.finetuned) for t in params.local_clip] == [8, 8]
     assert params.local_clip[1].model.arch == "ViT-B-32-quickgelu" and params.local_clip[0].model.arch is None
+
+
+def test_an_unusable_pretrained_model_is_the_tracks_one_line_error(lab):
+    root, _ = lab
+    for change, message in [({"model": {"pretrained": "ckpt/hf/nowhere"}}, "ckpt/hf/nowhere: checkpoint not found"),
+                            ({"model": {"arch": "mergecal-vit-tiny", "pretrained": "ckpt/oc/pretrained.safetensors"}},
+                             "pretrained.safetensors: not a mergecal-vit-tiny checkpoint: key 'visual.")]:
+        track = parse_params({"local_clip": [_hf_track("broken", **change)]}).local_clip[0]
+        report = local_clip.references(track, root)
+        assert message in report["error"] and "\n" not in report["error"] and report["tasks"] == {}
+        assert not local_clip.heads_path(track, root).exists()
+        assert json.loads(local_clip.references_path(track, root).read_text()) == report

@@ -100,6 +100,9 @@ def register_hf_arch(directory: Path) -> str:
     import open_clip
     from transformers import CLIPConfig
 
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint not found (nothing is downloaded; give a local file or "
+                              "directory)")
     try:
         config = CLIPConfig.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
@@ -346,9 +349,8 @@ def references(track: LocalClipTrack, root: str | Path = ".", *, seed: int = 0, 
     report: dict = {"name": track.name, "kind": "clip", "tasks": {}}
     heads = {}
     try:
-        arch = arch_of(track, root)
-        report["arch"] = arch
         pre = open_checkpoint(pretrained_path(track, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
+        arch = report["arch"] = arch_of(track, root)
         pre_visual = pretrained_visual(pre)
         model = build_model(arch, pre).to(device)
         tokenizer = get_tokenizer(arch)
