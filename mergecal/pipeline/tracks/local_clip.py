@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 
 from ...errors import CheckpointError
-from ..cells import Cell, CellResult, base_params, cell_grid, flat_params, jsonable_diagnostics, select_scaling, \
-    summaries, validation_averages
+from ..cells import Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params, jsonable_diagnostics, \
+    select_scaling, summaries, validation_averages
 from ..config import LocalClipTrack, Params
 from . import llm
 
@@ -124,14 +124,10 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     logged = {**base_params(cell), "arch": reference["arch"], "open_clip_version": _open_clip_version()}
     for task in tasks:
         logged[f"data.{task}"] = per_task[task]["data_digest"][:16]
-    if cell.merge in ("zeroshot", "finetuned"):  # both scored by the stage, on the same rows
-        if cell.merge == "zeroshot":
-            test = {t: per_task[t]["zeroshot"]["test"] for t in tasks}
-            return CellResult(summaries(tasks, test, per_task), logged)
-        test = {t: {k: per_task[t][k] for k in ("entropy", "ece")} | {"accuracy": per_task[t]["test_accuracy"]}
-                for t in tasks}
-        norms = {t: {"norm": per_task[t]["norm"], "entropy": per_task[t]["entropy"]} for t in tasks}
-        return CellResult(summaries(tasks, test, per_task), logged, {"task_vectors": norms})
+    if cell.merge == "zeroshot":  # the references are scored by the stage, on the cells' rows
+        return CellResult(summaries(tasks, {t: per_task[t]["zeroshot"]["test"] for t in tasks}, per_task), logged)
+    if cell.merge == "finetuned":
+        return finetuned_reference(tasks, {t: per_task[t] for t in tasks}, logged)
 
     pre = open_checkpoint(pretrained_path(track, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
     pre_visual = pretrained_visual(pre)
