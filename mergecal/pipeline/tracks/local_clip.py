@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...errors import CheckpointError
 from ..cells import Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params, jsonable_diagnostics, \
     select_scaling, summaries, validation_averages
 from ..config import LocalClipTrack, Params
@@ -92,20 +91,9 @@ def cell_fingerprint(cell: Cell, params: Params):
 def _reference(track: LocalClipTrack, cell: Cell, root: Path) -> dict:
     """The track's references, or the stage's recorded error of what this cell needs."""
     from ..local_clip import references_path
+    from .local_llm import checked_reference
 
-    path = references_path(track, root)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: references of local_clip track {track.name!r} not found (run `dvc repro`)")
-    reference = json.loads(path.read_text())
-    if "error" in reference:
-        raise CheckpointError(reference["error"])
-    for task in cell.tasks:
-        entry = reference["tasks"].get(task)
-        if entry is None:
-            raise CheckpointError(f"{path}: no reference for task {task!r} (run `dvc repro`)")
-        if "error" in entry:
-            raise CheckpointError(entry["error"])
-    return reference
+    return checked_reference(references_path(track, root), f"local_clip track {track.name!r}", cell.tasks)
 
 
 def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
