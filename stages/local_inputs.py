@@ -1,6 +1,7 @@
 """DVC stage (always run; cheap): size and sha256 of every file of the `local_llm` tracks' model directories
-and task files, hashes cached by path, size and mtime (.mergecal/hashes), so a multi-GB checkpoint is read only
-when it changed. Its output is the dependency through which DVC reruns `local_tracks` on a changed byte."""
+and task files and of the `local_clip` tracks' checkpoints and datasets, hashes cached by path, size and mtime
+(.mergecal/hashes), so a multi-GB checkpoint is read only when it changed. Its output is the dependency
+through which DVC reruns `local_tracks` on a changed byte."""
 
 from stages._common import run
 

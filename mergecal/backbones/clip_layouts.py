@@ -122,3 +122,46 @@ def to_open_clip_layout(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tor
     if is_hf_clip(state_dict):
         return hf_clip_to_open_clip(state_dict)
     return strip_image_encoder_prefix(state_dict)
+
+
+_BARE_VISION = ("embeddings.", "encoder.layers.", "pre_layrnorm.", "post_layernorm.")
+
+
+class OpenClipLayoutSource:
+    """A ``TensorSource`` in open_clip's layout over a checkpoint in any supported layout, read key by key: HF
+    CLIP keys mapped by the functions above (q, k, v fused when the fused key is read), task_vectors'
+    ``model.`` prefix stripped. Names, shapes and dtypes come from the checkpoint's headers (meta tensors):
+    nothing is read until ``get``."""
+
+    def __init__(self, source, name: str | None = None):
+        self.source, self.name = source, name or source.name
+        keys = [k for k in source.keys() if not _HF_BUFFERS.search(k)]
+        # a CLIPVisionModel saved by transformers 5 names its keys without the vision_model. prefix
+        bare = bool(keys) and all(k.startswith(_BARE_VISION) for k in keys)
+        self._hf_name = {("vision_model." + k if bare else k): k for k in keys}
+        self.hf = is_hf_clip(self._hf_name)
+        if self.hf:
+            meta = {k: torch.empty(source.shape(o), dtype=source.dtype(o), device="meta")
+                    for k, o in self._hf_name.items()}
+            converted = hf_clip_to_open_clip(meta)
+            self._parts = {k: list(open_clip_to_hf_clip({k: v})) for k, v in converted.items()}
+            self._meta = {k: (tuple(v.shape), v.dtype) for k, v in converted.items()}
+        else:
+            strip = "model." if keys and all(k.startswith("model.") for k in keys) else ""
+            self._parts = {k[len(strip):]: [k] for k in keys}
+            self._meta = {k[len(strip):]: (tuple(source.shape(k)), source.dtype(k)) for k in keys}
+
+    def keys(self) -> list[str]:
+        return list(self._meta)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._meta[key][0]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._meta[key][1]
+
+    def get(self, key: str) -> torch.Tensor:
+        parts = self._parts[key]
+        if self.hf:
+            return hf_clip_to_open_clip({p: self.source.get(self._hf_name[p]) for p in parts})[key]
+        return self.source.get(parts[0])

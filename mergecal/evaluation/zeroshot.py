@@ -41,7 +41,11 @@ def evaluate(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, lab
     if len(images) != len(labels) or len(images) == 0:
         raise ParameterError(f"evaluate: need a non-empty split with one label per image, got {len(images)} "
                              f"images and {len(labels)} labels")
-    z = predict_logits(model, head, images, batch_size=batch_size, device=device)
+    return logit_scores(predict_logits(model, head, images, batch_size=batch_size, device=device), labels)
+
+
+def logit_scores(z: torch.Tensor, labels: np.ndarray) -> dict[str, float]:
+    """``{"accuracy", "entropy", "ece", "n"}`` of logits [N, C] against their labels."""
     y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
     return {"accuracy": float((z.argmax(-1) == y).float().mean()), "entropy": prediction_entropy(z),
             "ece": expected_calibration_error(z, y), "n": int(len(y))}

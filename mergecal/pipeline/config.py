@@ -327,6 +327,106 @@ class LocalLlmTrack(Strict):
         return list(self.experts)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")  # a file; anything else is a directory
+
+
+class LocalClipEvaluation(Strict):
+    """Images per task of a local CLIP track: a seeded subset of validation (choosing the scaling) and of test
+    (``max_test: null``: the whole test split), and the evaluation batch size."""
+
+    batch_size: Count = 128
+    max_validation: Count = 512
+    max_test: Count | None = None
+
+
+class LocalClipModel(Strict):
+    """The pretrained CLIP of a local track: an open_clip weights file with its architecture (``arch``, e.g.
+    ViT-B-32-quickgelu for OpenAI's weights), or a Hugging Face CLIP directory (``arch`` unset: read from its
+    config.json)."""
+
+    pretrained: str = Field(min_length=1)
+    arch: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _arch(self) -> "LocalClipModel":
+        is_file = self.pretrained.endswith(WEIGHT_SUFFIXES)
+        if is_file and self.arch is None:
+            raise ConfigValueError("arch", "required with a weights file: its open_clip architecture, e.g. "
+                                           "ViT-B-32-quickgelu")
+        if not is_file and self.arch is not None:
+            raise ConfigValueError("arch", "only with a weights file (a Hugging Face directory names its own)")
+        return self
+
+
+class LocalClipTrack(Strict):
+    """A lab's own CLIP checkpoints and datasets: the pretrained model, one fine-tuned checkpoint per task (an
+    open_clip state dict in safetensors, a Hugging Face CLIP(Vision)Model directory, or, with
+    ``allow_unsafe_pickle``, a pickled file such as task_vectors' finetuned.pt) and one local dataset per task
+    (the data location holding it in any layout ``mergecal.data.real_vision`` reads). Tasks are the eight
+    standard vision tasks (their names as ``real_vision`` spells them, case ignored); ``class_names`` and
+    ``templates`` replace a task's standard ones in its zero-shot head (as many names as the task's classes).
+    Relative paths are relative to the repository root. Nothing is copied or downloaded."""
+
+    enabled: bool = True
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the backbone label of the leaderboard
+    task_set: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: LocalClipModel
+    finetuned: dict[str, str]
+    datasets: dict[str, str]
+    class_names: dict[str, list[str]] = Field(default_factory=dict)
+    templates: dict[str, list[str]] = Field(default_factory=dict)
+    evaluation: LocalClipEvaluation = Field(default_factory=LocalClipEvaluation)
+    allow_unsafe_pickle: bool = False
+
+    @field_validator("finetuned")
+    @classmethod
+    def _finetuned(cls, finetuned: dict[str, str]) -> dict[str, str]:
+        from ..data.real_vision import canonical_task
+        from ..data.real_vision_metadata import REAL_TASKS
+
+        if len(finetuned) < 2:
+            raise ValueError(f"expected at least 2 fine-tuned checkpoints (task: path), got {len(finetuned)}")
+        for task, path in finetuned.items():
+            try:
+                canonical_task(task)
+            except MergecalError:
+                raise ConfigValueError(task, f"not one of the vision tasks ({', '.join(REAL_TASKS)})") from None
+            if not path:
+                raise ConfigValueError(task, "expected a checkpoint file or directory")
+        return finetuned
+
+    @model_validator(mode="after")
+    def _check(self) -> "LocalClipTrack":
+        from ..data.real_vision import canonical_task
+        from ..data.real_vision_metadata import CLASSNAMES
+
+        for task in self.finetuned:
+            if not self.datasets.get(task):
+                raise ConfigValueError(f"datasets.{task}", "missing: the data location holding this task's dataset")
+        for section in ("datasets", "class_names", "templates"):
+            extra = [t for t in getattr(self, section) if t not in self.finetuned]
+            if extra:
+                raise ConfigValueError(f"{section}.{extra[0]}", "no fine-tuned checkpoint for this task")
+        canonical = [canonical_task(t) for t in self.finetuned]
+        if len(set(canonical)) != len(canonical):
+            raise ConfigValueError("finetuned", "two entries name the same task")
+        for task, names in self.class_names.items():
+            expected = len(CLASSNAMES[canonical_task(task)])
+            if len(names) != expected or not all(names):
+                raise ConfigValueError(f"class_names.{task}", f"{len(names)} names, but {canonical_task(task)} has "
+                                                              f"{expected} classes (labels of its dataset)")
+        for task, templates in self.templates.items():
+            bad = next((t for t in templates if t.count("{}") != 1), None) if templates else "(none)"
+            if bad is not None:
+                raise ConfigValueError(f"templates.{task}", f"each template needs one '{{}}' for the class name, "
+                                                            f"got {bad!r}")
+        return self
+
+    @property
+    def task_names(self) -> list[str]:
+        return list(self.finetuned)
+
+
 class Probing(Strict):
     """MAGIC's magnitude-sensitivity probe: scale each key's slice of the weight-averaged task vector by
     ``scale`` and rank keys by the accuracy drop on the probe set (which is none of the tasks)."""
@@ -462,6 +562,7 @@ class Params(Strict):
     text: TextTrack = Field(default_factory=TextTrack)
     llm: LlmTrack = Field(default_factory=LlmTrack)
     local_llm: list[LocalLlmTrack] = Field(default_factory=list)  # LLM families from local directories
+    local_clip: list[LocalClipTrack] = Field(default_factory=list)  # CLIP checkpoints and datasets from local files
     distac: dict[str, Any] = Field(default_factory=dict)
     probing: Probing = Field(default_factory=Probing)
     benchmark: Benchmark = Field(default_factory=Benchmark)
@@ -491,11 +592,12 @@ class Params(Strict):
     def _local_names(self) -> "Params":
         taken = {self.vision.backbone, self.text.backbone, self.llm.backbone}
         seen: set[str] = set()
-        for i, track in enumerate(self.local_llm):
-            if track.name in taken or track.name in seen:
-                raise ConfigValueError(f"local_llm.{i}.name", f"{track.name!r} is already the name of another "
-                                                              "track (the leaderboard groups rows by it)")
-            seen.add(track.name)
+        for section in ("local_llm", "local_clip"):
+            for i, track in enumerate(getattr(self, section)):
+                if track.name in taken or track.name in seen:
+                    raise ConfigValueError(f"{section}.{i}.name", f"{track.name!r} is already the name of another "
+                                                                  "track (the leaderboard groups rows by it)")
+                seen.add(track.name)
         return self
 
     def tracks(self) -> list[VisionTrack | TextTrack | LlmTrack]:

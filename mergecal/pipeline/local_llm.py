@@ -171,7 +171,8 @@ def model_dirs(track: LocalLlmTrack, root: str | Path) -> dict[str, Path]:
 
 def record_inputs(params: Params, root: str | Path = ".") -> dict:
     """The stage ``local_inputs`` (run every time: it stats files and reads only those whose size or mtime
-    changed): size and sha256 of every file of the configured model directories and task files, so that DVC
+    changed): size and sha256 of every file of the configured model directories and task files (and of the
+    CLIP tracks' checkpoints and datasets), so that DVC
     reruns ``local_tracks`` exactly when a byte changed. A missing directory is recorded as missing."""
     from .cells import HASH_CACHE, content_record
     from .tracks.llm import model_files
@@ -190,6 +191,13 @@ def record_inputs(params: Params, root: str | Path = ".") -> dict:
             for name, path in task_files(track, root).items():
                 files[name] = content_record(path, cache)
         out[track.name] = {"settings": track.model_dump(mode="json"), "files": files}
+    for track in params.local_clip:  # CLIP tracks (mergecal.pipeline.local_clip): checkpoints and datasets
+        from .local_clip import input_files, model_paths
+
+        paths = model_paths(track, root)
+        out[track.name] = {"settings": track.model_dump(mode="json"),
+                           "files": {role: {"missing": str(paths[role])} if path is None else
+                                     content_record(path, cache) for role, path in input_files(track, root).items()}}
     atomic_write_text(inputs_path(root), json.dumps(out, indent=2, sort_keys=True))
     return out
 
@@ -227,8 +235,12 @@ def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, d
 
 
 def all_references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict[str, dict]:
-    """The stage ``local_tracks``: every configured track's references (an index of them beside, so that the
-    output directory exists when no track is configured)."""
+    """The stage ``local_tracks``: every configured track's references, LLM and CLIP (an index of them beside,
+    so that the output directory exists when no track is configured)."""
+    from . import local_clip
+
     out = {track.name: references(track, root, seed=params.seed, device=device) for track in params.local_llm}
+    out.update({track.name: local_clip.references(track, root, seed=params.seed, device=device)
+                for track in params.local_clip})
     atomic_write_text(tracks_dir(root) / "index.json", json.dumps(sorted(out), indent=2))
     return out

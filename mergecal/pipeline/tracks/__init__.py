@@ -5,7 +5,7 @@ track, a lab's own checkpoints) is one module plus its params section.
 A track module provides:
 
 * ``NAME``: the value of ``Cell.track`` (and of the ``mergecal.track`` tag); a module of several configured
-  tracks (``local_llm``) names its cells ``NAME:<track name>``;
+  tracks (``local_llm``, ``local_clip``) names its cells ``NAME:<track name>``;
 * ``enabled(params) -> bool``: whether its cells are in the matrix;
 * ``cells(params) -> list[Cell]``: its cells, references first;
 * ``inputs(cell, params, root) -> {role: path}``: the files a cell reads (their bytes go into the cell's id);
@@ -22,11 +22,11 @@ import importlib
 from types import ModuleType
 
 #: Cell.track -> the module implementing it (imported on first use: a track may pull in heavy libraries)
-MODULES = {"vision": "clip", "text": "text", "llm": "llm", "local_llm": "local_llm"}
+MODULES = {"vision": "clip", "text": "text", "llm": "llm", "local_llm": "local_llm", "local_clip": "local_clip"}
 
 
 def get_track(name: str) -> ModuleType:
-    name = name.split(":", 1)[0]  # "local_llm:<track name>": one module, several configured tracks
+    name = name.split(":", 1)[0]  # "local_llm:<track name>", "local_clip:<...>": one module, several tracks
     if name not in MODULES:
         raise KeyError(f"unknown track {name!r}; tracks: {', '.join(MODULES)}")
     return importlib.import_module(f"{__name__}.{MODULES[name]}")

@@ -46,9 +46,10 @@ def family_cells(params: Params, track: str, backbone: str, task_set: str, tasks
     return out
 
 
-def family_skipped(params: Params, track: str, backbone: str, task_set: str, tasks) -> list[tuple[Cell, str]]:
+def family_skipped(params: Params, track: str, backbone: str, task_set: str, tasks,
+                   reason: str = SKIP_REASON) -> list[tuple[Cell, str]]:
     """The chains an LLM family cannot run, as cells with the reason (the leaderboard lists them)."""
-    return [(Cell(track, backbone, task_set, tuple(tasks), "standard", merge, chain, recipe.label), SKIP_REASON)
+    return [(Cell(track, backbone, task_set, tuple(tasks), "standard", merge, chain, recipe.label), reason)
             for merge, chain, _, _, recipe in _chains(params) if any(s.needs_data for s in recipe.steps)]
 
 

@@ -77,13 +77,18 @@ def _reference(track: LocalLlmTrack, cell: Cell, root: Path) -> dict:
     """The track's references, or the stage's recorded error of a model this cell needs."""
     from ..local_llm import references_path
 
-    path = references_path(track, root)
+    return checked_reference(references_path(track, root), f"local_llm track {track.name!r}", cell.tasks)
+
+
+def checked_reference(path: Path, what: str, tasks) -> dict:
+    """An own-model track's references.json (``what``: the track, for the message), or the one-line error the
+    ``local_tracks`` stage recorded for the track or for one of ``tasks``."""
     if not path.is_file():
-        raise CheckpointError(f"{path}: references of local_llm track {track.name!r} not found (run `dvc repro`)")
+        raise CheckpointError(f"{path}: references of {what} not found (run `dvc repro`)")
     reference = json.loads(path.read_text())
     if "error" in reference:
         raise CheckpointError(reference["error"])
-    for task in cell.tasks:
+    for task in tasks:
         entry = reference["tasks"].get(task)
         if entry is None:
             raise CheckpointError(f"{path}: no reference for task {task!r} (run `dvc repro`)")

@@ -1,0 +1,386 @@
+"""CLIP tracks from local files (``local_clip:`` in params.yaml): a lab's own pretrained CLIP, fine-tuned
+checkpoints and datasets, benchmarked as the embedded vision track is, without copying a checkpoint or an image.
+
+    models/local/inputs.json                       stage ``local_inputs`` (shared with ``local_llm``): size and
+                                                   sha256 of every checkpoint file and every file of each
+                                                   task's dataset
+    models/local/tracks/<name>/heads.safetensors   stage ``local_tracks``: the zero-shot heads (class names and
+                                                   templates of each task, encoded by the pretrained text tower)
+    models/local/tracks/<name>/references.json     zero-shot and fine-tuned accuracy (validation, test), entropy
+                                                   and ECE per task, task-vector norms read key by key, the
+                                                   datasets' digests; or the one-line error of what is unusable
+
+Checkpoints are read in open_clip's layout whatever their own (``OpenClipLayoutSource``: HF CLIP directories,
+open_clip and task_vectors state dicts), key by key from safetensors; a pickled file (``.pt``, ``.pth``,
+``.bin``, ``.ckpt``) is refused before it is opened unless the track sets ``allow_unsafe_pickle`` (it is then
+loaded whole, the warning naming it). Only the image encoder is merged (``visual.*``): the text tower gives the
+frozen heads. A fine-tuned checkpoint must hold the pretrained image encoder's keys with its shapes; a Hugging
+Face CLIPVisionModel has no projection (``visual.proj``), which is then the pretrained one, as in FusionBench.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checkpoint import PICKLE_SUFFIXES, DictSource, SafetensorsSource, atomic_write_text, save_state_dict
+from ..errors import CheckpointError, MergecalError
+from .config import LocalClipTrack, Params
+from .local_llm import resolve, tracks_dir
+
+VISUAL = "visual."
+PROJECTION = "visual.proj"  # absent from a CLIPVisionModel: the pretrained one is kept
+
+
+def track_dir(track: LocalClipTrack, root: str | Path) -> Path:
+    return tracks_dir(root) / track.name
+
+
+def references_path(track: LocalClipTrack, root: str | Path) -> Path:
+    return track_dir(track, root) / "references.json"
+
+
+def heads_path(track: LocalClipTrack, root: str | Path) -> Path:
+    return track_dir(track, root) / "heads.safetensors"
+
+
+def pretrained_path(track: LocalClipTrack, root: str | Path) -> Path:
+    return resolve(track.model.pretrained, root)
+
+
+def finetuned_path(track: LocalClipTrack, task: str, root: str | Path) -> Path:
+    return resolve(track.finetuned[task], root)
+
+
+def dataset_root(track: LocalClipTrack, task: str, root: str | Path) -> Path:
+    return resolve(track.datasets[task], root)
+
+
+def get_track(params: Params, name: str) -> LocalClipTrack:
+    for track in params.local_clip:
+        if track.name == name:
+            return track
+    raise MergecalError(f"local_clip: no track named {name!r} in params.yaml")
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+
+def open_checkpoint(path: Path, *, allow_unsafe_pickle: bool = False):
+    """A checkpoint file or HF directory as a lazy ``TensorSource`` in open_clip's layout. A pickled file is
+    refused from its name, before a byte of it is read, unless ``allow_unsafe_pickle``."""
+    from ..backbones.clip_layouts import OpenClipLayoutSource
+    from ..backbones.loading import load_weights_file
+
+    if not path.exists():
+        raise CheckpointError(f"{path}: checkpoint not found (nothing is downloaded; give a local file or directory)")
+    if path.is_file() and path.suffix in PICKLE_SUFFIXES:
+        if not allow_unsafe_pickle:
+            raise CheckpointError(f"{path}: a pickled checkpoint; unpickling can run arbitrary code, so it is not "
+                                  "read: convert it to safetensors, or set allow_unsafe_pickle: true on the track "
+                                  "for a file you trust")
+        warnings.warn(f"{path}: unpickling (allow_unsafe_pickle: true); this runs any code the file holds",
+                      stacklevel=2)
+        try:
+            state = load_weights_file(path, allow_unsafe_pickle=True)
+        except (ImportError, AttributeError) as err:  # a pickled module whose class is not importable here
+            raise CheckpointError(f"{path}: cannot unpickle ({type(err).__name__}: {err}); put the code that "
+                                  "saved it (e.g. task_vectors' src/) on PYTHONPATH, or convert it") from None
+        return OpenClipLayoutSource(DictSource(state, str(path)), str(path))
+    return OpenClipLayoutSource(SafetensorsSource(path), str(path))
+
+
+def register_hf_arch(directory: Path) -> str:
+    """The open_clip architecture of a Hugging Face CLIP directory (from its config.json), registered under a
+    name derived from that config."""
+    import open_clip
+    from transformers import CLIPConfig
+
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint not found (nothing is downloaded; give a local file or "
+                              "directory)")
+    try:
+        config = CLIPConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{directory}: not a Hugging Face CLIP directory ({str(err).splitlines()[0]})") from None
+    v, t = config.vision_config, config.text_config
+    if v.hidden_act != t.hidden_act or v.hidden_act not in ("quick_gelu", "gelu"):
+        raise CheckpointError(f"{directory}/config.json: activation {v.hidden_act!r}/{t.hidden_act!r}; open_clip "
+                              "builds quick_gelu or gelu towers")
+    cfg = {"embed_dim": config.projection_dim, "quick_gelu": v.hidden_act == "quick_gelu",
+           "vision_cfg": {"image_size": v.image_size, "patch_size": v.patch_size, "layers": v.num_hidden_layers,
+                          "width": v.hidden_size, "head_width": v.hidden_size // v.num_attention_heads,
+                          "mlp_ratio": v.intermediate_size / v.hidden_size},
+           "text_cfg": {"context_length": t.max_position_embeddings, "vocab_size": t.vocab_size,
+                        "width": t.hidden_size, "heads": t.num_attention_heads, "layers": t.num_hidden_layers,
+                        "mlp_ratio": t.intermediate_size / t.hidden_size}}
+    name = "hf-clip-" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
+    if name not in open_clip.list_models():
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="mergecal-archs-") as tmp:
+            (Path(tmp) / f"{name}.json").write_text(json.dumps(cfg))
+            open_clip.add_model_config(Path(tmp) / f"{name}.json")
+    return name
+
+
+def arch_of(track: LocalClipTrack, root: str | Path) -> str:
+    return track.model.arch or register_hf_arch(pretrained_path(track, root))
+
+
+class VisualView:
+    """The image-encoder keys of a checkpoint in float32 (the merge's compute dtype, so that a float16
+    pretrained and float32 fine-tuned checkpoints compare); ``fill`` gives the keys it lacks
+    (``visual.proj`` of a CLIPVisionModel: the pretrained one)."""
+
+    def __init__(self, source, keys: list[str], fill=None):
+        self.source, self.name, self._keys, self.fill = source, source.name, keys, fill
+        self._own = set(source.keys())
+        self._shape = {k: tuple((source if k in self._own else fill).shape(k)) for k in keys}
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shape[key]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return torch.float32
+
+    def get(self, key: str) -> torch.Tensor:
+        return (self.source if key in self._own else self.fill).get(key).float()
+
+
+def visual_keys(source) -> list[str]:
+    return [k for k in source.keys() if k.startswith(VISUAL) and source.dtype(k).is_floating_point]
+
+
+def pretrained_visual(pre) -> VisualView:
+    keys = visual_keys(pre)
+    if not keys:
+        raise CheckpointError(f"{pre.name}: no image-encoder keys (visual.* / vision_model.*)")
+    return VisualView(pre, keys)
+
+
+def finetuned_visual(pre, path: Path, *, allow_unsafe_pickle: bool = False) -> VisualView:
+    """A fine-tuned checkpoint's image encoder over the pretrained one's keys, checked from headers: the same
+    keys (a missing projection excepted) and shapes, else one line naming the file and the first key."""
+    ft = open_checkpoint(path, allow_unsafe_pickle=allow_unsafe_pickle)
+    wanted, own = visual_keys(pre), set(visual_keys(ft))
+    if not own:
+        raise CheckpointError(f"{path}: no image-encoder keys (visual.* / vision_model.*): not a CLIP image encoder")
+    extra = sorted(own - set(wanted))
+    missing = [k for k in wanted if k not in own and k != PROJECTION]
+    if extra or missing:
+        key, where = (extra[0], "is not in") if extra else (missing[0], "is missing, though it is in")
+        raise CheckpointError(f"{path}: architecture differs from the pretrained model: key {key!r} {where} "
+                              f"{pre.name}")
+    for key in sorted(own):
+        if tuple(ft.shape(key)) != tuple(pre.shape(key)):
+            raise CheckpointError(f"{path}: architecture differs from the pretrained model: key {key!r} has shape "
+                                  f"{tuple(ft.shape(key))}, {tuple(pre.shape(key))} in {pre.name}")
+    return VisualView(ft, wanted, fill=pre)
+
+
+def build_model(arch: str, pre) -> torch.nn.Module:
+    """``arch`` with the pretrained weights, copied key by key into the model (no second copy in memory)."""
+    from ..backbones.open_clip_vit import create_clip
+
+    try:
+        model = create_clip(arch, seed=0)
+    except MergecalError as err:
+        raise CheckpointError(f"model.arch: {err}") from None
+    state = model.state_dict()
+    missing = [k for k in state if k not in set(pre.keys())]
+    unexpected = [k for k in pre.keys() if k not in state]
+    if missing or unexpected:
+        key = missing[0] if missing else unexpected[0]
+        raise CheckpointError(f"{pre.name}: not a {arch} checkpoint: key {key!r} is "
+                              f"{'missing' if missing else 'not in the architecture'}")
+    with torch.no_grad():
+        for key, tensor in state.items():
+            if tuple(pre.shape(key)) != tuple(tensor.shape):
+                raise CheckpointError(f"{pre.name}: not a {arch} checkpoint: key {key!r} has shape "
+                                      f"{tuple(pre.shape(key))}, the architecture {tuple(tensor.shape)}")
+            tensor.copy_(pre.get(key))
+    return model.eval()
+
+
+def load_visual(model: torch.nn.Module, items) -> None:
+    """Copy ``(key, tensor)`` pairs into the model's own tensors, one key at a time."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for key, tensor in items:
+            state[key].copy_(tensor)
+
+
+# --------------------------------------------------------------------------------------------------- data
+
+def task_split(track: LocalClipTrack, task: str, split: str, root: str | Path, seed: int = 0):
+    from ..data.real_vision import load_real_split
+
+    return load_real_split(dataset_root(track, task, root), task, split, seed=seed)
+
+
+def sample(n: int, max_items: int | None, seed: int) -> np.ndarray:
+    """The evaluated rows of a split: all of them, or a seeded subset of ``max_items`` (in file order)."""
+    if max_items is None or n <= max_items:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=max_items, replace=False))
+
+
+def head_names(track: LocalClipTrack, task: str) -> tuple[list[str], list[str]]:
+    from ..data.real_vision import task_metadata
+
+    classnames, templates = task_metadata(task)
+    return track.class_names.get(task, classnames), track.templates.get(task, templates)
+
+
+class TaskData:
+    """A track's evaluation data: the sampled rows of each (task, split); validation images decoded once per
+    cell (the grid scores them several times), test images streamed batch by batch."""
+
+    def __init__(self, track: LocalClipTrack, root: str | Path, image_size: int, seed: int = 0):
+        self.track, self.root, self.size, self.seed = track, Path(root), image_size, seed
+        self._validation: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def split(self, task: str, split: str):
+        data = task_split(self.track, task, split, self.root, self.seed)
+        limit = self.track.evaluation.max_validation if split == "validation" else self.track.evaluation.max_test
+        return data, sample(len(data), limit, self.seed)
+
+    def score(self, model, head: torch.Tensor, task: str, split: str, device: str = "cpu") -> dict[str, float]:
+        from ..evaluation.zeroshot import logit_scores, predict_logits
+
+        batch = self.track.evaluation.batch_size
+        if split == "validation":
+            if task not in self._validation:
+                data, rows = self.split(task, split)
+                check_labels(task, data, rows, head)
+                self._validation[task] = (data.images(rows, self.size), data.labels[rows])
+            images, labels = self._validation[task]
+            z = predict_logits(model, head, images, batch_size=batch, device=device)
+            return logit_scores(z, labels)
+        data, rows = self.split(task, split)
+        check_labels(task, data, rows, head)
+        z = torch.cat([predict_logits(model, head, images, batch_size=batch, device=device)
+                       for images, _ in data.iter_batches(batch, self.size, rows)])
+        return logit_scores(z, data.labels[rows])
+
+
+def check_labels(task: str, data, rows: np.ndarray, head: torch.Tensor) -> None:
+    if len(rows) == 0:
+        raise CheckpointError(f"{task}: the {data.split} split at {data.location} is empty")
+    top = int(data.labels[rows].max())
+    if top >= head.shape[1]:
+        raise CheckpointError(f"{task}: dataset {data.location} has label {top}, but the zero-shot head has "
+                              f"{head.shape[1]} classes")
+
+
+# --------------------------------------------------------------------------------------------------- stages
+
+def dataset_files(track: LocalClipTrack, task: str, root: str | Path) -> dict[str, Path]:
+    """{dataset.<task>/<relative path>: file} of the task's dataset as ``real_vision`` finds it (nothing when it
+    is not found: the references then hold that error)."""
+    from ..data.real_vision import find_layout
+
+    base = dataset_root(track, task, root)
+    try:
+        _, location = find_layout(base, task)
+    except MergecalError:
+        return {}
+    files = sorted(p for p in location.rglob("*") if p.is_file()) if location.is_dir() else [location]
+    return {f"dataset.{task}/{p.relative_to(base).as_posix()}": p for p in files}
+
+
+def model_paths(track: LocalClipTrack, root: str | Path) -> dict[str, Path]:
+    return {"pretrained": pretrained_path(track, root),
+            **{f"finetuned.{t}": finetuned_path(track, t, root) for t in track.finetuned}}
+
+
+def input_files(track: LocalClipTrack, root: str | Path) -> dict[str, Path | None]:
+    """Every file the track reads, by role; a missing checkpoint as ``None``."""
+    from .tracks.llm import model_files
+
+    files: dict[str, Path | None] = {}
+    for role, path in model_paths(track, root).items():
+        if path.exists():
+            files.update(model_files({role: path}))
+        else:
+            files[role] = None
+    for task in track.finetuned:
+        files.update(dataset_files(track, task, root))
+    return files
+
+
+def data_digest(track: LocalClipTrack, task: str, root: str | Path) -> str:
+    """sha256 over the task's dataset files (relative path and content hash, from the hash cache)."""
+    from .cells import HASH_CACHE, file_digest
+
+    h = hashlib.sha256()
+    for name, path in dataset_files(track, task, root).items():
+        h.update(f"{name}\0{file_digest(path, Path(root) / HASH_CACHE)}\n".encode())
+    return h.hexdigest()
+
+
+def _norms(pre_visual: VisualView, ft: VisualView) -> tuple[float, float]:
+    """(|tau|, |tau| / |theta_0|) over the image encoder, read key by key."""
+    tau = theta = 0.0
+    for key in pre_visual.keys():
+        base = pre_visual.get(key).double()
+        tau += float((ft.get(key).double() - base).pow(2).sum())
+        theta += float(base.pow(2).sum())
+    return tau ** 0.5, tau ** 0.5 / max(theta ** 0.5, 1e-12)
+
+
+def references(track: LocalClipTrack, root: str | Path = ".", *, seed: int = 0, device: str = "cpu") -> dict:
+    """One CLIP track of the stage ``local_tracks``: the zero-shot heads, then per task the zero-shot and the
+    fine-tuned model's scores on validation and test and the task vector's norm. An unusable pretrained model
+    is the track's error; an unusable task (checkpoint, dataset) that task's; both one line, and the stage
+    goes on with the other tasks and tracks."""
+    from ..backbones.open_clip_vit import get_tokenizer, image_size, zero_shot_head
+    from .results import one_line
+
+    root = Path(root)
+    report: dict = {"name": track.name, "kind": "clip", "tasks": {}}
+    heads = {}
+    try:
+        pre = open_checkpoint(pretrained_path(track, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
+        arch = report["arch"] = arch_of(track, root)
+        pre_visual = pretrained_visual(pre)
+        model = build_model(arch, pre).to(device)
+        tokenizer = get_tokenizer(arch)
+        for task in track.finetuned:
+            classnames, templates = head_names(track, task)
+            heads[task] = zero_shot_head(model, tokenizer, classnames, templates, device=device).cpu().contiguous()
+        save_state_dict(heads, heads_path(track, root), {"arch": arch})
+    except Exception as err:  # noqa: BLE001 - recorded: the track's cells fail with it, the others go on
+        report["error"] = one_line(err)
+        heads_path(track, root).unlink(missing_ok=True)
+        atomic_write_text(references_path(track, root), json.dumps(report, indent=2, sort_keys=True))
+        return report
+    data = TaskData(track, root, image_size(model), seed)
+    for task in track.finetuned:
+        try:
+            entry: dict = {"data_digest": data_digest(track, task, root), "zeroshot": {}}
+            load_visual(model, ((k, pre_visual.get(k)) for k in pre_visual.keys()))
+            for split in ("validation", "test"):
+                entry["zeroshot"][split] = data.score(model, heads[task], task, split, device)
+            ft = finetuned_visual(pre, finetuned_path(track, task, root),
+                                  allow_unsafe_pickle=track.allow_unsafe_pickle)
+            load_visual(model, ((k, ft.get(k)) for k in ft.keys()))
+            val = data.score(model, heads[task], task, "validation", device)
+            test = data.score(model, heads[task], task, "test", device)
+            entry["norm"], entry["relative_norm"] = _norms(pre_visual, ft)
+            entry.update(val_accuracy=val["accuracy"], test_accuracy=test["accuracy"], entropy=test["entropy"],
+                         ece=test["ece"], n={"validation": val["n"], "test": test["n"]})
+            report["tasks"][task] = entry
+        except Exception as err:  # noqa: BLE001 - as above, for this task's cells
+            report["tasks"][task] = {"error": one_line(err)}
+        data._validation.clear()
+    atomic_write_text(references_path(track, root), json.dumps(report, indent=2, sort_keys=True))
+    return report

@@ -1,0 +1,404 @@
+"""CLIP tracks from local files (``local_clip:``): params, the checkpoint layouts and their checks, the stages and
+the Prefect flow end to end on a micro open_clip ViT and a micro Hugging Face CLIP (random weights, the real key
+layouts) with three fine-tuned checkpoints each and three small datasets (ImageFolder and HF parquet), written to
+disk; nothing is downloaded."""
+
+import contextlib
+import io
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from mergecal.errors import CheckpointError, ParameterError
+from mergecal.pipeline import cells as cells_mod
+from mergecal.pipeline import local_clip
+from mergecal.pipeline.config import load_params, parse_params
+
+ARCH = "mergecal-vit-micro"
+TASKS = ("MNIST", "EuroSAT", "SVHN")
+EVALUATION = {"batch_size": 16, "max_validation": 12}
+
+
+class _CreatesAFile:
+    """Unpickling this creates ``path``: a pickle that must never be loaded."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _perturbed(state: dict, seed: int, prefix: str) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()
+            if k.startswith(prefix) and v.is_floating_point()}
+
+
+def _write_datasets(root: Path) -> None:
+    """MNIST and SVHN as ImageFolder (train/val/test/<class>/), EuroSAT as HF parquet shards with ClassLabel
+    names; 10 classes, 2 images per class and split, images that depend on the class."""
+    import datasets
+
+    from mergecal.data.real_vision import task_metadata
+
+    rng = np.random.default_rng(0)
+
+    def image(label: int) -> np.ndarray:
+        base = np.full((32, 32, 3), 20 * label, dtype=np.uint8)
+        return (base + rng.integers(0, 40, size=base.shape)).astype(np.uint8)
+
+    for task, folder in (("MNIST", "mnist"), ("SVHN", "svhn")):
+        for split in ("train", "val", "test"):
+            for label in range(10):
+                out = root / folder / split / str(label)
+                out.mkdir(parents=True, exist_ok=True)
+                for i in range(2):
+                    Image.fromarray(image(label)).save(out / f"{i}.png")
+    names = task_metadata("EuroSAT")[0]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
+    data = root / "EuroSAT" / "data"
+    data.mkdir(parents=True)
+    for split in ("train", "validation", "test"):
+        labels = [label for label in range(10) for _ in range(2)]
+        ds = datasets.Dataset.from_dict({"image": [Image.fromarray(image(y)) for y in labels], "label": labels},
+                                        features=features)
+        ds.to_parquet(str(data / f"{split}-00000-of-00001.parquet"))
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A lab's files: an open_clip pretrained CLIP with fine-tuned checkpoints as an open_clip safetensors state
+    dict, task_vectors' pickled ImageEncoder and a transformers-4 CLIPVisionModel directory; an HF CLIP with
+    CLIPVisionModel directories (transformers 5's bare keys, sharded); the datasets; and the bad inputs."""
+    from safetensors.torch import save_file
+    from transformers import CLIPConfig, CLIPModel
+
+    from mergecal.backbones.clip_layouts import open_clip_to_hf_clip
+    from mergecal.backbones.open_clip_vit import create_clip, save_clip
+    from mergecal.checkpoint import save_checkpoint, save_state_dict
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("local_clip")
+    ckpt = root / "ckpt"
+    _write_datasets(root / "data")
+
+    # open_clip: pretrained as one safetensors file, fine-tuned in the three layouts
+    model = create_clip(ARCH, seed=1)
+    save_clip(model, ckpt / "oc" / "pretrained.safetensors")
+    state = model.state_dict()
+    save_state_dict(_perturbed(state, 2, "visual."), ckpt / "oc" / "MNIST.safetensors")
+    encoder = create_clip(ARCH, seed=1)
+    encoder.load_state_dict({**state, **_perturbed(state, 3, "visual.")})
+    (ckpt / "oc" / "EuroSAT").mkdir(parents=True)
+    torch.save(torch.nn.ModuleDict({"model": encoder}), ckpt / "oc" / "EuroSAT" / "finetuned.pt")  # model.visual.*
+    hf_visual = {k: v for k, v in open_clip_to_hf_clip(_perturbed(state, 4, "visual.")).items()
+                 if k != "visual_projection.weight"}  # a CLIPVisionModel has no projection
+    (ckpt / "oc" / "SVHN").mkdir()
+    save_file(hf_visual, str(ckpt / "oc" / "SVHN" / "model.safetensors"))
+
+    # HF CLIP: pretrained directory, CLIPVisionModel directories with transformers 5's bare key names
+    torch.manual_seed(0)
+    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    hf = CLIPModel(CLIPConfig(text_config=dict(tower, num_hidden_layers=1, vocab_size=49408,
+                                               max_position_embeddings=32),
+                              vision_config=dict(tower, num_hidden_layers=2, image_size=32, patch_size=8),
+                              projection_dim=16)).eval()
+    hf.save_pretrained(ckpt / "hf" / "pretrained")
+    hf_state = hf.state_dict()
+    for i, task in enumerate(TASKS):
+        vision = {k.removeprefix("vision_model."): v for k, v in _perturbed(hf_state, 10 + i, "vision_model.").items()}
+        save_checkpoint(vision, ckpt / "hf" / task, max_shard_bytes=40_000)  # sharded, with an index
+    # bad inputs
+    other = create_clip("mergecal-vit-tiny", seed=1)
+    save_state_dict(_perturbed(other.state_dict(), 5, "visual."), ckpt / "bad" / "other-arch.safetensors")
+    shutil.copytree(ckpt / "hf" / "SVHN", ckpt / "bad" / "missing-shard")
+    sorted((ckpt / "bad" / "missing-shard").glob("model-*.safetensors"))[-1].unlink()
+    marker = root / "unpickled.txt"
+    torch.save({"weights": _CreatesAFile(marker)}, ckpt / "bad" / "evil.pt")
+    return root, marker
+
+
+def _oc_track(name="oc", **extra):
+    return {"name": name, "model": {"arch": ARCH, "pretrained": "ckpt/oc/pretrained.safetensors"},
+            "finetuned": {"MNIST": "ckpt/oc/MNIST.safetensors", "EuroSAT": "ckpt/oc/EuroSAT/finetuned.pt",
+                          "SVHN": "ckpt/oc/SVHN"},
+            "datasets": {t: "data" for t in TASKS}, "allow_unsafe_pickle": True, "evaluation": EVALUATION, **extra}
+
+
+def _hf_track(name="hf", **extra):
+    return {"name": name, "model": {"pretrained": "ckpt/hf/pretrained"},
+            "finetuned": {t: f"ckpt/hf/{t}" for t in TASKS}, "datasets": {t: "data" for t in TASKS},
+            "evaluation": EVALUATION, **extra}
+
+
+# ------------------------------------------------------------------------------------------------ params
+
+@pytest.mark.parametrize("change, message", [
+    ({"finetuned": {"mnist": "a"}}, r"local_clip.0.finetuned: expected at least 2 fine-tuned checkpoints"),
+    ({"finetuned": {"mnist": "a", "imagenet": "b"}}, r"local_clip.0.finetuned.imagenet: not one of the vision tasks"),
+    ({"datasets": {"MNIST": "data"}}, r"local_clip.0.datasets.EuroSAT: missing: the data location"),
+    ({"class_names": {"MNIST": ["zero", "one"]}}, r"local_clip.0.class_names.MNIST: 2 names, but MNIST has 10"),
+    ({"templates": {"SVHN": ["a photo"]}}, r"local_clip.0.templates.SVHN: each template needs one '\{\}'"),
+    ({"model": {"pretrained": "x.safetensors"}}, r"local_clip.0.model.arch: required with a weights file"),
+    ({"model": {"pretrained": "hf-dir", "arch": "ViT-B-32"}}, r"local_clip.0.model.arch: only with a weights file"),
+    ({"allow_unsafe_pickle": "yes"}, r"local_clip.0.allow_unsafe_pickle: Input should be a valid boolean"),
+    ({"name": "tiny-llama"}, r"local_clip.0.name: 'tiny-llama' is already the name"),
+])
+def test_local_clip_params_errors_are_one_clear_line(change, message):
+    with pytest.raises(ParameterError, match=message) as info:
+        parse_params({"local_clip": [{**_oc_track(), **change}]})
+    assert "\n" not in str(info.value)
+
+
+def test_default_params_have_no_local_clip_track():
+    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    assert params.local_clip == [] and not [c for c in cells_mod.enumerate_cells(params)
+                                            if c.track.startswith("local_clip")]
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+def test_every_layout_reads_as_the_same_open_clip_image_encoder(lab):
+    """open_clip safetensors, task_vectors' pickled ImageEncoder (opt-in), HF CLIPVisionModel with and without
+    the vision_model. prefix, sharded: the same keys as the pretrained image encoder, in open_clip's layout."""
+    root, _ = lab
+    oc = local_clip.open_checkpoint(root / "ckpt/oc/pretrained.safetensors")
+    for name in ("MNIST.safetensors", "EuroSAT/finetuned.pt", "SVHN"):
+        with pytest.warns(UserWarning, match="finetuned.pt: unpickling") if name.endswith(".pt") else _nothing():
+            view = local_clip.finetuned_visual(oc, root / "ckpt/oc" / name, allow_unsafe_pickle=True)
+        assert view.keys() == local_clip.visual_keys(oc)
+        deltas = [float((view.get(k) - oc.get(k).float()).abs().max()) for k in view.keys()]
+        assert max(deltas) > 0 and (name != "SVHN" or float((view.get("visual.proj") - oc.get("visual.proj")).abs()
+                                                            .max()) == 0)  # no projection: the pretrained one
+    hf = local_clip.open_checkpoint(root / "ckpt/hf/pretrained")
+    arch = local_clip.register_hf_arch(root / "ckpt/hf/pretrained")
+    model = local_clip.build_model(arch, hf)  # every key of the HF CLIP maps onto open_clip's architecture
+    assert set(model.state_dict()) == set(hf.keys())
+    # and the architecture read from config.json computes what the HF model computes, image and text
+    from transformers import CLIPModel
+
+    from mergecal.backbones.open_clip_vit import get_tokenizer
+
+    reference = CLIPModel.from_pretrained(str(root / "ckpt/hf/pretrained"), local_files_only=True).eval()
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    text = get_tokenizer(arch)(["a photo of a 3.", "a blurry photo of the number 7."])
+    with torch.no_grad():
+        hf_image = reference.get_image_features(pixel_values=images)
+        hf_text = reference.get_text_features(input_ids=text)
+        torch.testing.assert_close(model.encode_image(images), getattr(hf_image, "pooler_output", hf_image),
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model.encode_text(text), getattr(hf_text, "pooler_output", hf_text),
+                                   rtol=1e-4, atol=1e-5)
+    view = local_clip.finetuned_visual(hf, root / "ckpt/hf/MNIST")
+    assert view.keys() == local_clip.visual_keys(hf)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_bad_checkpoints_are_one_line_and_a_pickle_is_never_unpickled_without_the_opt_in(lab):
+    root, marker = lab
+    oc = local_clip.open_checkpoint(root / "ckpt/oc/pretrained.safetensors")
+    cases = [("bad/other-arch.safetensors", False,
+              r"other-arch.safetensors: architecture differs from the pretrained model: key 'visual\..*' is not in "
+              r".*pretrained.safetensors"),
+             ("bad/missing-shard", False, r"model.safetensors.index.json: shard 'model-\d+-of-\d+.safetensors'"),
+             ("bad/evil.pt", False, r"evil.pt: a pickled checkpoint; unpickling can run arbitrary code, so it is not "
+                                    r"read"),
+             ("oc/EuroSAT/finetuned.pt", False, r"finetuned.pt: a pickled checkpoint"),
+             ("bad/nowhere.safetensors", False, r"nowhere.safetensors: checkpoint not found")]
+    for name, opt_in, message in cases:
+        with pytest.raises(CheckpointError, match=message) as err:
+            local_clip.finetuned_visual(oc, root / "ckpt" / name, allow_unsafe_pickle=opt_in)
+        assert "\n" not in str(err.value)
+    assert not marker.exists()  # refused from its name: not a byte was read
+
+
+# ---------------------------------------------------------------------------------------------- the flow
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def _write_params(root: Path, tracks: list[dict], name: str,
+                  chains=("{merge}", "{merge}>svc", "{merge}>wsc", "{merge}>dsc"), scaling=(0.3, 1.0)) -> str:
+    data = {"vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
+            "benchmark": {"merges": {"task_arithmetic": {"scaling": list(scaling)}}, "chains": list(chains)},
+            "local_clip": tracks}
+    (root / name).write_text(yaml.safe_dump(data))
+    return name
+
+
+def _stages(root: Path, params_name: str) -> dict:
+    """The DVC stages `local_inputs` and `local_tracks` (their scripts, in process); the references written."""
+    from stages import local_inputs, local_tracks
+
+    for stage in (local_inputs, local_tracks):
+        assert stage.run(stage.stage, ["--root", str(root), "--params", params_name]) == 0
+    params = load_params(root / params_name)
+    return {t.name: json.loads(local_clip.references_path(t, root).read_text()) for t in params.local_clip}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what_changed(lab, prefect_server,
+                                                                                         monkeypatch):
+    import flows.benchmark as flow_module
+    from mergecal.pipeline.tracking import Tracker
+
+    root, marker = lab
+    name = _write_params(root, [_oc_track(), _hf_track()], "params.yaml")
+    out = io.StringIO()  # not capsys: Prefect's console handler would keep its stream after the test
+    with pytest.warns(UserWarning, match="finetuned.pt: unpickling"), contextlib.redirect_stdout(out):
+        references = _stages(root, name)
+    assert set(references) == {"oc", "hf"}
+    printed = out.getvalue()
+    assert "hf/SVHN: fine-tuned " in printed and "(test, 20 images); |tau| " in printed, printed
+    for report in references.values():
+        assert "error" not in report and set(report["tasks"]) == set(TASKS), report
+        for entry in report["tasks"].values():
+            assert "error" not in entry, entry
+            assert entry["n"] == {"validation": 12, "test": 20} and entry["norm"] > 0
+            assert 0 <= entry["zeroshot"]["test"]["accuracy"] <= 1 and 0 <= entry["test_accuracy"] <= 1
+    recorded = json.loads((root / "models/local/inputs.json").read_text())
+    assert recorded["hf"]["files"]["finetuned.SVHN/model.safetensors.index.json"]["size"] > 0
+    assert len([r for r in recorded["oc"]["files"] if r.startswith("dataset.EuroSAT/")]) == 3
+    assert not [p for p in (root / "models").rglob("*.safetensors") if p.name != "heads.safetensors"]
+
+    first = flow_module.run_benchmark(params_path=name, root=str(root))
+    assert (first["cells"], first["failed"], first["cached"]) == (10, 0, 0), [r.get("error") for r in first["rows"]]
+    skipped = [r for r in first["rows"] if "skipped" in r]
+    assert {(r["track"], r["label"]) for r in skipped} == {("local_clip:oc", "task_arithmetic>dsc"),
+                                                           ("local_clip:hf", "task_arithmetic>dsc")}
+    tracker = Tracker(root, "mergecal")
+    runs = tracker.client.search_runs([tracker.experiment_id], "tags.`mergecal.track` = 'local_clip:hf' and "
+                                      "tags.`mergecal.status` = 'ok'", max_results=100)
+    assert len(runs) == 5 and {r.data.tags["mergecal.backbone"] for r in runs} == {"hf"}
+    for run in runs:
+        assert {"acc.MNIST", "acc.EuroSAT", "acc.SVHN", "avg_norm_acc", "ece.SVHN"} <= set(run.data.metrics)
+        assert {"arch", "data.MNIST", "open_clip_version"} <= set(run.data.params)
+    finetuned = next(r for r in first["rows"] if r["track"] == "local_clip:oc" and r["label"] == "finetuned")
+    assert finetuned["avg_acc"] == pytest.approx(np.mean([references["oc"]["tasks"][t]["test_accuracy"]
+                                                          for t in TASKS]))
+
+    def must_not_run(cell, *args, **kwargs):
+        raise AssertionError(f"{cell.track} {cell.label} computed again")
+
+    monkeypatch.setattr(flow_module, "run_cell", must_not_run)
+    second = flow_module.run_benchmark(params_path=name, root=str(root))
+    assert (second["cached"], second["failed"]) == (10, 0)
+    monkeypatch.undo()
+
+    # a changed fine-tuned checkpoint of the HF track: its hash alone is read again, and exactly hf's cells rerun
+    from safetensors.torch import load_file, save_file
+
+    shard = sorted((root / "ckpt/hf/MNIST").glob("model-*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    key = sorted(tensors)[0]
+    tensors[key] = tensors[key] + 0.5
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    reads = []
+    real = cells_mod._sha256_file
+    monkeypatch.setattr(cells_mod, "_sha256_file", lambda path: reads.append(Path(path)) or real(path))
+    cells_mod._file_digest.cache_clear()
+    with pytest.warns(UserWarning):
+        _stages(root, name)
+    assert [p.name for p in reads if "ckpt" in p.parts] == [shard.name]
+    third = flow_module.run_benchmark(params_path=name, root=str(root))
+    assert third["failed"] == 0 and third["cached"] == 5
+    with sqlite3.connect(root / "mlruns" / "mlruns.db") as con:
+        ok = con.execute("select t.value from tags t join tags s on s.run_uuid = t.run_uuid and s.key = "
+                         "'mergecal.status' and s.value = 'ok' where t.key = 'mergecal.track'").fetchall()
+    assert sorted(v for (v,) in ok) == ["local_clip:hf"] * 10 + ["local_clip:oc"] * 5
+    assert not marker.exists()
+
+    from mergecal.pipeline.tracking import tracking_uri
+    from mergecal.reports import write_reports
+
+    write_reports(tracking_uri(root, "mlruns"), "mergecal", root / "reports", third["invocation_id"])
+    board = (root / "reports" / "leaderboard.md").read_text()
+    assert "oc · local · standard" in board and "hf · local · standard" in board
+    assert "task_arithmetic>wsc" in board and "not run on local CLIP tracks yet" in board
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_bad_inputs_fail_their_tracks_cells_with_one_line_and_other_tracks_go_on(lab, prefect_server):
+    from flows.benchmark import run_benchmark
+
+    root, marker = lab
+    bad = {"arch": ({"finetuned": {**_hf_track()["finetuned"], "SVHN": "ckpt/bad/other-arch.safetensors"}},
+                    "SVHN", "architecture differs from the pretrained model"),
+           "shard": ({"finetuned": {**_hf_track()["finetuned"], "SVHN": "ckpt/bad/missing-shard"}},
+                     "SVHN", "not found at"),
+           "pickle": ({"finetuned": {**_hf_track()["finetuned"], "SVHN": "ckpt/bad/evil.pt"}},
+                      "SVHN", "evil.pt: a pickled checkpoint; unpickling can run arbitrary code"),
+           "dataset": ({"datasets": {**_hf_track()["datasets"], "SVHN": "nowhere"}},
+                       "SVHN", "SVHN: data root"),
+           "classes": ({"datasets": {**_hf_track()["datasets"], "EuroSAT": "data-12"}},
+                       "EuroSAT", "match neither the 10 EuroSAT classes nor their number")}
+    # a EuroSAT copy whose parquet labels name 12 classes: the dataset does not fit the 10-class head
+    import datasets
+
+    src = root / "data" / "EuroSAT" / "data"
+    out = root / "data-12" / "EuroSAT" / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=[f"c{i}" for i in
+                                                                                                  range(12)])})
+    for shard in src.glob("*.parquet"):
+        ds = datasets.Dataset.from_parquet(str(shard)).cast(features)
+        ds.to_parquet(str(out / shard.name))
+    tracks = [_hf_track("good")] + [_hf_track(f"bad-{k}", **change) for k, (change, _, _) in bad.items()]
+    name = _write_params(root, tracks, "params-bad.yaml", chains=("{merge}",), scaling=(0.5,))
+    references = _stages(root, name)
+    for key, (_, task, message) in bad.items():
+        assert message in references[f"bad-{key}"]["tasks"][task]["error"], references[f"bad-{key}"]
+        assert "error" not in references[f"bad-{key}"]["tasks"]["MNIST"]
+    result = run_benchmark(params_path=name, root=str(root), output="results/bad.json")
+    failed = {(r["track"], r["label"]): r["error"] for r in result["rows"] if "error" in r}
+    ok = {(r["track"], r["label"]) for r in result["rows"] if "avg_acc" in r}
+    for key, (_, _, message) in bad.items():
+        for label in ("zeroshot", "finetuned", "task_arithmetic"):
+            assert message in failed.pop((f"local_clip:bad-{key}", label))
+    assert not failed and ok == {("local_clip:good", label) for label in ("zeroshot", "finetuned", "task_arithmetic")}
+    assert not marker.exists()
+
+
+def test_the_readme_example_of_local_clip_tracks_is_valid_params():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Your own models", 1)[1].split("\n## ", 1)[0]
+    blocks = [block.split("```", 1)[0] for block in section.split("```yaml\n")[1:]]
+    example = next(block for block in blocks if block.startswith("local_clip:"))
+    params = parse_params(yaml.safe_load(example))
+    assert [t.name for t in params.local_clip] == ["vitb32-fusionbench", "vitb32-task-vectors"]
+    assert [len(t.finetuned) for t in params.local_clip] == [8, 8]
+    assert params.local_clip[1].model.arch == "ViT-B-32-quickgelu" and params.local_clip[0].model.arch is None
+
+
+def test_an_unusable_pretrained_model_is_the_tracks_one_line_error(lab):
+    root, _ = lab
+    for change, message in [({"model": {"pretrained": "ckpt/hf/nowhere"}}, "ckpt/hf/nowhere: checkpoint not found"),
+                            ({"model": {"arch": "mergecal-vit-tiny", "pretrained": "ckpt/oc/pretrained.safetensors"}},
+                             "pretrained.safetensors: not a mergecal-vit-tiny checkpoint: key 'visual.")]:
+        track = parse_params({"local_clip": [_hf_track("broken", **change)]}).local_clip[0]
+        report = local_clip.references(track, root)
+        assert message in report["error"] and "\n" not in report["error"] and report["tasks"] == {}
+        assert not local_clip.heads_path(track, root).exists()
+        assert json.loads(local_clip.references_path(track, root).read_text()) == report
