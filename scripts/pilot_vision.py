@@ -59,9 +59,9 @@ def ta_sweep(sds, reference, lambdas, pre_sd, arch, split_eval, tasks) -> dict:
         m = load_clip(arch, merge_models(pre_sd, sds, "task_arithmetic", scaling=lam))
         scores = {n: split_eval(m, n) for n in tasks}
         curve[f"{lam:g}"] = {
-            "val_norm": float(np.mean([scores[n][0] / reference[n][0] for n in tasks])),
+            "val_norm": float(np.mean([scores[n][0] / max(reference[n][0], 1e-9) for n in tasks])),
             "test": float(np.mean([scores[n][1]["accuracy"] for n in tasks])),
-            "test_norm": float(np.mean([scores[n][1]["accuracy"] / reference[n][1] for n in tasks])),
+            "test_norm": float(np.mean([scores[n][1]["accuracy"] / max(reference[n][1], 1e-9) for n in tasks])),
             "per_task_test": {n: scores[n][1]["accuracy"] for n in tasks}}
     best = max(lambdas, key=lambda lam: curve[f"{lam:g}"]["val_norm"])
     return {"best_lambda": best, **{k: curve[f"{best:g}"][k] for k in ("test", "test_norm")}, "curve": curve}
@@ -73,7 +73,7 @@ def regime_report(args, tasks, rows, states, pre_sd, taus, lambdas, best, arch, 
     of the others' (standard) norms and task arithmetic's normalized test accuracy lost at the standard regime's
     lambda (as the pipeline's testbed health) and at the lambda the mismatched set selects itself."""
     std_ref = {n: (rows[n]["individual_val"], rows[n]["individual"]) for n in tasks}
-    std_norm = float(np.mean([rows[n][f"ta_{best:g}"] / rows[n]["individual"] for n in tasks]))
+    std_norm = float(np.mean([rows[n][f"ta_{best:g}"] / max(rows[n]["individual"], 1e-9) for n in tasks]))
     report: dict = {"standard": {"best_lambda": best, "test_norm": std_norm,
                                  "entropy": float(np.mean([rows[n]["individual_entropy"] for n in tasks]))}}
     regimes = args.regimes.split(",")
@@ -83,7 +83,7 @@ def regime_report(args, tasks, rows, states, pre_sd, taus, lambdas, best, arch, 
                          tasks)
         entropy = float(np.mean([rows[n]["individual_low_confidence_entropy"] for n in tasks]))
         report["low_confidence"] = {
-            "entropy": entropy, "entropy_ratio": entropy / report["standard"]["entropy"],
+            "entropy": entropy, "entropy_ratio": entropy / max(report["standard"]["entropy"], 1e-12),
             "individual_avg": float(np.mean([rows[n]["individual_low_confidence"] for n in tasks])),
             "ta": sweep, "ta_norm_loss": std_norm - sweep["test_norm"]}
         print(f"low_confidence: mean entropy {entropy:.3f} vs standard {report['standard']['entropy']:.3f} "
