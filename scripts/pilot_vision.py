@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mergecal import merge_models  # noqa: E402
-from mergecal.checkpoint import save_state_dict  # noqa: E402
+from mergecal.checkpoint import load_state_dict, save_state_dict  # noqa: E402
 from mergecal.backbones import get_tokenizer, load_clip, save_clip, zero_shot_head  # noqa: E402
 from mergecal.data.vision import PROBE_TASK, SMOKE_SUITE, TASK_SETS, SuiteConfig, build_vision_suite, load_split  # noqa: E402
 from mergecal.data.vision import TASKS as ALL_TASKS  # noqa: E402
@@ -51,13 +51,78 @@ def stamp(label: str, start: float) -> float:
     return time.time() - start
 
 
+def ta_sweep(sds, reference, lambdas, pre_sd, arch, split_eval, tasks) -> dict:
+    """Task arithmetic of one set of fine-tunes over the lambda grid; normalized by ``reference`` (task ->
+    (validation, test) accuracy of the set's own fine-tuned models), lambda chosen on normalized validation."""
+    curve = {}
+    for lam in lambdas:
+        m = load_clip(arch, merge_models(pre_sd, sds, "task_arithmetic", scaling=lam))
+        scores = {n: split_eval(m, n) for n in tasks}
+        curve[f"{lam:g}"] = {
+            "val_norm": float(np.mean([scores[n][0] / max(reference[n][0], 1e-9) for n in tasks])),
+            "test": float(np.mean([scores[n][1]["accuracy"] for n in tasks])),
+            "test_norm": float(np.mean([scores[n][1]["accuracy"] / max(reference[n][1], 1e-9) for n in tasks])),
+            "per_task_test": {n: scores[n][1]["accuracy"] for n in tasks}}
+    best = max(lambdas, key=lambda lam: curve[f"{lam:g}"]["val_norm"])
+    return {"best_lambda": best, **{k: curve[f"{best:g}"][k] for k in ("test", "test_norm")}, "curve": curve}
+
+
+def regime_report(args, tasks, rows, states, pre_sd, taus, lambdas, best, arch, split_eval) -> dict:
+    """The failure regimes against the standard one (issue #14, item 4): low_confidence's mean test entropy over
+    the standard models' and its task arithmetic; for each norm-mismatched task, its vector's norm over the mean
+    of the others' (standard) norms and task arithmetic's normalized test accuracy lost at the standard regime's
+    lambda (as the pipeline's testbed health) and at the lambda the mismatched set selects itself."""
+    std_ref = {n: (rows[n]["individual_val"], rows[n]["individual"]) for n in tasks}
+    std_norm = float(np.mean([rows[n][f"ta_{best:g}"] / max(rows[n]["individual"], 1e-9) for n in tasks]))
+    report: dict = {"standard": {"best_lambda": best, "test_norm": std_norm,
+                                 "entropy": float(np.mean([rows[n]["individual_entropy"] for n in tasks]))}}
+    regimes = args.regimes.split(",")
+    if "low_confidence" in regimes:
+        ref = {n: (rows[n]["individual_low_confidence_val"], rows[n]["individual_low_confidence"]) for n in tasks}
+        sweep = ta_sweep([states[("low_confidence", n)] for n in tasks], ref, lambdas, pre_sd, arch, split_eval,
+                         tasks)
+        entropy = float(np.mean([rows[n]["individual_low_confidence_entropy"] for n in tasks]))
+        report["low_confidence"] = {
+            "entropy": entropy, "entropy_ratio": entropy / max(report["standard"]["entropy"], 1e-12),
+            "individual_avg": float(np.mean([rows[n]["individual_low_confidence"] for n in tasks])),
+            "ta": sweep, "ta_norm_loss": std_norm - sweep["test_norm"]}
+        print(f"low_confidence: mean entropy {entropy:.3f} vs standard {report['standard']['entropy']:.3f} "
+              f"(x{report['low_confidence']['entropy_ratio']:.2f}); individual avg "
+              f"{report['low_confidence']['individual_avg']:.3f}; TA lambda {sweep['best_lambda']:g} test "
+              f"{sweep['test']:.3f}, normalized {sweep['test_norm']:.3f} (standard {std_norm:.3f})")
+    if "norm_mismatch" in regimes:
+        visual = [k for k in pre_sd if k.startswith("visual.") and pre_sd[k].is_floating_point()]
+        flat0 = torch.cat([pre_sd[k].flatten().double() for k in visual])
+        report["norm_mismatch"] = {}
+        for hot in args.norm_mismatch_task.split(","):
+            hot_tau = torch.cat([states[("norm_mismatch", hot)][k].flatten().double() for k in visual]) - flat0
+            ratio = float(hot_tau.norm()) / float(np.mean([float(taus[n].norm()) for n in tasks if n != hot]))
+            sds = [states[("norm_mismatch" if n == hot else "standard", n)] for n in tasks]
+            ref = {**std_ref, hot: (rows[hot]["individual_norm_mismatch_val"], rows[hot]["individual_norm_mismatch"])}
+            sweep = ta_sweep(sds, ref, lambdas, pre_sd, arch, split_eval, tasks)
+            at_std = sweep["curve"][f"{best:g}"]
+            report["norm_mismatch"][hot] = {
+                "norm_ratio": ratio, "individual": rows[hot]["individual_norm_mismatch"],
+                "individual_standard": rows[hot]["individual"],
+                "ta_norm_at_standard_lambda": at_std["test_norm"],
+                "loss_at_standard_lambda": std_norm - at_std["test_norm"],
+                "ta": sweep, "loss_at_own_lambda": std_norm - sweep["test_norm"]}
+            r = report["norm_mismatch"][hot]
+            print(f"norm_mismatch {hot:<12} ratio {ratio:5.2f}, fine-tuned {r['individual']:.3f} "
+                  f"(standard {r['individual_standard']:.3f}); TA normalized loss at standard lambda {best:g}: "
+                  f"{100 * r['loss_at_standard_lambda']:+.1f} points; at its own lambda {sweep['best_lambda']:g}: "
+                  f"{100 * r['loss_at_own_lambda']:+.1f}", flush=True)
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--root", help="suite directory (default: a temporary one, built cold)")
     p.add_argument("--pretrained", help="safetensors path: loaded if it exists, else written after pretraining")
     p.add_argument("--regimes", default="standard,low_confidence,norm_mismatch")
-    p.add_argument("--norm-mismatch-task", default="shapes")
+    p.add_argument("--norm-mismatch-task", default="shapes",
+                   help="the task fine-tuned at the lr multiple; a comma-separated list measures each in turn")
     p.add_argument("--norm-mismatch-lr-multiplier", type=float, default=15.0)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a default, e.g. finetune.steps=100 or pretrain.lr=1e-3 or suite.n_train=2000")
@@ -66,6 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", help="write the measured figures here")
     p.add_argument("--save-finetuned", metavar="DIR",
                    help="write each fine-tuned state dict to DIR/REGIME/TASK.safetensors")
+    p.add_argument("--load-finetuned", metavar="DIR",
+                   help="reuse DIR/REGIME/TASK.safetensors where it exists instead of fine-tuning (same settings!)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -111,14 +178,21 @@ def main(argv: list[str] | None = None) -> dict:
         (xv, yv), (xt, yt) = data[name]["validation"], data[name]["test"]
         return evaluate(m, heads[name], xv, yv)["accuracy"], evaluate(m, heads[name], xt, yt)
 
-    rows = {name: {"chance": 1.0 / len(spec.classnames), "zeroshot": split_eval(model, name)[1]["accuracy"]}
-            for name, spec in TASKS.items()}
+    zs_test = {name: split_eval(model, name)[1] for name in TASKS}
+    rows = {name: {"chance": 1.0 / len(spec.classnames), "zeroshot": zs_test[name]["accuracy"],
+                   "zeroshot_entropy": zs_test[name]["entropy"]} for name, spec in TASKS.items()}
+    hot_tasks = args.norm_mismatch_task.split(",")
     runs = [(regime, name) for regime in args.regimes.split(",") for name in TASKS
-            if regime != "norm_mismatch" or name == args.norm_mismatch_task]
+            if regime != "norm_mismatch" or name in hot_tasks]
     states: dict[tuple[str, str], dict] = {}
     t = time.time()
     for regime, name in runs:
         t1 = time.time()
+        cached = Path(args.load_finetuned or "") / regime / f"{name}.safetensors"
+        if args.load_finetuned and cached.exists():
+            states[(regime, name)] = load_state_dict(cached)
+            print(f"  loaded {cached}", flush=True)
+            continue
         # norm mismatch: a standard fine-tune at the pipeline's lr multiple (mergecal.regimes)
         config = (dataclasses.replace(ft_cfg, lr=ft_cfg.lr * args.norm_mismatch_lr_multiplier)
                   if regime == "norm_mismatch" else dataclasses.replace(ft_cfg, regime=regime))
@@ -193,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:<12}" + "".join(f"{rows[name][c]:>12.3f}" for c in cols))
         result["average"] = {c: float(np.mean([rows[n][c] for n in TASKS])) for c in cols}
         print(f"{'average':<12}" + "".join(f"{result['average'][c]:>12.3f}" for c in cols))
+    if "standard" in args.regimes.split(",") and len(args.regimes.split(",")) > 1:
+        result["regimes"] = regime_report(args, TASKS, rows, states, pre_sd, taus, lambdas, best, arch, split_eval)
     print("TA average normalized validation accuracy per lambda: "
           + ", ".join(f"{k} {v:.3f}" for k, v in result.get("ta_normalized_validation", {}).items()))
     print("time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()) + f"; load {os.getloadavg()}")
