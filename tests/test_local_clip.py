@@ -14,15 +14,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 
+from local_models import CLIP_ARCH, CLIP_TASKS, perturbed, write_image_datasets
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
 from mergecal.pipeline import local_clip
 from mergecal.pipeline.config import load_params, parse_params
 
-ARCH = "mergecal-vit-micro"
-TASKS = ("MNIST", "EuroSAT", "SVHN")
+ARCH, TASKS = CLIP_ARCH, CLIP_TASKS
 EVALUATION = {"batch_size": 16, "max_validation": 12}
 
 
@@ -34,43 +33,6 @@ class _CreatesAFile:
 
     def __reduce__(self):
         return (open, (self.path, "w"))
-
-
-def _perturbed(state: dict, seed: int, prefix: str) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()
-            if k.startswith(prefix) and v.is_floating_point()}
-
-
-def _write_datasets(root: Path) -> None:
-    """MNIST and SVHN as ImageFolder (train/val/test/<class>/), EuroSAT as HF parquet shards with ClassLabel
-    names; 10 classes, 2 images per class and split, images that depend on the class."""
-    import datasets
-
-    from mergecal.data.real_vision import task_metadata
-
-    rng = np.random.default_rng(0)
-
-    def image(label: int) -> np.ndarray:
-        base = np.full((32, 32, 3), 20 * label, dtype=np.uint8)
-        return (base + rng.integers(0, 40, size=base.shape)).astype(np.uint8)
-
-    for task, folder in (("MNIST", "mnist"), ("SVHN", "svhn")):
-        for split in ("train", "val", "test"):
-            for label in range(10):
-                out = root / folder / split / str(label)
-                out.mkdir(parents=True, exist_ok=True)
-                for i in range(2):
-                    Image.fromarray(image(label)).save(out / f"{i}.png")
-    names = task_metadata("EuroSAT")[0]
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
-    data = root / "EuroSAT" / "data"
-    data.mkdir(parents=True)
-    for split in ("train", "validation", "test"):
-        labels = [label for label in range(10) for _ in range(2)]
-        ds = datasets.Dataset.from_dict({"image": [Image.fromarray(image(y)) for y in labels], "label": labels},
-                                        features=features)
-        ds.to_parquet(str(data / f"{split}-00000-of-00001.parquet"))
 
 
 @pytest.fixture(scope="module")
@@ -88,18 +50,18 @@ def lab(tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("local_clip")
     ckpt = root / "ckpt"
-    _write_datasets(root / "data")
+    write_image_datasets(root / "data")
 
     # open_clip: pretrained as one safetensors file, fine-tuned in the three layouts
     model = create_clip(ARCH, seed=1)
     save_clip(model, ckpt / "oc" / "pretrained.safetensors")
     state = model.state_dict()
-    save_state_dict(_perturbed(state, 2, "visual."), ckpt / "oc" / "MNIST.safetensors")
+    save_state_dict(perturbed(state, 2, "visual."), ckpt / "oc" / "MNIST.safetensors")
     encoder = create_clip(ARCH, seed=1)
-    encoder.load_state_dict({**state, **_perturbed(state, 3, "visual.")})
+    encoder.load_state_dict({**state, **perturbed(state, 3, "visual.")})
     (ckpt / "oc" / "EuroSAT").mkdir(parents=True)
     torch.save(torch.nn.ModuleDict({"model": encoder}), ckpt / "oc" / "EuroSAT" / "finetuned.pt")  # model.visual.*
-    hf_visual = {k: v for k, v in open_clip_to_hf_clip(_perturbed(state, 4, "visual.")).items()
+    hf_visual = {k: v for k, v in open_clip_to_hf_clip(perturbed(state, 4, "visual.")).items()
                  if k != "visual_projection.weight"}  # a CLIPVisionModel has no projection
     (ckpt / "oc" / "SVHN").mkdir()
     save_file(hf_visual, str(ckpt / "oc" / "SVHN" / "model.safetensors"))
@@ -114,11 +76,11 @@ def lab(tmp_path_factory):
     hf.save_pretrained(ckpt / "hf" / "pretrained")
     hf_state = hf.state_dict()
     for i, task in enumerate(TASKS):
-        vision = {k.removeprefix("vision_model."): v for k, v in _perturbed(hf_state, 10 + i, "vision_model.").items()}
+        vision = {k.removeprefix("vision_model."): v for k, v in perturbed(hf_state, 10 + i, "vision_model.").items()}
         save_checkpoint(vision, ckpt / "hf" / task, max_shard_bytes=40_000)  # sharded, with an index
     # bad inputs
     other = create_clip("mergecal-vit-tiny", seed=1)
-    save_state_dict(_perturbed(other.state_dict(), 5, "visual."), ckpt / "bad" / "other-arch.safetensors")
+    save_state_dict(perturbed(other.state_dict(), 5, "visual."), ckpt / "bad" / "other-arch.safetensors")
     shutil.copytree(ckpt / "hf" / "SVHN", ckpt / "bad" / "missing-shard")
     sorted((ckpt / "bad" / "missing-shard").glob("model-*.safetensors"))[-1].unlink()
     marker = root / "unpickled.txt"

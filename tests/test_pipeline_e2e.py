@@ -17,9 +17,11 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from mergecal.pipeline.workspace import create_workspace
+from local_models import write_clip_track, write_llm_family
+from mergecal.pipeline.workspace import create_workspace, smoke_overrides
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -66,10 +68,15 @@ def _cell_runs(root, skipped=False):
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A cold `dvc repro` of the smoke pipeline, and beside it (at the same time: each uses one core) a second
+    """A cold `dvc repro` of the smoke pipeline with a lab's own models beside the embedded tracks (a `local_clip`
+    track and a `local_llm` family, written to disk), and beside it (at the same time: each uses one core) a second
     cold repro in another directory, whose dvc.lock test_a_cold_repro_elsewhere_writes_the_same_dvc_lock reads."""
-    root = create_workspace(tmp_path_factory.mktemp("e2e") / "ws", root=REPO)
-    other = create_workspace(root.parent / "elsewhere", root=REPO)
+    torch.set_num_threads(1)
+    lab = tmp_path_factory.mktemp("lab")
+    overrides = {**smoke_overrides(), "local_clip": [write_clip_track(lab / "clip", "lab-clip")],
+                 "local_llm": [write_llm_family(lab / "llm", "lab-llm")]}
+    root = create_workspace(tmp_path_factory.mktemp("e2e") / "ws", overrides, root=REPO)
+    other = create_workspace(root.parent / "elsewhere", overrides, root=REPO)
     start = time.perf_counter()
     running = [_start_repro(root), _start_repro(other)]
     output, _ = (_wait(process) for process in running)
@@ -93,7 +100,12 @@ def test_cold_repro_builds_everything_and_reports(workspace):
 
     Refs().feed(html)
     assert not [r for r in refs if r.startswith(("http://", "https://", "//"))]
-    assert "task_arithmetic" in (root / "reports" / "leaderboard.md").read_text()
+    markdown = (root / "reports" / "leaderboard.md").read_text()
+    assert "task_arithmetic" in markdown
+    # the lab's own models went through the same stages and flow into the leaderboard (#16)
+    own = [row for row in summary["rows"] if row.get("track", "").startswith(("local_clip:", "local_llm:"))]
+    assert {row["track"] for row in own} == {"local_clip:lab-clip", "local_llm:lab-llm"}, summary["rows"][:3]
+    assert "lab-clip" in markdown and "lab-llm" in markdown
     shown = subprocess.run([str(BIN / "dvc"), "metrics", "show", "--json"], cwd=root, env=_env(), capture_output=True,
                            text=True)
     assert shown.returncode == 0 and "results/metrics.json" in shown.stdout
@@ -130,7 +142,8 @@ def test_changing_one_calibration_parameter_recomputes_only_its_cells(workspace)
     assert "Running stage 'benchmark'" in output and "Running stage 'finetune" not in output
     summary = {**json.loads((root / "results" / "benchmark.json").read_text()),
                **json.loads((root / "results" / "invocation.json").read_text())}
-    tracks = len(params["vision"]["regimes"]) + params["text"]["enabled"] + params["llm"]["enabled"]
+    tracks = (len(params["vision"]["regimes"]) + params["text"]["enabled"] + params["llm"]["enabled"]
+              + len(params["local_clip"]) + len(params["local_llm"]))
     touched = tracks * len(params["benchmark"]["merges"])
     assert summary["cells"] - summary["cached"] == touched
     assert len(_cell_runs(root)) == n_before + touched
