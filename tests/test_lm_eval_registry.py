@@ -126,6 +126,8 @@ def test_registry_task_digests_follow_lm_evals_version_and_the_task_definition(l
     digests = local_llm.task_config_digests(config, root)
     assert set(digests) == {"arc_easy", "arc_challenge"} and digests["arc_easy"] != digests["arc_challenge"]
     assert local_llm.task_config_digests(config, root) == digests  # stable
+    params = parse_params({"local_llm": [_track()]})  # the local_inputs stage records them: local_tracks reruns
+    assert local_llm.record_inputs(params, root)["lab-registry"]["registry"] == digests
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9" if name == "lm_eval" else real(name))
     assert lm_eval_registry.config_digest("arc_easy") != digests["arc_easy"]
