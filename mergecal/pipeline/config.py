@@ -268,10 +268,13 @@ class LocalLlmTrack(Strict):
     fine-tuned from it per task, merged checkpoint to checkpoint and scored with lm-eval, as the embedded LLM
     track. Tasks come from the suite (``task_dir`` unset: expert keys are suite task names, whose data the
     ``local_tracks`` stage generates with ``data``) or from a directory of the user's lm-eval YAMLs
-    (``task_dir``, with ``tasks.<task>.metric`` and ``.validation``). Relative paths are relative to the
-    repository root. Nothing is downloaded and nothing is copied: the stages record each file's size and
-    sha256. Pickled weights (pytorch_model*.bin) are never unpickled: without ``allow_unsafe_pickle`` such an
-    expert is refused; with it, the error names the file and how to convert it to safetensors."""
+    (``task_dir``, with ``tasks.<task>.metric`` and ``.validation``) or from lm-eval's own registry
+    (``task_source: registry``, with ``tasks.<task>.metric``: expert keys are registry task names whose datasets
+    must be in the local HF datasets cache; splits: ``mergecal.evaluation.lm_eval_registry``). Relative paths
+    are relative to the repository root. Nothing is downloaded and nothing is copied: the stages record each
+    file's size and sha256. Pickled weights (pytorch_model*.bin) are never unpickled: without
+    ``allow_unsafe_pickle`` such an expert is refused; with it, the error names the file and how to convert it
+    to safetensors."""
 
     enabled: bool = True
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the backbone label of the leaderboard
@@ -279,6 +282,7 @@ class LocalLlmTrack(Strict):
     base: str = Field(min_length=1)
     experts: dict[str, str]
     task_dir: str | None = None
+    task_source: Literal["suite", "task_dir", "registry"] | None = None  # unset: task_dir if given, else suite
     tasks: dict[str, LocalLmTask] = Field(default_factory=dict)  # with task_dir: one entry per expert
     data: dict[str, Any] = Field(default_factory=dict)  # without task_dir: mergecal.data.llm.LlmSuiteConfig
     evaluation: LlmEvaluation = Field(default_factory=LlmEvaluation)
@@ -300,6 +304,12 @@ class LocalLlmTrack(Strict):
     def _check(self) -> "LocalLlmTrack":
         from ..data.llm import TASKS, LlmSuiteConfig
 
+        if self.task_source == "task_dir" and self.task_dir is None:
+            raise ConfigValueError("task_dir", "missing: task_source: task_dir names a directory of lm-eval YAMLs")
+        if self.task_source == "suite" and self.task_dir is not None:
+            raise ConfigValueError("task_dir", "not with task_source: suite (the suite's own YAMLs)")
+        if self.source == "registry":
+            return self._check_registry()
         if self.task_dir is None:
             unknown = [t for t in self.experts if t not in TASKS]
             if unknown:
@@ -321,6 +331,29 @@ class LocalLlmTrack(Strict):
         if extra:
             raise ConfigValueError(f"tasks.{extra[0]}", "no expert for this task")
         return self
+
+    def _check_registry(self) -> "LocalLlmTrack":
+        """lm-eval's registry tasks: a metric per expert, no task_dir, data or validation name (the split the
+        scaling is chosen on follows from the task's splits). Whether each name is a registry task with its
+        dataset cached is checked when the track is scored (indexing the registry takes tens of seconds)."""
+        for key in ("task_dir", "data"):
+            if getattr(self, key):
+                raise ConfigValueError(key, "not with task_source: registry (lm-eval's own task definitions)")
+        for task in self.experts:
+            if task not in self.tasks:
+                raise ConfigValueError(f"tasks.{task}", "missing: give the metric of every expert's task")
+            if self.tasks[task].validation is not None:
+                raise ConfigValueError(f"tasks.{task}.validation", "not with task_source: registry (the scaling is "
+                                                                   "chosen on the task's validation or train split)")
+        extra = [t for t in self.tasks if t not in self.experts]
+        if extra:
+            raise ConfigValueError(f"tasks.{extra[0]}", "no expert for this task")
+        return self
+
+    @property
+    def source(self) -> str:
+        """Where the tasks come from: suite, task_dir or registry."""
+        return self.task_source or ("suite" if self.task_dir is None else "task_dir")
 
     @property
     def task_names(self) -> list[str]:

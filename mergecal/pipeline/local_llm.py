@@ -113,11 +113,20 @@ def check_expert(base: Path, expert: Path, *, allow_unsafe_pickle: bool = False)
 # ------------------------------------------------------------------------------------------ evaluation
 
 def scorer(track: LocalLlmTrack, root: str | Path):
-    """The track's ``LmEval``: the suite's YAMLs over its generated data, or the user's YAML directory."""
+    """The track's ``LmEval``: the suite's YAMLs over its generated data, the user's YAML directory, or lm-eval's
+    registry tasks (each checked to be one and to have its dataset in the local HF cache)."""
     from ..data.llm import LlmSuiteConfig
     from .llm import LmEval, suite_lm_eval
 
     cache = work_dir(root) / "lm_eval_cache"
+    if track.source == "registry":
+        from ..evaluation.lm_eval_registry import write_variant_yamls
+
+        names = write_variant_yamls(track.task_names, work_dir(root) / track.name / "lm_eval_tasks",
+                                    where=f"local_llm track {track.name!r}: ")
+        return LmEval(work_dir(root) / track.name / "lm_eval_tasks", names,
+                      {t: spec.metric for t, spec in track.tasks.items()}, cache, track.evaluation.max_validation,
+                      track.evaluation.batch_size, registry=True)
     if track.task_dir is None:
         return suite_lm_eval(data_dir(track, root), track.task_names, work_dir(root) / track.name / "lm_eval_tasks",
                              cache, track.evaluation, LlmSuiteConfig(**track.data).n_validation)
@@ -134,6 +143,8 @@ def task_files(track: LocalLlmTrack, root: str | Path) -> dict[str, Path]:
     (``dataset_kwargs.data_files``); for the suite's tasks, the generated data's manifest."""
     import yaml
 
+    if track.source == "registry":
+        return {}  # lm-eval's own files: task_config_digests (in references.json) hash them with lm-eval's version
     if track.task_dir is None:
         return {"data_manifest": data_dir(track, root) / "manifest.json"}
     task_dir = resolve(track.task_dir, root)
@@ -157,6 +168,10 @@ def task_config_digests(track: LocalLlmTrack, root: str | Path) -> dict[str, str
     """{lm-eval task (or YAML file): sha256 of its configuration} (logged with each cell)."""
     from .llm import suite_config_digests
 
+    if track.source == "registry":
+        from ..evaluation.lm_eval_registry import config_digest
+
+        return {task: config_digest(task) for task in track.task_names}
     if track.task_dir is None:
         return suite_config_digests(data_dir(track, root), track.task_names)
     return {role.removeprefix("task_dir/"): hashlib.sha256(path.read_bytes()).hexdigest()
@@ -191,6 +206,11 @@ def record_inputs(params: Params, root: str | Path = ".") -> dict:
             for name, path in task_files(track, root).items():
                 files[name] = content_record(path, cache)
         out[track.name] = {"settings": track.model_dump(mode="json"), "files": files}
+        if track.source == "registry":  # lm-eval's version and task definitions: local_tracks reruns on a change
+            try:
+                out[track.name]["registry"] = task_config_digests(track, root)
+            except MergecalError as err:  # an unknown task: local_tracks records the error for the track's cells
+                out[track.name]["registry"] = {"error": str(err)}
     for track in params.local_clip:  # CLIP tracks (mergecal.pipeline.local_clip): checkpoints and datasets
         from .local_clip import input_files, model_paths
 
@@ -211,7 +231,7 @@ def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, d
     from .results import one_line
 
     tasks = track.task_names
-    if track.task_dir is None:
+    if track.source == "suite":
         build_llm_suite(data_dir(track, root), LlmSuiteConfig(**{"seed": seed, **track.data}), tasks=tuple(tasks))
     report: dict = {"name": track.name, "tasks": {}}
     base = base_path(track, root)
