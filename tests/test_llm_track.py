@@ -282,3 +282,20 @@ def test_streamed_recipe_merge_equals_the_in_memory_recipe(micro, tmp_path):
 
     with safe_open(str(next(out.glob("*.safetensors"))), "pt") as fh:
         assert fh.metadata()["mergecal_recipe"] == recipe.id
+
+
+def test_a_model_scored_once_leaves_no_response_cache(suite, micro, tmp_path):
+    """A cell's merges are scored once and deleted: LmEval.score(cache=False) writes no lm-eval response cache
+    (it costs about half of an LLM cell), and gives the same scores as a cached call."""
+    from mergecal.pipeline.config import LlmEvaluation
+    from mergecal.pipeline.llm import LmEval, suite_lm_eval
+
+    root, _ = suite
+    path, _, _ = micro
+    scorer = suite_lm_eval(root, ["knowledge", "sentiment"], tmp_path / "tasks", tmp_path / "cache",
+                           LlmEvaluation(max_validation=4, batch_size=8), n_validation=SMALL.n_validation)
+    assert isinstance(scorer, LmEval)
+    once = scorer.score(path, ["knowledge", "sentiment"], "validation", device="cpu", cache=False)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
+    cached = scorer.score(path, ["knowledge", "sentiment"], "validation", device="cpu")
+    assert once == cached and len(list((tmp_path / "cache").iterdir())) == 1

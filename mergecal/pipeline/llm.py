@@ -113,13 +113,17 @@ class LmEval:
     batch_size: int
     registry: bool = False  # lm-eval's own tasks too (mergecal.evaluation.lm_eval_registry)
 
-    def score(self, model_dir: str | Path, tasks, split: str, *, device: str = "cpu") -> dict[str, float]:
-        """{task: its metric} of one model on one split."""
+    def score(self, model_dir: str | Path, tasks, split: str, *, device: str = "cpu",
+              cache: bool = True) -> dict[str, float]:
+        """{task: its metric} of one model on one split. ``cache=False``: no lm-eval response cache, for a
+        model scored once and deleted (a cell's merges): lm-eval's cache (sqlitedict) commits every request
+        and records a stack trace per statement, about half of an LLM cell's time, for answers nothing reads
+        again (the cell's own result is cached by the flow)."""
         from ..errors import MergecalError
         from ..evaluation.lm_eval_tasks import evaluate_lm
 
         names = [self.names[t][split] for t in tasks]
-        scores = evaluate_lm(model_dir, names, self.task_dir, cache_path=self.cache,
+        scores = evaluate_lm(model_dir, names, self.task_dir, cache_path=self.cache if cache else None,
                              limit=self.max_validation if split == "validation" else None, device=device,
                              batch_size=self.batch_size, registry=self.registry)
         out = {}

@@ -157,7 +157,7 @@ def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path]
         best: list = []  # [avg normalized score, directory] of the best merge so far: the only one kept on disk
 
         def validate(outcome) -> tuple[float, float]:
-            val = scorer.score(outcome[0], tasks, "validation", device=device)
+            val = scorer.score(outcome[0], tasks, "validation", device=device, cache=False)  # scored once
             avg = sum(val.values()) / len(tasks)
             norm = sum(val[t] / max(reference["tasks"][t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
             if not best or norm > best[0]:  # select_scaling's rule: the first of equal scores wins
@@ -169,7 +169,7 @@ def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path]
             return avg, norm
 
         chosen_scaling, (merged, diagnostics), curve = select_scaling(grid, trial, validate)
-        test = scorer.score(merged, tasks, "test", device=device)
+        test = scorer.score(merged, tasks, "test", device=device, cache=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     metrics = {**summaries(tasks, test, reference, scorer.metrics), "selected_scaling": float(chosen_scaling)}
