@@ -15,6 +15,16 @@ LLM_MICRO = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidde
                  num_key_value_heads=1, max_position_embeddings=64)
 
 
+class CreatesAFile:
+    """Unpickling this creates ``path``: a pickle that must never be loaded."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
 def perturbed(state: dict, seed: int, prefix: str, scale: float = 0.02) -> dict:
     """The floating-point entries of ``state`` under ``prefix``, each plus ``scale`` times seeded noise."""
     g = torch.Generator().manual_seed(seed)

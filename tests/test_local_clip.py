@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from local_models import CLIP_ARCH, CLIP_TASKS, perturbed, write_image_datasets
+from local_models import CLIP_ARCH, CLIP_TASKS, CreatesAFile, perturbed, write_image_datasets
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
 from mergecal.pipeline import local_clip
@@ -23,16 +23,6 @@ from mergecal.pipeline.config import load_params, parse_params
 
 ARCH, TASKS = CLIP_ARCH, CLIP_TASKS
 EVALUATION = {"batch_size": 16, "max_validation": 12}
-
-
-class _CreatesAFile:
-    """Unpickling this creates ``path``: a pickle that must never be loaded."""
-
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +74,7 @@ def lab(tmp_path_factory):
     shutil.copytree(ckpt / "hf" / "SVHN", ckpt / "bad" / "missing-shard")
     sorted((ckpt / "bad" / "missing-shard").glob("model-*.safetensors"))[-1].unlink()
     marker = root / "unpickled.txt"
-    torch.save({"weights": _CreatesAFile(marker)}, ckpt / "bad" / "evil.pt")
+    torch.save({"weights": CreatesAFile(marker)}, ckpt / "bad" / "evil.pt")
     return root, marker
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from local_models import CreatesAFile
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
 from mergecal.pipeline import local_llm
@@ -86,16 +87,6 @@ def test_content_hashes_are_cached_on_disk_by_path_size_and_mtime(tmp_path, monk
 
 # ------------------------------------------------------------------------------------------ checkpoints
 
-class _CreatesAFile:
-    """Unpickling this creates ``path``: a pickle that must never be loaded."""
-
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A micro Llama base and experts (random perturbations of it) in the layouts a lab has on disk: single
@@ -132,7 +123,7 @@ def checkpoints(tmp_path_factory):
         if (base / name).exists():
             shutil.copy2(base / name, pickled / name)
     marker = root / "UNPICKLED"
-    (pickled / "pytorch_model.bin").write_bytes(pickle.dumps(_CreatesAFile(marker)))
+    (pickled / "pytorch_model.bin").write_bytes(pickle.dumps(CreatesAFile(marker)))
     return root, marker
 
 
