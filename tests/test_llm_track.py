@@ -299,3 +299,17 @@ def test_a_model_scored_once_leaves_no_response_cache(suite, micro, tmp_path):
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
     cached = scorer.score(path, ["knowledge", "sentiment"], "validation", device="cpu")
     assert once == cached and len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_lm_eval_scoring_does_not_import_open_clip():
+    """The LLM stages import the lm-eval scorer; open_clip (and torchvision) would add 5-10 s to each such process
+    on the 2-core machine for nothing, so ``mergecal.evaluation`` imports its CLIP evaluation only on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mergecal.evaluation.lm_eval_tasks, mergecal.pipeline.llm; "
+            "assert 'open_clip' not in sys.modules, 'open_clip imported'; "
+            "from mergecal.evaluation import evaluate; assert evaluate.__module__ == 'mergecal.evaluation.zeroshot'; "
+            "assert 'open_clip' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
