@@ -184,3 +184,19 @@ def test_gram_solver_on_a_rank_deficient_update_stays_finite_and_guarded():
     svd64, _ = Svc(alpha=1.0, solver="svd", float64=True).calibrate("w", merged, taus)
     assert torch.isfinite(gram).all() and torch.isfinite(info["s"]).all()
     torch.testing.assert_close(gram, svd64, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lam", [0.2, 1.0])
+def test_orthogonal_task_vectors_are_enlarged_by_k_over_lambda_plus_the_floor(lam):
+    """Task vectors with disjoint row and column blocks share no direction: each merged direction is owned by one
+    task (s = λ for it, 0 → the floor α = 1/K for the K − 1 others), so γ = K / (λ + (K − 1)/K) on every direction
+    (docs/calibration-evidence.md: why SVC enlarges the vision track's merges)."""
+    torch.manual_seed(0)
+    K, b = 8, 6
+    taus = []
+    for i in range(K):
+        t = torch.zeros(K * b, K * b)
+        t[i * b:(i + 1) * b, i * b:(i + 1) * b] = torch.randn(b, b)
+        taus.append(t)
+    gamma = svc_coefficients(lam * sum(taus), taus, 1 / K)["gamma"]
+    assert torch.allclose(gamma, torch.full_like(gamma, K / (lam + (K - 1) / K)), rtol=1e-5)
