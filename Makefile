@@ -18,6 +18,10 @@ export TRANSFORMERS_OFFLINE := 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 # OpenMP threads sleep when idle rather than spin beside other work (mergecal/offline.py; #17)
 export OMP_WAIT_POLICY := PASSIVE
+# the same CPU kernels (MKL, oneDNN, ATen) on every AVX2 machine, so a run trains the same models (mergecal/offline.py)
+export MKL_CBWR := AVX2
+export ONEDNN_MAX_CPU_ISA := AVX2
+export ATEN_CPU_CAPABILITY := avx2
 
 .PHONY: setup run test lint fast perf clean
 

@@ -1,7 +1,7 @@
-"""The environment that keeps the stack offline and quiet (../shared/notes/stack.md), and its OpenMP threads
-passive, defined once. The stage scripts and the tests apply all of it; the model loaders apply the hub part
-before importing transformers or lm-eval. The Makefile exports the same variables for dvc and the servers it
-starts (a test keeps them equal)."""
+"""The environment that keeps the stack offline and quiet (../shared/notes/stack.md), its OpenMP threads
+passive and its CPU kernels pinned, defined once. The stage scripts and the tests apply all of it; the model
+loaders apply the hub part before importing transformers or lm-eval. The Makefile exports the same variables
+for dvc and the servers it starts (a test keeps them equal)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,15 @@ QUIET = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "M
 # scripts/perf_wait_policy.py measures it). Thread counts stay the libraries' own (all cores) for the default single
 # worker; MERGECAL_TORCH_THREADS (mergecal.pipeline.cells.threads_from_env) caps torch's per worker.
 THREADING = {"OMP_WAIT_POLICY": "PASSIVE"}
-OFFLINE_ENV = {**HUB_OFFLINE, **QUIET, **THREADING}
+# The same CPU kernels on every x86-64 machine with AVX2: MKL (matmuls), oneDNN (convolutions) and ATen's own
+# vectorized kernels each pick a code path by the CPU's instruction set, and each choice changes the bits of a
+# training run (measured: 5 AdamW steps of a conv + transformer layer give four different results with each
+# library's path changed alone). The chaotic tiny pretraining then turns those bits into other models: the
+# 2026-11-25 machines trained different vision testbeds from the same code and seed (docs/performance.md).
+# AVX2 is what the 2-core AMD EPYC machines pick by themselves (same bits as unset there); an AVX-512 machine runs
+# slower with it but trains the same models. Thread counts change the bits too (they stay the libraries' own).
+KERNELS = {"MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+OFFLINE_ENV = {**HUB_OFFLINE, **QUIET, **THREADING, **KERNELS}
 
 
 def apply(variables: Mapping[str, str] = OFFLINE_ENV, environ: MutableMapping[str, str] = os.environ) -> None:
