@@ -22,10 +22,10 @@ CHAINS = ["{merge}", "{merge}>wsc", "{merge}>dsc", "distac>{merge}", "distac>{me
 def _params(root, track: dict, **evaluation):
     """params.yaml of the lab's track alone, with every chain, written under ``root`` and loaded."""
     data = {"vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
-            "distac": {"steps": 3, "batch_size": 8}, "probing": {"max_samples": 12, "top": 3},
+            "probing": {"max_samples": 12, "top": 3},
             "benchmark": {"merges": {"task_arithmetic": {"scaling": [0.3, 1.0]}}, "chains": CHAINS,
                           "evaluation": {"fsc_samples_per_task": 2, "distac_samples": 16, **evaluation}},
-            "local_clip": [track]}
+            "local_clip": [{"distac": {"steps": 3, "batch_size": 8}, **track}]}
     (root / "params.yaml").write_text(yaml.safe_dump(data))
     return load_params(root / "params.yaml")
 
@@ -145,7 +145,8 @@ def test_distac_cells_read_the_conditioned_encoder_instead_of_the_checkpoint(lab
 
 def test_a_cell_refuses_distac_files_of_other_parameters(lab):
     root, params, _ = lab
-    other = params.model_copy(update={"distac": {"steps": 4, "batch_size": 8}})
+    other = params.model_copy(update={"local_clip": [params.local_clip[0].model_copy(
+        update={"distac": {"steps": 4, "batch_size": 8}})]})
     with pytest.raises(CheckpointError, match="DisTaC parameters differ from the cell's recipe"):
         track_mod.run(_cell(other, "distac>{merge}"), other, root, scaling=1.0)
 
@@ -173,3 +174,30 @@ def test_fsc_measures_a_lazy_sequence_of_fine_tuned_models_as_a_list():
     lazy = measure_fsc(merged, pre, Lazy(), data, progress=False)
     assert reads == [0, 1]  # each model read once, in task order
     assert all(torch.equal(eager.raw_ratios[k], lazy.raw_ratios[k]) for k in eager.raw_ratios)
+
+
+@pytest.mark.parametrize("distac, message", [
+    ({"stepz": 1}, r"^params.yaml: local_clip.0.distac: distac: unknown parameter 'stepz'"),
+    ({"steps": 0}, r"^params.yaml: local_clip.0.distac: distac: parameter 'steps'"),
+])
+def test_a_bad_distac_setting_of_a_track_is_one_line_naming_its_key(distac, message):
+    from mergecal.pipeline.config import parse_params
+
+    track = {"name": "x", "model": {"arch": CLIP_ARCH, "pretrained": "p.safetensors"}, "finetuned": {"MNIST": "a",
+             "SVHN": "b"}, "datasets": {"MNIST": "d", "SVHN": "d"}, "distac": distac}
+    with pytest.raises(ParameterError, match=message) as info:
+        parse_params({"local_clip": [track]})
+    assert "\n" not in str(info.value)
+
+
+def test_a_tracks_distac_is_the_papers_preset_unless_it_overrides_it():
+    from mergecal.pipeline.config import parse_params
+
+    track = {"name": "x", "model": {"arch": CLIP_ARCH, "pretrained": "p.safetensors"}, "finetuned": {"MNIST": "a",
+             "SVHN": "b"}, "datasets": {"MNIST": "d", "SVHN": "d"}}
+    params = parse_params({"local_clip": [track], "distac": {"steps": 7}})  # the testbed's section: not applied
+    step = params.local_clip[0].distac_step()
+    assert (step.steps, step.batch_size, step.lr, step.beta, step.t_teacher, step.t_student, step.kappa,
+            step.apply_to) == (500, 128, 1e-5, 0.5, 10.0, 10.0, None, "largest_norm")
+    assert parse_params({"local_clip": [{**track, "distac": {"preset": "low_confidence"}}]}).local_clip[0] \
+        .distac_step().apply_to == "all"

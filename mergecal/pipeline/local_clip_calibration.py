@@ -12,8 +12,8 @@ key's task-vector slice is scaled by ``probing.scale``. The paper probes on CIFA
 of the tasks; a local track has no such dataset, so it probes on a seeded sample of the tasks' own train splits
 (``probing.max_samples`` in all, each task scored with its zero-shot head, accuracy averaged over the tasks).
 
-DisTaC (the paper's preset for fine-tuned models without a known failure mode: ``norm_mismatch`` unless
-``distac.preset`` says otherwise, ``mergecal.pipeline.vision.distac_params``) takes its kappas from the
+DisTaC (the paper's preset for fine-tuned models without a known failure mode, ``norm_mismatch``, with the
+track's own ``distac`` overrides: ``LocalClipTrack.distac_step``) takes its kappas from the
 task-vector norms ``local_tracks`` measured key by key, and distils one model at a time on
 ``benchmark.evaluation.distac_samples`` unlabeled train images of its task; only conditioned models are written
 (the others are the lab's checkpoints, read in place).
@@ -118,11 +118,11 @@ def distac(params: Params, track: LocalClipTrack, root: str | Path = ".", *, dev
     image encoder written atomically, then ``distac.json``."""
     from ..backbones.open_clip_vit import image_size, preprocess
     from ..calibrations.distac import distill_task_vector, kappas_from_norms
-    from .vision import TaskHeadModel, distac_params
+    from .vision import TaskHeadModel
 
     root = Path(root)
     reference = _checked_references(track, root)
-    step = distac_params(params, "standard")
+    step = track.distac_step()
     tasks = list(track.finetuned)
     norms = [float(reference["tasks"][t]["norm"]) for t in tasks]
     kappas = kappas_from_norms(norms) if step.kappa is None else [step.kappa] * len(tasks)

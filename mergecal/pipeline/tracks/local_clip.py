@@ -47,10 +47,8 @@ def enabled(params: Params) -> bool:
 
 
 def cells(params: Params) -> list[Cell]:
-    """References, then every chain around every merge method (a DisTaC step takes the paper's preset for models
-    without a known failure mode, as the vision track's standard regime)."""
+    """References, then every chain around every merge method (a DisTaC step is the track's, ``distac_step``)."""
     from ..cells import REFERENCES
-    from ..vision import distac_params
     from .llm import _chains
 
     out = []
@@ -58,7 +56,7 @@ def cells(params: Params) -> list[Cell]:
         out += [Cell(track_name(t), t.name, t.task_set, tuple(t.task_names), "standard", ref, "") for ref in REFERENCES]
         for merge, chain, values, grid, recipe in _chains(params):
             steps = [(s.name, values if s.phase == "merge" else
-                      distac_params(params, "standard").model_dump() if s.name == "distac" else s.params.model_dump())
+                      t.distac_step().model_dump() if s.name == "distac" else s.params.model_dump())
                      for s in recipe.steps]
             out.append(recipe_cell(params, track_name(t), t.name, t.task_set, t.task_names, "standard", merge, chain,
                                    steps, grid))
