@@ -25,7 +25,7 @@ def _params(root, track: dict, **evaluation):
             "probing": {"max_samples": 12, "top": 3},
             "benchmark": {"merges": {"task_arithmetic": {"scaling": [0.3, 1.0]}}, "chains": CHAINS,
                           "evaluation": {"fsc_samples_per_task": 2, "distac_samples": 16, **evaluation}},
-            "local_clip": [{"distac": {"steps": 3, "batch_size": 8}, **track}]}
+            "local_clip": [track]}
     (root / "params.yaml").write_text(yaml.safe_dump(data))
     return load_params(root / "params.yaml")
 
