@@ -133,8 +133,7 @@ def distac(params: Params, track: LocalClipTrack, root: str | Path = ".", *, dev
     pre, pre_visual, views = _open(track, root)
     arch, heads = arch_of(track, root), load_state_dict(heads_path(track, root))
     pretrained = {k: pre_visual.get(k) for k in pre_visual.keys()}
-    model = build_model(arch, pre)  # rebuilt per call with the given image encoder: teacher, then student
-    size = image_size(model)
+    size = image_size(build_model(arch, pre))  # the models are built by ``build``: teacher, then student
     out_dir = distac_dir(track, root)
     info: dict = {"params": step.model_dump(mode="json"), "kappas": dict(zip(tasks, kappas)), "conditioned": [],
                   "norms": {}, "history": {}}
