@@ -3,6 +3,8 @@ their stage functions, and the cells `{merge}>dsc`, `distac>{merge}`, `distac>{m
 CLIP with three fine-tuned checkpoints and tiny datasets written to disk (tests/local_models.py)."""
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -86,12 +88,17 @@ def test_distac_conditions_the_longest_task_vector_to_the_mean_norm_of_the_other
 def test_too_few_train_images_is_one_line_naming_the_key_and_recorded_for_the_track(lab, tmp_path):
     root, _, track = lab
     params = _params(tmp_path, track.model_dump(mode="json"), distac_samples=999)
-    with pytest.raises(ParameterError, match=r"^params.yaml: local_clip.0.datasets.\w+: the train split at .* holds "
-                                             r"20 images; benchmark.evaluation.distac_samples needs 999$"):
-        calibration.distac(params, track, root)
+    message = (r"^params.yaml: local_clip.0.datasets.SVHN: the train split at .* holds 20 images; "
+               r"benchmark.evaluation.distac_samples needs 999$")
     out = calibration.all_tracks(params, tmp_path, "distac", log=lambda _: None)
-    assert "references of local_clip track 'lab' not found" in out["lab"]["error"]  # nothing built here
+    assert "references of local_clip track 'lab' not found" in out["lab"]["error"]  # no local_tracks here yet
+    shutil.copytree(root / "models/local/tracks", tmp_path / "models/local/tracks")  # the references, as built
+    with pytest.raises(ParameterError, match=message):
+        calibration.distac(params, track, tmp_path)
+    out = calibration.all_tracks(params, tmp_path, "distac", log=lambda _: None)
+    assert re.match(message, out["lab"]["error"].removeprefix("ParameterError: "))
     assert json.loads((calibration.distac_dir(track, tmp_path) / "distac.json").read_text()) == out["lab"]
+    assert not list(calibration.distac_dir(track, tmp_path).glob("*.safetensors"))
 
 
 def test_every_chain_is_a_cell_of_the_track_and_none_is_skipped(lab):

@@ -135,6 +135,7 @@ def distac(params: Params, track: LocalClipTrack, root: str | Path = ".", *, dev
     pretrained = {k: pre_visual.get(k) for k in pre_visual.keys()}
     size = image_size(build_model(arch, pre))  # the models are built by ``build``: teacher, then student
     out_dir = distac_dir(track, root)
+    (out_dir / "distac.json").unlink(missing_ok=True)  # no earlier record beside the encoders written now
     info: dict = {"params": step.model_dump(mode="json"), "kappas": dict(zip(tasks, kappas)), "conditioned": [],
                   "norms": {}, "history": {}}
 

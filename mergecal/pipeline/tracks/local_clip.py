@@ -28,6 +28,8 @@ from ..config import LocalClipTrack, Params
 from . import llm
 
 NAME = "local_clip"
+
+
 def track_name(track: LocalClipTrack) -> str:
     return f"{NAME}:{track.name}"
 
