@@ -78,7 +78,8 @@ def write_clip_track(root: Path, name: str) -> dict:
         finetuned[task] = str(save_state_dict(perturbed(state, 2 + i, "visual."), root / f"{task}.safetensors"))
     return {"name": name, "model": {"arch": CLIP_ARCH, "pretrained": str(root / "pretrained.safetensors")},
             "finetuned": finetuned, "datasets": {t: str(root / "data") for t in CLIP_TASKS},
-            "evaluation": {"batch_size": 16, "max_validation": 12}}
+            "evaluation": {"batch_size": 16, "max_validation": 12},
+            "distac": {"steps": 3, "batch_size": 8}}  # the paper's 500 steps of 128 images: not at smoke size
 
 
 def write_llm_family(root: Path, name: str) -> dict:

@@ -192,17 +192,20 @@ def prefect_server():
 def _write_params(root: Path, tracks: list[dict], name: str,
                   chains=("{merge}", "{merge}>svc", "{merge}>wsc", "{merge}>dsc"), scaling=(0.3, 1.0)) -> str:
     data = {"vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
-            "benchmark": {"merges": {"task_arithmetic": {"scaling": list(scaling)}}, "chains": list(chains)},
-            "local_clip": tracks}
+            "benchmark": {"merges": {"task_arithmetic": {"scaling": list(scaling)}}, "chains": list(chains),
+                          "evaluation": {"fsc_samples_per_task": 2, "distac_samples": 16}},
+            "probing": {"max_samples": 30, "top": 3},  # 20 train images a task
+            "local_clip": [{"distac": {"steps": 2, "batch_size": 8}, **t} for t in tracks]}
     (root / name).write_text(yaml.safe_dump(data))
     return name
 
 
 def _stages(root: Path, params_name: str) -> dict:
-    """The DVC stages `local_inputs` and `local_tracks` (their scripts, in process); the references written."""
-    from stages import local_inputs, local_tracks
+    """The DVC stages `local_inputs`, `local_tracks`, `local_sensitivity` and `local_distac` (their scripts, in
+    process); the references written."""
+    from stages import local_distac, local_inputs, local_sensitivity, local_tracks
 
-    for stage in (local_inputs, local_tracks):
+    for stage in (local_inputs, local_tracks, local_sensitivity, local_distac):
         assert stage.run(stage.stage, ["--root", str(root), "--params", params_name]) == 0
     params = load_params(root / params_name)
     return {t.name: json.loads(local_clip.references_path(t, root).read_text()) for t in params.local_clip}
@@ -232,17 +235,16 @@ def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what
     recorded = json.loads((root / "models/local/inputs.json").read_text())
     assert recorded["hf"]["files"]["finetuned.SVHN/model.safetensors.index.json"]["size"] > 0
     assert len([r for r in recorded["oc"]["files"] if r.startswith("dataset.EuroSAT/")]) == 3
-    assert not [p for p in (root / "models").rglob("*.safetensors") if p.name != "heads.safetensors"]
+    assert not [p for p in (root / "models").rglob("*.safetensors")  # no checkpoint copied (DisTaC's are new models)
+                if p.name != "heads.safetensors" and "distac" not in p.parts]
 
     first = flow_module.run_benchmark(params_path=name, root=str(root))
-    assert (first["cells"], first["failed"], first["cached"]) == (10, 0, 0), [r.get("error") for r in first["rows"]]
-    skipped = [r for r in first["rows"] if "skipped" in r]
-    assert {(r["track"], r["label"]) for r in skipped} == {("local_clip:oc", "task_arithmetic>dsc"),
-                                                           ("local_clip:hf", "task_arithmetic>dsc")}
+    assert (first["cells"], first["failed"], first["cached"]) == (12, 0, 0), [r.get("error") for r in first["rows"]]
+    assert not [r for r in first["rows"] if "skipped" in r]  # the data chain (dsc) runs on local CLIP tracks
     tracker = Tracker(root, "mergecal")
     runs = tracker.client.search_runs([tracker.experiment_id], "tags.`mergecal.track` = 'local_clip:hf' and "
                                       "tags.`mergecal.status` = 'ok'", max_results=100)
-    assert len(runs) == 5 and {r.data.tags["mergecal.backbone"] for r in runs} == {"hf"}
+    assert len(runs) == 6 and {r.data.tags["mergecal.backbone"] for r in runs} == {"hf"}
     for run in runs:
         assert {"acc.MNIST", "acc.EuroSAT", "acc.SVHN", "avg_norm_acc", "ece.SVHN"} <= set(run.data.metrics)
         assert {"arch", "data.MNIST", "open_clip_version"} <= set(run.data.params)
@@ -255,7 +257,7 @@ def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what
 
     monkeypatch.setattr(flow_module, "run_cell", must_not_run)
     second = flow_module.run_benchmark(params_path=name, root=str(root))
-    assert (second["cached"], second["failed"]) == (10, 0)
+    assert (second["cached"], second["failed"]) == (12, 0)
     monkeypatch.undo()
 
     # a changed fine-tuned checkpoint of the HF track: its hash alone is read again, and exactly hf's cells rerun
@@ -274,11 +276,11 @@ def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what
         _stages(root, name)
     assert [p.name for p in reads if "ckpt" in p.parts] == [shard.name]
     third = flow_module.run_benchmark(params_path=name, root=str(root))
-    assert third["failed"] == 0 and third["cached"] == 5
+    assert third["failed"] == 0 and third["cached"] == 6
     with sqlite3.connect(root / "mlruns" / "mlruns.db") as con:
         ok = con.execute("select t.value from tags t join tags s on s.run_uuid = t.run_uuid and s.key = "
                          "'mergecal.status' and s.value = 'ok' where t.key = 'mergecal.track'").fetchall()
-    assert sorted(v for (v,) in ok) == ["local_clip:hf"] * 10 + ["local_clip:oc"] * 5
+    assert sorted(v for (v,) in ok) == ["local_clip:hf"] * 12 + ["local_clip:oc"] * 6
     assert not marker.exists()
 
     from mergecal.pipeline.tracking import tracking_uri
@@ -287,7 +289,7 @@ def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what
     write_reports(tracking_uri(root, "mlruns"), "mergecal", root / "reports", third["invocation_id"])
     board = (root / "reports" / "leaderboard.md").read_text()
     assert "oc · local · standard" in board and "hf · local · standard" in board
-    assert "task_arithmetic>wsc" in board and "not run on local CLIP tracks yet" in board
+    assert "task_arithmetic>wsc" in board and "task_arithmetic>dsc" in board
 
 
 @pytest.mark.slow

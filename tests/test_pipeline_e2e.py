@@ -105,6 +105,9 @@ def test_cold_repro_builds_everything_and_reports(workspace):
     # the lab's own models went through the same stages and flow into the leaderboard (#16)
     own = [row for row in summary["rows"] if row.get("track", "").startswith(("local_clip:", "local_llm:"))]
     assert {row["track"] for row in own} == {"local_clip:lab-clip", "local_llm:lab-llm"}, summary["rows"][:3]
+    clip_rows = [row for row in own if row["track"] == "local_clip:lab-clip"]
+    assert not [row for row in clip_rows if "skipped" in row]  # its data chains (dsc, DisTaC) run
+    assert {"task_arithmetic>dsc", "distac>task_arithmetic>svc>dsc"} <= {row["label"] for row in clip_rows}
     assert "lab-clip" in markdown and "lab-llm" in markdown
     shown = subprocess.run([str(BIN / "dvc"), "metrics", "show", "--json"], cwd=root, env=_env(), capture_output=True,
                            text=True)

@@ -111,7 +111,13 @@ def norm_matching_kappas(task_vectors: Sequence[StateDict]) -> list[float]:
     """
     if len(task_vectors) == 0:
         raise ParameterError("distac: parameter 'task_vectors' is empty; give at least one task vector")
-    norms = [task_vector_norm(tv) for tv in task_vectors]
+    return kappas_from_norms([task_vector_norm(tv) for tv in task_vectors])
+
+
+def kappas_from_norms(norms: Sequence[float]) -> list[float]:
+    """``norm_matching_kappas`` from the task vectors' norms (e.g. measured key by key from checkpoints)."""
+    if len(norms) == 0:
+        raise ParameterError("distac: no task vector norm given")
     kappas = [1.0] * len(norms)
     if len(norms) == 1:
         return kappas

@@ -309,7 +309,8 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
     """Measure the FSC ratios of every hooked module (module docstring, steps 1-4).
 
     ``merged``, ``pretrained`` and each of ``finetuned`` are nn.Modules of the same architecture on the same
-    device; ``task_inputs[t]`` is task t's batch (a tensor, a mapping of tensors or a tuple, as ``run`` takes
+    device (``finetuned`` may be a lazy Sequence: item t is read once, while task t is measured);
+    ``task_inputs[t]`` is task t's batch (a tensor, a mapping of tensors or a tuple, as ``run`` takes
     it; its first ``n_samples_per_task`` samples are used). ``family``: a registered name, a family, a list
     of module names, or None to detect. ``run(model, batch)`` defaults to the family's (open_clip:
     ``encode_image``). All models run in eval mode; their training flags are restored afterwards.
@@ -318,8 +319,7 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
     fam = resolve_family(family, merged)
     specs = fam.fsc_modules(merged)
     _check_specs(specs)
-    finetuned = list(finetuned)
-    if not finetuned:
+    if len(finetuned) == 0:  # a Sequence: finetuned[t] is read once, in task order (it may build the model lazily)
         raise ParameterError("fsc: at least one fine-tuned model is required")
     batches = _task_batches(task_inputs, len(finetuned), params)
     flags = sensitive_flags(merged, [s.name for s in specs], params.sensitive)
@@ -329,14 +329,16 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
     device = next((p.device for p in merged.parameters()), torch.device("cpu"))
 
     per_task: list[dict[str, torch.Tensor]] = []
-    with _eval_mode(merged, pretrained, *finetuned):
+    with _eval_mode(merged, pretrained):
         for t in tqdm(range(len(finetuned)), desc="fsc: measuring task features", unit="task", disable=not progress):
+            task_model = finetuned[t]
             probes = {s.name: _Probe(s, base_modules[s.name],
-                                     _matching_module(finetuned[t], s.name, merged_modules[s.name], f"fine-tuned #{t}"),
+                                     _matching_module(task_model, s.name, merged_modules[s.name], f"fine-tuned #{t}"),
                                      params.norm) for s in specs}
             handles = [merged_modules[n].register_forward_hook(p, with_kwargs=True) for n, p in probes.items()]
             try:
-                run(merged, _to_device(batches[t], device))
+                with _eval_mode(task_model):
+                    run(merged, _to_device(batches[t], device))
             finally:
                 for handle in handles:
                     handle.remove()

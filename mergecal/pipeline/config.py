@@ -409,7 +409,31 @@ class LocalClipTrack(Strict):
     class_names: dict[str, list[str]] = Field(default_factory=dict)
     templates: dict[str, list[str]] = Field(default_factory=dict)
     evaluation: LocalClipEvaluation = Field(default_factory=LocalClipEvaluation)
+    # DisTaC of the track's `distac>` chains: the paper's norm_mismatch preset (500 steps, batch 128, lr 1e-5),
+    # these values overriding it (not the shared `distac:` section, which is the embedded testbed's)
+    distac: dict[str, Any] = Field(default_factory=dict)
     allow_unsafe_pickle: bool = False
+
+    @field_validator("distac")
+    @classmethod
+    def _distac(cls, values: dict[str, Any]) -> dict[str, Any]:
+        from ..calibrations.distac import DistacStepParams
+        from ..methods.base import build_params
+
+        try:
+            build_params(DistacStepParams, "distac", {"preset": "norm_mismatch", **values})
+        except MergecalError as err:
+            raise ValueError(str(err)) from None
+        return values
+
+    def distac_step(self):
+        """The track's DisTaC step: the paper's preset for models without a known failure mode (the vision
+        track's standard regime: norm matching, ``mergecal.pipeline.vision.DISTAC_PRESETS``), then ``distac``."""
+        from ..calibrations.distac import DistacStepParams
+        from ..methods.base import build_params
+        from .vision import DISTAC_PRESETS
+
+        return build_params(DistacStepParams, "distac", {"preset": DISTAC_PRESETS["standard"], **self.distac})
 
     @field_validator("finetuned")
     @classmethod

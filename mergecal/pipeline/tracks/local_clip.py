@@ -1,17 +1,19 @@
 """CLIP tracks from local files (``local_clip:`` in params.yaml), one configured track each: cells named
-``local_clip:<name>``: the references, then every merge method in every weight-space chain (``{merge}``,
-``{merge}>svc``, ``{merge}>wsc``, ...), the image encoders merged key by key from the lab's checkpoints in
-place (never copied) and every task scored with its frozen zero-shot head. What the stages record:
-``mergecal.pipeline.local_clip``.
+``local_clip:<name>``: the references, then every merge method in every chain of the matrix (``{merge}``,
+``{merge}>svc``, ``{merge}>wsc``, ``{merge}>dsc``, ``distac>{merge}``, ...), the image encoders merged key by key
+from the lab's checkpoints in place (never copied) and every task scored with its frozen zero-shot head. What
+the stages record: ``mergecal.pipeline.local_clip`` and, for the data chains, ``local_clip_calibration``.
 
-A cell's inputs are its track's references.json (which holds each dataset's digest) and heads, and every file
+A cell's inputs are its track's references.json (which holds each dataset's digest) and heads, every file
 of the checkpoints it reads (the pretrained model; the fine-tuned ones unless it is the ``zeroshot`` row), each
-hashed by content (cached by path, size and mtime). A checkpoint or dataset that failed in the
-``local_tracks`` stage fails the track's cells with the stage's one-line error; other tracks go on.
+hashed by content (cached by path, size and mtime), and what its steps read: the sensitivity ranking (WSC,
+FSC), the DisTaC-conditioned encoders. A checkpoint or dataset that failed in a stage fails the track's cells
+with the stage's one-line error; other tracks go on.
 
 The cell holds one model: the pretrained CLIP whose image encoder is overwritten, key by key, with each
 merge of the scaling grid as it streams out of ``iter_weight_space`` (K fine-tuned slices of one key at a
-time); the chosen merge is streamed again before the test split.
+time); the chosen merge is streamed again before the test split. An FSC step (``dsc``) adds three: the
+pretrained CLIP, one fine-tuned CLIP reloaded per task, and the calibrated copy of the merge.
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ import json
 from pathlib import Path
 
 from ..cells import Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params, jsonable_diagnostics, \
-    select_scaling, summaries, validation_averages
+    recipe_cell, select_scaling, summaries, uses_sensitivity, validation_averages
+from ...errors import CheckpointError
 from ..config import LocalClipTrack, Params
 from . import llm
 
 NAME = "local_clip"
-SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) are not run on local "
-               "CLIP tracks yet (they would hold and train K full models on the real datasets inside a cell); the "
-               "track runs weight-space chains (merge, svc, wsc)")
 
 
 def track_name(track: LocalClipTrack) -> str:
@@ -49,20 +49,31 @@ def enabled(params: Params) -> bool:
 
 
 def cells(params: Params) -> list[Cell]:
-    # the same matrix as an LLM family: references, then each weight-space chain around each merge method
-    return [cell for t in _enabled(params)
-            for cell in llm.family_cells(params, track_name(t), t.name, t.task_set, t.task_names)]
+    """References, then every chain around every merge method (a DisTaC step is the track's, ``distac_step``)."""
+    from ..cells import REFERENCES
+    from .llm import _chains
+
+    out = []
+    for t in _enabled(params):
+        out += [Cell(track_name(t), t.name, t.task_set, tuple(t.task_names), "standard", ref, "") for ref in REFERENCES]
+        for merge, chain, values, grid, recipe in _chains(params):
+            steps = [(s.name, values if s.phase == "merge" else
+                      t.distac_step().model_dump() if s.name == "distac" else s.params.model_dump())
+                     for s in recipe.steps]
+            out.append(recipe_cell(params, track_name(t), t.name, t.task_set, t.task_names, "standard", merge, chain,
+                                   steps, grid))
+    return out
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
-    return [item for t in _enabled(params)
-            for item in llm.family_skipped(params, track_name(t), t.name, t.task_set, t.task_names, SKIP_REASON)]
+    return []  # every chain runs
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     """references.json, the heads and every file of the checkpoints the cell reads (a missing one contributes
     nothing: references.json then holds its error, and the cell fails with it)."""
     from ..local_clip import heads_path, model_paths, references_path
+    from ..local_clip_calibration import distac_dir, sensitivity_path
 
     track = _config(cell, params)
     models = {role: path for role, path in model_paths(track, root).items()
@@ -70,7 +81,20 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     files = {"reference": references_path(track, root), **llm.model_files(models)}
     if heads_path(track, root).is_file():
         files["heads"] = heads_path(track, root)
-    return files
+    steps = {}  # what the data chains' stages wrote (a missing file contributes nothing: the cell fails on it)
+    if cell.recipe and uses_sensitivity(cell.recipe):
+        steps["sensitivity"] = sensitivity_path(track, root)
+    if cell.recipe.startswith("distac"):
+        info = distac_dir(track, root) / "distac.json"
+        steps["distac"] = info
+        for task in _conditioned(info):
+            steps[f"distac.{task}"] = distac_dir(track, root) / f"{task}.safetensors"
+    return {**files, **{role: path for role, path in steps.items() if path.is_file()}}
+
+
+def _conditioned(info: Path) -> list[str]:
+    """The tasks whose conditioned encoder the DisTaC stage wrote (none when it recorded an error)."""
+    return json.loads(info.read_text()).get("conditioned", []) if info.is_file() else []
 
 
 def _open_clip_version() -> str:
@@ -96,14 +120,80 @@ def _reference(track: LocalClipTrack, cell: Cell, root: Path) -> dict:
     return checked_reference(references_path(track, root), f"local_clip track {track.name!r}", cell.tasks)
 
 
+class _ReloadedModels:
+    """FSC's fine-tuned models as a lazy sequence: one CLIP, its image encoder reloaded for task t when FSC
+    reads item t (``measure_fsc`` reads each once, in order), so one fine-tuned model is held at a time."""
+
+    def __init__(self, model, views):
+        self.model, self.views = model, views
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getitem__(self, t: int):
+        from ..local_clip import load_visual
+
+        view = self.views[t]
+        load_visual(self.model, ((k, view.get(k)) for k in view.keys()))
+        return self.model
+
+
+def _distac_views(track: LocalClipTrack, root: Path, pre, step, tasks: list[str]) -> dict:
+    """The DisTaC-conditioned image encoders of ``tasks`` the stage wrote, checked against the cell's step."""
+    from safetensors import SafetensorError, safe_open
+
+    from ...checkpoint import SafetensorsSource
+    from ..local_clip import VisualView, visual_keys
+    from ..local_clip_calibration import distac_dir, read_recorded
+
+    info = read_recorded(distac_dir(track, root) / "distac.json", f"DisTaC models of local_clip track {track.name!r}")
+    if info["params"] != step.params.model_dump(mode="json"):
+        raise CheckpointError(f"{distac_dir(track, root)}: DisTaC parameters differ from the cell's recipe "
+                              "(rerun `dvc repro`)")
+    views = {}
+    for task in (t for t in info["conditioned"] if t in tasks):
+        path = distac_dir(track, root) / f"{task}.safetensors"
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                stored = json.loads((fh.metadata() or {}).get("distac", "null"))
+        except (OSError, SafetensorError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"{path}: not a readable DisTaC checkpoint ({err})") from None
+        if stored != info["params"]:
+            raise CheckpointError(f"{path}: DisTaC parameters differ from distac.json (rerun `dvc repro`)")
+        views[task] = VisualView(SafetensorsSource(path), visual_keys(pre))
+    return views
+
+
+def _fsc_data(params: Params, track: LocalClipTrack, root: Path, tasks: list[str], size: int, agnostic: bool):
+    """FSC's unlabeled samples: ``fsc_samples_per_task`` seeded train images per task; for task-agnostic FSC
+    (DSC-A) one shared batch, the same images shuffled across tasks, so no chunk is its task's own data."""
+    import torch
+
+    from ...backbones.open_clip_vit import preprocess
+    from ..local_clip_calibration import train_sample
+
+    n = params.benchmark.evaluation.fsc_samples_per_task
+    data = [preprocess(train_sample(params, track, t, root, n, "benchmark.evaluation.fsc_samples_per_task", size,
+                                    params.seed + 3)[0], size) for t in tasks]
+    if not agnostic:
+        return data
+    mixed = torch.cat(data)
+    return [mixed[torch.randperm(len(mixed), generator=torch.Generator().manual_seed(params.seed))]]
+
+
 def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         scaling: float | None = None) -> CellResult:
+    """Merge -> calibrate -> evaluate one cell: DisTaC-conditioned encoders (read from the stage's files) replace
+    their checkpoints, the merge and weight-space steps stream into the model, an FSC step hooks a copy of it."""
     from ...backbones.open_clip_vit import image_size
+    from ...calibrations.fsc import calibrate_fsc
+    from ...calibrations.probing import SensitivityRanking
     from ...checkpoint import load_state_dict
     from ...recipe import Recipe, iter_weight_space
     from ...task_vectors import TaskVectorSet
     from ..local_clip import (TaskData, arch_of, build_model, finetuned_path, finetuned_visual, heads_path,
                               load_visual, open_checkpoint, pretrained_path, pretrained_visual)
+    from ..local_clip_calibration import read_recorded, sensitivity_path
 
     root = Path(root)
     track = _config(cell, params)
@@ -117,45 +207,76 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     if cell.merge == "finetuned":
         return finetuned_reference(tasks, {t: per_task[t] for t in tasks}, logged)
 
+    recipe = Recipe.parse(cell.recipe)
     pre = open_checkpoint(pretrained_path(track, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
     pre_visual = pretrained_visual(pre)
     finetuned = [finetuned_visual(pre, finetuned_path(track, t, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
                  for t in tasks]  # checked again here: a file may have changed since the stage ran
+    pre_steps = recipe.phase("pre")
+    conditioned = _distac_views(track, root, pre, pre_steps[0], tasks) if pre_steps else {}
+    finetuned = [conditioned.get(t, view) for t, view in zip(tasks, finetuned)]
+    sensitive, sensitivity_file = None, None
+    if uses_sensitivity(cell.recipe):
+        sensitivity_file = sensitivity_path(track, root)
+        read_recorded(sensitivity_file, f"sensitivity ranking of local_clip track {track.name!r}")
+        sensitive = SensitivityRanking.load(sensitivity_file).sensitive
     tvs = TaskVectorSet(finetuned, pre_visual, names=tasks, device=device)
-    model = build_model(arch_of(track, root), pre)
+    arch = arch_of(track, root)
+    model = build_model(arch, pre)
     heads = load_state_dict(heads_path(track, root))
     data = TaskData(track, root, image_size(model), params.seed)
 
-    recipe = Recipe.parse(cell.recipe)
+    feature = recipe.phase("feature")
+    if feature:  # FSC's pretrained and (reloaded) fine-tuned models, and its samples
+        fsc_params = feature[0].params
+        if fsc_params.sensitive is None and sensitive is not None:
+            fsc_params = fsc_params.model_copy(update={"sensitive": list(sensitive)})
+        model = model.to(device)
+        pre_model = build_model(arch, pre).to(device)
+        task_models = _ReloadedModels(build_model(arch, pre).to(device), finetuned)
+        fsc_data = _fsc_data(params, track, root, tasks, image_size(model), fsc_params.data == "task_agnostic")
+
     steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
     index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
     grid = cell_grid(cell, steps[index][1]["scaling"], scaling)
-    loaded: list = [None]  # the scaling whose merge the model holds
+    loaded: list = [None, model]  # the scaling whose merge the model holds, and the model scored
 
     def trial(value: float):
         chosen = list(steps)
         chosen[index] = (chosen[index][0], {**chosen[index][1], "scaling": value})
         diagnostics: dict = {}
-        updates = iter_weight_space(Recipe(chosen), tvs, diagnostics=diagnostics)
+        updates = iter_weight_space(Recipe(chosen), tvs, sensitive=sensitive, diagnostics=diagnostics)
         load_visual(model, ((k, tvs.load_pretrained(k) + u) for k, u in updates))
-        loaded[0] = value
+        loaded[:] = [value, model]
+        if feature:  # MAGIC: FSC measured on the weight-space result, applied to a copy (the model is reloaded)
+            calibrated = calibrate_fsc(model, pre_model, task_models, fsc_data, params=fsc_params, progress=False)
+            diagnostics["fsc"] = {"ratios": calibrated.ratios, "folded": calibrated.folded,
+                                  "hooked": calibrated.hooked, "identity": calibrated.identity}
+            loaded[1] = calibrated
         return value, diagnostics
 
     def validate(outcome) -> tuple[float, float]:
-        val = {t: data.score(model, heads[t], t, "validation", device) for t in tasks}
+        val = {t: data.score(loaded[1], heads[t], t, "validation", device) for t in tasks}
         return validation_averages(val, per_task, tasks)
 
     chosen_scaling, (_, diagnostics), curve = select_scaling(grid, trial, validate)
     if loaded[0] != chosen_scaling:  # the model holds the grid's last merge: stream the chosen one again
         _, diagnostics = trial(chosen_scaling)
-    test = {t: data.score(model, heads[t], t, "test", device) for t in tasks}
+    test = {t: data.score(loaded[1], heads[t], t, "test", device) for t in tasks}
     metrics = {**summaries(tasks, test, per_task), "selected_scaling": float(chosen_scaling)}
     logged = {**logged, "grid": json.dumps(list(cell.grid)), f"{recipe.merge.name}.scaling": json.dumps(chosen_scaling),
               "scaling_from": cell.scaling_from or "own grid"}
     for step in recipe.steps:
         logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
-    artifacts = jsonable_diagnostics(diagnostics, None)
+    artifacts = jsonable_diagnostics(diagnostics, sensitivity_file)
     if curve:
         artifacts["scaling_curve"] = curve
-    artifacts["task_vectors"] = {t: {"norm": per_task[t]["norm"], "entropy": per_task[t]["entropy"]} for t in tasks}
+    norms = {t: per_task[t]["norm"] for t in tasks}
+    if conditioned:
+        from ..local_clip_calibration import distac_dir
+
+        info = json.loads((distac_dir(track, root) / "distac.json").read_text())
+        artifacts["distac"] = {"kappas": info["kappas"], "conditioned": list(conditioned)}
+        norms.update({t: info["norms"][t]["after"] for t in conditioned})
+    artifacts["task_vectors"] = {t: {"norm": norms[t], "entropy": per_task[t]["entropy"]} for t in tasks}
     return CellResult(metrics, logged, artifacts)
