@@ -8,7 +8,9 @@ our seconds and FusionBench's (sums of per-key medians), the ratio theirs / ours
 median over keys, the largest relative difference ||x - ref||_F / ||ref||_F of each to the reference, and each
 time as a multiple of the method's FLOP floor (``mergecal.perf.merging.flop_floor``) at the matmul GFLOP/s
 measured in the same run (before and after; the faster). The load average is recorded before and after each
-method: another job on the machine slows both sides alike, so read the ratios, not the seconds.
+method: another job on the machine slows both sides, so read the ratios, not the seconds (though not always alike:
+with 2 threads on a loaded machine our numpy/scipy OpenBLAS route slowed far more than FusionBench's torch SVDs;
+docs/performance.md, 2026-11-25). Per-key times are printed as they come.
 
 FusionBench is not a dependency. ``--fusion-bench`` takes its wheel (``pip download --no-deps fusion-bench==0.2.33``)
 or the wheel's unpacked folder; only the four source files with these functions are loaded (its package
@@ -31,11 +33,13 @@ and ``mergecal/`` stays untouched (the benchmark stage depends on all of it).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import importlib.util
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -65,6 +69,7 @@ def _fusion_bench_root(path: Path) -> Path:
     """The folder holding ``fusion_bench/`` (the wheel unpacked into a temporary folder if a .whl is given)."""
     if path.is_file() and path.suffix == ".whl":
         tmp = Path(tempfile.mkdtemp(prefix="fusion-bench-"))
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
         with zipfile.ZipFile(path) as whl:
             whl.extractall(tmp, [n for n in whl.namelist() if n.startswith("fusion_bench/method/")])
         return tmp
@@ -254,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             records[method].append({"key": key, "ours": times["ours"], "theirs": times.get("theirs"),
                                     "ours_diff": rel_diff(out["ours"], ref),
                                     "theirs_diff": rel_diff(out["theirs"], ref) if theirs else None})
+            r = records[method][-1]
+            print(f"  {method} {i + 1}/{len(keys)} {tuple(taus[0].shape)}: ours {r['ours']:.3f} s"
+                  + (f", FusionBench {r['theirs']:.3f} s" if theirs else "") + f", load {os.getloadavg()[0]:.1f}",
+                  flush=True)
         gflops_runs.append(measure_gflops())
         gflops = {d: max(g[d] for g in gflops_runs) for d in ("float32", "float64")}
         row = {**summarize(method, records[method], matrix_shapes, args.tasks, gflops),
