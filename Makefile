@@ -23,7 +23,7 @@ export MKL_CBWR := AVX2
 export ONEDNN_MAX_CPU_ISA := AVX2
 export ATEN_CPU_CAPABILITY := avx2
 
-.PHONY: setup run test lint fast perf clean
+.PHONY: setup run test lint fast perf bench clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,15 @@ run: $(STAMP)
 # Speed and memory of the merge methods and calibrations on ViT-B/32-shaped task vectors.
 perf: $(STAMP)
 	$(BIN)/mergecal perf --calibrations --streaming --models --output reports/perf/merging.md
+
+# TSV-M, Iso-C, Iso-CTS and SVC after TA: ours against FusionBench 0.2.33 and the float64 reference (#17), on ViT-B/32
+# and 2 ViT-L/14 blocks. FusionBench is not a dependency: FUSION_BENCH=its wheel (pip download --no-deps
+# fusion-bench==0.2.33) or the unpacked folder; without it those columns are skipped. Roughly an hour on 2 cores.
+FB_ARG = $(if $(FUSION_BENCH),--fusion-bench $(FUSION_BENCH))
+bench: $(STAMP)
+	$(BIN)/python scripts/perf_fusionbench.py $(FB_ARG) --shapes vit-b-32 --output reports/perf/fusionbench-vit-b-32.md
+	$(BIN)/python scripts/perf_fusionbench.py $(FB_ARG) --shapes vit-l-14 --blocks 2 --methods tsv_m svc \
+		--output reports/perf/fusionbench-vit-l-14.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -347,6 +347,23 @@ def iso_cts(models: Sequence[Model], scaling: float = 1.0, common_space_fraction
     return _per_key(models, lambda mats: iso_cts_matrix(mats, common_space_fraction, rank_rule), scaling)
 
 
+def svc_matrix(mats: Sequence[np.ndarray], alpha: float | None = None) -> np.ndarray:
+    """SVC (Algorithm 1 of the SVC paper, column space) of one key after task arithmetic with lambda = 1: the merged
+    update M = sum_i tau_i = U diag(S) V^T, a_r^m = u_r^T M, a_r^i = u_r^T tau_i, s_ri = <a_r^m, a_r^i> / ||a_r^i||^2,
+    gamma_r = K / sum_i max(alpha, s_ri) (alpha = 1/K by default), result U diag(gamma S) V^T. Vectorised over
+    r and i (tests/test_svc.py's ``reference_gamma`` is the loop form)."""
+    K = len(mats)
+    alpha = 1.0 / K if alpha is None else alpha
+    stacked = np.stack([np.asarray(a, dtype=np.float64) for a in mats])
+    merged = stacked.sum(axis=0)
+    u, s, vt = thin_svd(merged)
+    a_m = u.T @ merged  # [R, n]
+    a_i = u.T[None] @ stacked  # [K, R, n]
+    coeff = (a_i * a_m[None]).sum(-1) / np.maximum((a_i * a_i).sum(-1), 1e-12)
+    gamma = K / np.maximum(alpha, coeff).sum(0)
+    return (u * (gamma * s)) @ vt
+
+
 # --------------------------------------------------------------------------------------------------
 # conditioning diagnostics (so a test can tell an ill-posed truncation from a wrong implementation)
 # --------------------------------------------------------------------------------------------------
