@@ -23,9 +23,9 @@ THREADING = {"OMP_WAIT_POLICY": "PASSIVE"}
 # training run (measured: 5 AdamW steps of a conv + transformer layer give four different results with each
 # library's path changed alone). The chaotic tiny pretraining then turns those bits into other models: the
 # 2026-11-25 machines trained different vision testbeds from the same code and seed (docs/performance.md).
-# AVX2 is the widest set the 2-core AMD EPYC machines have, yet MKL's reproducible mode still changed the low
-# bits there (the 2026-11-25 cold runs before and after: same pretrained CLIP, other fine-tunes and metrics); an
-# AVX-512 machine runs slower with it. Thread counts change the bits too (they stay the libraries' own).
+# AVX2 is the widest set the 2-core AMD EPYC machines have: there the pinned and unpinned kernels gave the same
+# bits (a text fine-tune stage, and the microbenchmark above); an AVX-512 machine runs slower with it. Thread
+# counts change the bits too (they stay the libraries' own).
 KERNELS = {"MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 OFFLINE_ENV = {**HUB_OFFLINE, **QUIET, **THREADING, **KERNELS}
 
