@@ -18,6 +18,8 @@ export TRANSFORMERS_OFFLINE := 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 # OpenMP threads sleep when idle rather than spin beside other work (mergecal/offline.py; #17)
 export OMP_WAIT_POLICY := PASSIVE
+# numpy/scipy's OpenBLAS: one thread (faster for the Gram route, idle or shared; mergecal/offline.py)
+export OPENBLAS_NUM_THREADS := 1
 # the same CPU kernels (MKL, oneDNN, ATen) on every AVX2 machine, so a run trains the same models (mergecal/offline.py)
 export MKL_CBWR := AVX2
 export ONEDNN_MAX_CPU_ISA := AVX2

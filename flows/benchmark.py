@@ -34,7 +34,7 @@ from prefect.filesystems import LocalFileSystem
 from mergecal.device import resolve_device
 from mergecal.errors import MergecalError
 from mergecal.pipeline.cells import (Cell, enumerate_cells, matrix_ids, measure, run_cell, source_index,
-                                     threads_from_env)
+                                     set_worker_threads)
 from mergecal.pipeline.config import Params, load_params, parse_params
 from mergecal.pipeline.devices import device_lease
 from mergecal.pipeline.results import one_line, skipped_id, summary_row, write_results
@@ -55,8 +55,8 @@ def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: s
     """Compute one cell and log it as one MLflow run; returns what the invocation manifest needs. ``source``:
     the result of the cell that chose this cell's scaling (passed as a Prefect future, so this cell waits
     for it and does not run when it failed)."""
-    threads_from_env()
     settings = parse_params(params, "params")
+    set_worker_threads(settings.runner.max_workers)
     cell_obj = Cell(**{**cell, "tasks": tuple(cell["tasks"]), "grid": tuple(cell["grid"])})
     tracker = Tracker(root, settings.tracking.experiment, settings.tracking.store)
     logged = tracker.finished_cell(key)

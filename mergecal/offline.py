@@ -15,9 +15,15 @@ QUIET = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "M
          "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
 # OpenMP threads (torch's MKL and ATen, GNU OpenMP) sleep when idle instead of spinning: beside other work on the
 # cores (a training run, parallel cells, the test suite) spinning threads slowed a 3072 x 768 SVD 20-60x (#17;
-# scripts/perf_wait_policy.py measures it). Thread counts stay the libraries' own (all cores) for the default single
-# worker; MERGECAL_TORCH_THREADS (mergecal.pipeline.cells.threads_from_env) caps torch's per worker.
-THREADING = {"OMP_WAIT_POLICY": "PASSIVE"}
+# scripts/perf_wait_policy.py measures it). numpy/scipy's OpenBLAS (the Gram route of TSV-M, Iso-C, Iso-CTS and SVC)
+# runs one thread: its pthreads pool, which the wait policy does not govern, made those merges 1.2-1.6x slower with
+# 2 threads than with 1 on the idle 2-core machine and 1.3-3.9x slower beside one busy process
+# (scripts/perf_blas_threads.py, docs/performance.md); one thread also gives the same bits on any core count.
+# torch's thread count stays its own (all cores) for the default single worker; with runner.max_workers > 1 each
+# worker takes cores / workers (mergecal.pipeline.cells.worker_threads; MERGECAL_TORCH_THREADS overrides).
+# These are read when the libraries load: apply them before torch or numpy is imported (``import mergecal``
+# imports neither).
+THREADING = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}
 # The same CPU kernels on every x86-64 machine with AVX2: MKL (matmuls), oneDNN (convolutions) and ATen's own
 # vectorized kernels each pick a code path by the CPU's instruction set, and each choice changes the bits of a
 # training run (measured: 5 AdamW steps of a conv + transformer layer give four different results with each

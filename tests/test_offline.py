@@ -1,6 +1,7 @@
 """The offline/quiet environment is defined once (mergecal.offline); the Makefile exports the same variables for
 dvc and the servers it starts, and the stage scripts and model loaders apply it."""
 
+import json
 import re
 import subprocess
 import sys
@@ -28,3 +29,22 @@ def test_importing_a_model_loader_makes_the_hub_offline():
         names=list(offline.OFFLINE_ENV), hub=offline.HUB_OFFLINE)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "True"
+
+
+def test_a_stage_sets_the_threads_before_torch_and_numpy_load_their_libraries(tmp_path):
+    """The thread and kernel variables are read when OpenBLAS and libgomp load: a stage's setup must come first
+    even under a plain `dvc repro` (no Makefile exports), so `import mergecal.offline` imports neither."""
+    code = ("import os, sys; [os.environ.pop(k, None) for k in {names!r}]\n"
+            "from stages._common import setup_env\n"
+            "import mergecal.offline\n"
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'mergecal imported torch/numpy'\n"
+            "setup_env(__import__('pathlib').Path({root!r}))\n"
+            "import numpy, torch\n"
+            "import json\nfrom threadpoolctl import threadpool_info\n"
+            "blas = [i['num_threads'] for i in threadpool_info() if i['internal_api'] == 'openblas']\n"
+            "print(json.dumps([blas, os.environ['OMP_WAIT_POLICY'], os.environ['MKL_CBWR']]))").format(
+        names=list(offline.OFFLINE_ENV), root=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    blas, policy, kernels = json.loads(out.stdout.splitlines()[-1])
+    assert blas and set(blas) == {1}  # numpy's OpenBLAS loaded with one thread
+    assert (policy, kernels) == ("PASSIVE", "AVX2")

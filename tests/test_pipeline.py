@@ -632,3 +632,16 @@ def test_stages_write_only_what_a_later_stage_reads(built):
     root, params = built
     out = vision.paths_for(params, root).models / "task_vectors"
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["diagnostics.json"] * len(params.vision.regimes)
+
+
+def test_worker_threads_divide_the_cores_among_parallel_workers():
+    from mergecal.errors import MergecalError
+    from mergecal.pipeline.cells import worker_threads
+
+    assert worker_threads(1, {}, cores=16) is None  # one worker: torch's own default (all cores)
+    assert worker_threads(4, {}, cores=16) == 4
+    assert worker_threads(3, {}, cores=2) == 1  # never below one thread
+    assert worker_threads(1, {"MERGECAL_TORCH_THREADS": "3"}, cores=16) == 3  # the override wins
+    assert worker_threads(8, {"MERGECAL_TORCH_THREADS": "2"}, cores=16) == 2
+    with pytest.raises(MergecalError, match="MERGECAL_TORCH_THREADS='two'"):
+        worker_threads(1, {"MERGECAL_TORCH_THREADS": "two"})
