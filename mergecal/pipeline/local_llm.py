@@ -126,7 +126,7 @@ def scorer(track: LocalLlmTrack, root: str | Path):
                                     where=f"local_llm track {track.name!r}: ")
         return LmEval(work_dir(root) / track.name / "lm_eval_tasks", names,
                       {t: spec.metric for t, spec in track.tasks.items()}, cache, track.evaluation.max_validation,
-                      track.evaluation.batch_size, registry=True)
+                      track.evaluation.batch_size)
     if track.task_dir is None:
         return suite_lm_eval(data_dir(track, root), track.task_names, work_dir(root) / track.name / "lm_eval_tasks",
                              cache, track.evaluation, LlmSuiteConfig(**track.data).n_validation)
