@@ -140,11 +140,10 @@ class _ReloadedModels:
 
 def _distac_views(track: LocalClipTrack, root: Path, pre, step, tasks: list[str]) -> dict:
     """The DisTaC-conditioned image encoders of ``tasks`` the stage wrote, checked against the cell's step."""
-    from safetensors import SafetensorError, safe_open
-
     from ...checkpoint import SafetensorsSource
     from ..local_clip import VisualView, visual_keys
     from ..local_clip_calibration import distac_dir, read_recorded
+    from ..vision import check_distac_file
 
     info = read_recorded(distac_dir(track, root) / "distac.json", f"DisTaC models of local_clip track {track.name!r}")
     if info["params"] != step.params.model_dump(mode="json"):
@@ -153,13 +152,7 @@ def _distac_views(track: LocalClipTrack, root: Path, pre, step, tasks: list[str]
     views = {}
     for task in (t for t in info["conditioned"] if t in tasks):
         path = distac_dir(track, root) / f"{task}.safetensors"
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                stored = json.loads((fh.metadata() or {}).get("distac", "null"))
-        except (OSError, SafetensorError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{path}: not a readable DisTaC checkpoint ({err})") from None
-        if stored != info["params"]:
-            raise CheckpointError(f"{path}: DisTaC parameters differ from distac.json (rerun `dvc repro`)")
+        check_distac_file(path, info["params"], "distac.json")
         views[task] = VisualView(SafetensorsSource(path), visual_keys(pre))
     return views
 
