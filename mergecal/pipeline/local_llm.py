@@ -77,13 +77,6 @@ def expert_path(track: LocalLlmTrack, task: str, root: str | Path) -> Path:
     return resolve(track.experts[task], root)
 
 
-def get_track(params: Params, name: str) -> LocalLlmTrack:
-    for track in params.local_llm:
-        if track.name == name:
-            return track
-    raise MergecalError(f"local_llm: no track named {name!r} in params.yaml")
-
-
 # --------------------------------------------------------------------------------------------- checks
 
 def check_model_dir(path: Path, *, allow_unsafe_pickle: bool = False) -> None:
