@@ -1,13 +1,14 @@
 """lm-eval's registry tasks for a lab's own LLM family (``task_source: registry``), offline.
 
-What is real: lm-eval's own registry, its ``arc_easy`` / ``arc_challenge`` / ``boolq`` YAMLs and its task loading
-(``datasets.load_dataset("allenai/ai2_arc", "ARC-Easy")`` under HF_DATASETS_OFFLINE=1), the Hugging Face datasets
-cache lookup, lm-eval's scoring (``evaluate_lm``) of a micro Llama base written to disk (random weights, the real
-key layout). What is substituted: the cached dataset. A temporary HF_DATASETS_CACHE is filled, without network,
-with four made-up ARC-shaped rows per split, written by datasets' own json builder into the directory layout a
-hub download of ``allenai/ai2_arc`` leaves (``allenai___ai2_arc/<config>/0.0.0/<hash>/ai2_arc-<split>.arrow``),
-so the scores are not ARC's. ``aps/super_glue`` (boolq) is not cached: its error is the missing-dataset path.
-Indexing lm-eval's registry takes about 30 s on a busy 2-core machine (once per process, twice per module here).
+What is real: lm-eval's own registry, its ``arc_easy`` / ``arc_challenge`` / ``boolq`` / ``hellaswag`` YAMLs (and
+hellaswag's ``!function`` document processing) and its task loading (``datasets.load_dataset("allenai/ai2_arc",
+"ARC-Easy")`` under HF_DATASETS_OFFLINE=1), the Hugging Face datasets cache lookup, lm-eval's scoring
+(``evaluate_lm``) of a micro Llama base written to disk (random weights, the real key layout). What is substituted:
+the cached datasets. A temporary HF_DATASETS_CACHE is filled, without network, with four made-up ARC-shaped (and
+HellaSwag-shaped) rows per split, written by datasets' own json builder into the directory layout a hub download of
+``allenai/ai2_arc`` leaves (``allenai___ai2_arc/<config>/0.0.0/<hash>/ai2_arc-<split>.arrow``), so the scores are
+not ARC's. ``aps/super_glue`` (boolq) is not cached: its error is the missing-dataset path. Indexing lm-eval's
+registry takes about 30 s on a busy 2-core machine: once per process (scoring indexes only the variant YAMLs).
 """
 
 import json
@@ -73,7 +74,8 @@ def _cache_hub_dataset(cache, repo, config, rows):
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A micro Llama base in <root>/ckpt/base and an HF datasets cache holding allenai/ai2_arc's two configs."""
+    """A micro Llama base in <root>/ckpt/base and an HF datasets cache holding allenai/ai2_arc's two configs and
+    Rowan/hellaswag (the answers differ by split, so a task scored on the wrong split scores differently)."""
     import datasets
 
     from mergecal.backbones.hf_causal_lm import save_causal_lm
@@ -84,11 +86,16 @@ def lab(tmp_path_factory):
     tokenizer = train_tokenizer(["Question: which is larger? Answer: the first one"] * 30, MICRO["vocab_size"])
     save_causal_lm(create_tiny_llama(tokenizer, TinyLlamaShape(**MICRO), seed=1), tokenizer, root / "ckpt" / "base")
     cache = root / "hf_datasets"
+    shift = {"train": 2, "validation": 1, "test": 0}
     for config in ("ARC-Easy", "ARC-Challenge"):
         rows = {split: [{"id": f"{split}{i}", "question": f"{config} {split} question {i}?",
                          "choices": {"text": ["one", "two", "three"], "label": ["A", "B", "C"]},
-                         "answerKey": "ABC"[i % 3]} for i in range(4)] for split in ("train", "validation", "test")}
+                         "answerKey": "ABC"[(i + shift[split]) % 3]} for i in range(4)] for split in shift}
         _cache_hub_dataset(cache, "allenai/ai2_arc", config, rows)
+    _cache_hub_dataset(cache, "Rowan/hellaswag", "default", {split: [
+        {"ind": i, "activity_label": "Cooking", "ctx_a": f"{split} context {i}", "ctx_b": "then", "ctx": "",
+         "endings": ["one", "two", "three", "four"], "source_id": "x", "split": split, "split_type": "indomain",
+         "label": str((i + shift[split]) % 4)} for i in range(4)] for split in shift})
     mp = pytest.MonkeyPatch()
     mp.setattr(datasets.config, "HF_DATASETS_CACHE", cache)  # what HF_DATASETS_CACHE sets when datasets is imported
     yield root, cache
@@ -107,13 +114,93 @@ def test_a_registry_task_is_scored_offline_on_its_splits_from_the_local_cache(la
     from mergecal.evaluation.lm_eval_tasks import evaluate_lm
 
     raw = evaluate_lm(root / "ckpt" / "base", ["arc_easy", "arc_easy__mergecal_validation"], score.task_dir,
-                      limit=3, device="cpu", registry=True)
+                      limit=3, device="cpu")
     assert raw["arc_easy"]["n"] == 3 and raw["arc_easy__mergecal_validation"]["n"] == 3
     assert {"acc", "acc_norm"} <= set(raw["arc_easy"])
     for split in ("validation", "test"):
         scores = score.score(root / "ckpt" / "base", ["arc_easy", "arc_challenge"], split)
         assert set(scores) == {"arc_easy", "arc_challenge"}
         assert all(0 <= v <= 1 for v in scores.values())
+
+
+def test_scoring_a_registry_track_indexes_its_variant_yamls_alone(lab, monkeypatch):
+    """Regression: scoring built a second TaskManager over lm-eval's whole registry (include_defaults=True, tens
+    of seconds per process) beside the one that looks the tasks up."""
+    import inspect
+
+    import lm_eval.tasks
+
+    root, _ = lab
+    score = local_llm.scorer(parse_params({"local_llm": [_track()]}).local_llm[0], root)
+    built, real = [], lm_eval.tasks.TaskManager
+
+    class Recording(real):
+        def __init__(self, *args, **kwargs):
+            bound = inspect.signature(real).bind(*args, **kwargs)
+            bound.apply_defaults()
+            built.append((bound.arguments["include_defaults"], bound.arguments["include_path"]))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Recording)
+    for split in ("validation", "test"):
+        score.score(root / "ckpt" / "base", ["arc_easy", "arc_challenge"], split)
+    assert built == [(False, str(score.task_dir.resolve()))] * 2
+
+
+def _loaded(task_dir, tasks):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(task_dir), include_defaults=False).load(list(tasks))["tasks"]
+
+
+def _config(task):
+    """A loaded task's configuration, less the file it was read from."""
+    config = task.config.to_dict()
+    config["metadata"].pop("config_source")
+    return config
+
+
+def test_the_reported_split_variant_scores_as_the_registry_task_itself(lab, tmp_path):
+    """The variant of the reported split is lm-eval's task: the same configuration, documents (the test split)
+    and scores as lm-eval's own YAML files (linked into a directory so that evaluate_lm indexes them alone); the
+    chosen split's variant differs from it by its test_split alone."""
+    from mergecal.evaluation import lm_eval_registry
+    from mergecal.evaluation.lm_eval_tasks import evaluate_lm
+
+    root, _ = lab
+    score = local_llm.scorer(parse_params({"local_llm": [_track()]}).local_llm[0], root)
+    tasks = ["arc_easy", "arc_challenge"]
+    for task in tasks:
+        (tmp_path / f"{task}.yaml").symlink_to(lm_eval_registry.task_yaml(task))
+    ours, theirs = _loaded(score.task_dir, tasks), _loaded(tmp_path, tasks)
+    variants = _loaded(score.task_dir, [score.names[t]["validation"] for t in tasks])
+    for task in tasks:
+        assert _config(ours[task]) == _config(theirs[task])
+        assert list(ours[task].eval_docs["id"]) == list(theirs[task].eval_docs["id"]) == [f"test{i}" for i in range(4)]
+        variant = _config(variants[score.names[task]["validation"]])
+        assert variant == _config(theirs[task]) | {"task": score.names[task]["validation"], "test_split": "validation"}
+    base = root / "ckpt" / "base"
+    assert evaluate_lm(base, tasks, score.task_dir, device="cpu") == evaluate_lm(base, tasks, tmp_path, device="cpu")
+
+
+def test_function_entries_of_an_included_registry_yaml_resolve_without_the_registry(lab, tmp_path):
+    """hellaswag's ``process_docs: !function utils.process_docs`` is resolved beside lm-eval's YAML, not the
+    variant's, when only the variants are indexed: both splits are read through it (its capitalized ``ctx_b``)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from mergecal.evaluation import lm_eval_registry
+    from mergecal.evaluation.lm_eval_tasks import evaluate_lm
+
+    root, _ = lab
+    names = lm_eval_registry.write_variant_yamls(["hellaswag"], tmp_path)
+    assert names == {"hellaswag": {"validation": "hellaswag__mergecal_train", "test": "hellaswag"}}
+    loaded = _loaded(tmp_path, names["hellaswag"].values())
+    process_docs = load_yaml(lm_eval_registry.task_yaml("hellaswag"))["process_docs"]
+    for split, name in (("validation", "hellaswag"), ("train", "hellaswag__mergecal_train")):
+        assert loaded[name].config.process_docs is process_docs
+        assert [d["query"] for d in loaded[name].eval_docs] == [f"Cooking: {split} context {i} Then" for i in range(4)]
+    raw = evaluate_lm(root / "ckpt" / "base", list(names["hellaswag"].values()), tmp_path, device="cpu")
+    assert raw["hellaswag"]["n"] == raw["hellaswag__mergecal_train"]["n"] == 4
 
 
 def test_registry_task_digests_follow_lm_evals_version_and_the_task_definition(lab, monkeypatch):

@@ -158,6 +158,26 @@ def test_a_cell_refuses_distac_files_of_other_parameters(lab):
         track_mod.run(_cell(other, "distac>{merge}"), other, root, scaling=1.0)
 
 
+def test_a_distac_file_is_read_only_with_the_step_it_records(tmp_path):
+    """The check both CLIP tracks make of a DisTaC stage's file (``vision.check_distac_file``): its ``distac``
+    metadata is the expected step; another step, no record or an unreadable file is one line naming the file."""
+    from mergecal.checkpoint import save_state_dict
+    from mergecal.pipeline.vision import check_distac_file
+
+    step = {"steps": 4, "batch_size": 8}
+    path = save_state_dict({"w": torch.zeros(2)}, tmp_path / "SVHN.safetensors", {"distac": json.dumps(step)})
+    check_distac_file(path, step, "distac.json")
+    with pytest.raises(CheckpointError, match=r"SVHN.safetensors: DisTaC parameters differ from distac.json \(rerun"):
+        check_distac_file(path, {**step, "steps": 5}, "distac.json")
+    bare = save_state_dict({"w": torch.zeros(2)}, tmp_path / "bare.safetensors")
+    with pytest.raises(CheckpointError, match=r"bare.safetensors: DisTaC parameters differ from the cell's recipe"):
+        check_distac_file(bare, step, "the cell's recipe")
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match=r"bad.safetensors: not a readable DisTaC checkpoint \(") as info:
+        check_distac_file(tmp_path / "bad.safetensors", step, "distac.json")
+    assert "\n" not in str(info.value)
+
+
 def test_fsc_measures_a_lazy_sequence_of_fine_tuned_models_as_a_list():
     from mergecal.backbones.open_clip_vit import create_clip
     from mergecal.calibrations.fsc import measure_fsc

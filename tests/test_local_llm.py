@@ -59,6 +59,24 @@ def test_default_params_have_no_local_track():
     assert {t: s.validation for t, s in own.local_llm[0].tasks.items()} == {"x": "x_validation", "y": "y_dev"}
 
 
+def test_a_disabled_track_has_no_cells_and_a_cell_names_its_own_track():
+    """Cells are named local_llm:<track name> and read their own track's settings; a cell of a track that
+    params.yaml no longer has is one line."""
+    from mergecal.errors import MergecalError
+    from mergecal.pipeline.tracks import local_llm as track_mod
+
+    lab, off = (_track(name, {"maximum": "m", "sentiment": "s"}, **extra)
+                for name, extra in (("lab", {}), ("lab-off", {"enabled": False})))
+    params = parse_params({"local_llm": [lab, off]})
+    cells = track_mod.cells(params)
+    assert cells and {c.track for c in cells} == {"local_llm:lab"} and track_mod.enabled(params)
+    assert {track_mod.cell_fingerprint(c, params)["track"]["name"] for c in cells} == {"lab"}
+    without = parse_params({"local_llm": [off]})
+    assert not track_mod.enabled(without) and track_mod.cells(without) == []
+    with pytest.raises(MergecalError, match=r"^local_llm: no track named 'lab' in params.yaml$"):
+        track_mod.cell_fingerprint(cells[0], without)
+
+
 # ----------------------------------------------------------------------------------------- content hashes
 
 def test_content_hashes_are_cached_on_disk_by_path_size_and_mtime(tmp_path, monkeypatch):

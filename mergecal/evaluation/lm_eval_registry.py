@@ -8,10 +8,13 @@ reported one: the ``validation_split`` when the task reports ``test_split``, els
 boolq reports validation and chooses on train; an expert fine-tuned on that train split is favoured there, which
 the configured ``max_validation`` slice does not change). A task with no such second split is refused.
 
-The chosen split is scored through a one-line variant YAML written beside the tracks' work files
-(``include:`` of the registry YAML, ``test_split`` set to the chosen split), so lm-eval's definition is used
-unchanged. Indexing lm-eval's registry parses thousands of YAMLs (about 30 s on a busy 2-core machine): it is done
-once per process.
+Both splits are scored through variant YAMLs written beside the track's work files, each an ``include:`` of the
+registry YAML, so lm-eval's definition is used unchanged: ``<task>__mergecal_<split>`` sets ``test_split`` to the
+chosen split; ``<task>`` (the reported split, under the task's own name) overrides nothing but the tag, so it is the
+task ``lm_eval --tasks <task>`` scores (a ``test_split`` set where lm-eval's has none would change which few-shot
+examples lm-eval leaves out). Scoring therefore indexes only that directory (``evaluate_lm``), not the
+registry. Indexing lm-eval's registry, to look the tasks up, parses thousands of YAMLs (about 30 s on a busy
+2-core machine): it is done once per process (``registry_index``).
 """
 
 from __future__ import annotations
@@ -107,9 +110,9 @@ def check_cached(task: str, config: dict, split: str) -> None:
 
 def write_variant_yamls(tasks: Sequence[str], task_dir: str | os.PathLike, *,
                         where: str = "") -> dict[str, dict[str, str]]:
-    """Check each registry task and its cached dataset and write the variant YAML of its scaling split into
-    ``task_dir``; returns {task: {"validation": lm-eval name, "test": lm-eval name}}. ``where``: the params
-    prefix of the ``tasks.<task>`` keys named in errors."""
+    """Check each registry task and its cached dataset and write the variant YAMLs of its two splits into
+    ``task_dir`` (module docstring); returns {task: {"validation": lm-eval name, "test": lm-eval name}}.
+    ``where``: the params prefix of the ``tasks.<task>`` keys named in errors."""
     import yaml
 
     names = {}
@@ -119,8 +122,10 @@ def write_variant_yamls(tasks: Sequence[str], task_dir: str | os.PathLike, *,
         for split in dict.fromkeys(chosen.values()):
             check_cached(task, config, split)
         variant = VARIANT.format(task=task, split=chosen["validation"])
-        atomic_write_text(Path(task_dir) / f"{variant}.yaml", yaml.safe_dump(
-            {"include": str(task_yaml(task)), "task": variant, "tag": [], "test_split": chosen["validation"]},
-            sort_keys=False))
+        include = {"include": str(task_yaml(task))}
+        # tag: [] keeps the registry's tags (e.g. ai2_arc) out of task_dir's index; a task's config drops its tags
+        for name, extra in ((variant, {"test_split": chosen["validation"]}), (task, {})):
+            atomic_write_text(Path(task_dir) / f"{name}.yaml",
+                              yaml.safe_dump(include | {"task": name, "tag": []} | extra, sort_keys=False))
         names[task] = {"validation": variant, "test": task}
     return names

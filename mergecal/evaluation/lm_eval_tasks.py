@@ -16,7 +16,6 @@ config and weights.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -95,28 +94,15 @@ def _metrics(raw: dict) -> dict[str, float]:
     return out
 
 
-def _listing(task_dir) -> tuple:
-    return tuple((p.name, p.stat().st_mtime_ns) for p in sorted(Path(task_dir).glob("*.yaml")))
-
-
-@functools.lru_cache(maxsize=2)
-def _registry_manager(task_dir: str, listing: tuple):
-    """A task manager over lm-eval's registry and ``task_dir``, kept while ``task_dir``'s YAMLs (``listing``)
-    are unchanged: indexing the registry takes tens of seconds."""
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=task_dir, include_defaults=True)
-
-
 def evaluate_lm(model_dir: str | os.PathLike, tasks: Sequence[str], task_dir: str | os.PathLike, *,
                 cache_path: str | os.PathLike | None = None, limit: int | float | None = None,
-                device: str = "auto", batch_size: int = 16, dtype: str = "float32",
-                registry: bool = False) -> dict[str, dict[str, float]]:
+                device: str = "auto", batch_size: int = 16, dtype: str = "float32") -> dict[str, dict[str, float]]:
     """Score the local model directory on lm-eval tasks defined in ``task_dir``: {task: {metric: value, "n": n}}.
 
     ``cache_path``: a directory for response caches; the model's cache file in it is named by the sha256 of
     its config and weights, so every distinct model gets its own. ``device="auto"``: CUDA when present.
-    ``registry``: lm-eval's own tasks are visible too (``mergecal.evaluation.lm_eval_registry``)."""
+    Only ``task_dir``'s YAMLs are indexed (lm-eval's registry tasks are scored through variant YAMLs written
+    there that include theirs: ``mergecal.evaluation.lm_eval_registry``)."""
     from lm_eval.api.model import CachingLM
     from lm_eval.evaluator import evaluate
     from lm_eval.models.huggingface import HFLM
@@ -129,10 +115,7 @@ def evaluate_lm(model_dir: str | os.PathLike, tasks: Sequence[str], task_dir: st
     if cache_path is not None:
         Path(cache_path).mkdir(parents=True, exist_ok=True)
         use_cache = str(Path(cache_path) / f"{Path(model_dir).name}-{weights_digest(model_dir)[:16]}")
-    if registry:
-        manager = _registry_manager(str(Path(task_dir).resolve()), _listing(task_dir))
-    else:
-        manager = TaskManager(include_path=str(Path(task_dir).resolve()), include_defaults=False)
+    manager = TaskManager(include_path=str(Path(task_dir).resolve()), include_defaults=False)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise UnknownNameError(f"{task_dir}: no lm-eval task named {', '.join(unknown)} (write_task_yamls first)")

@@ -111,7 +111,6 @@ class LmEval:
     cache: Path
     max_validation: int | None
     batch_size: int
-    registry: bool = False  # lm-eval's own tasks too (mergecal.evaluation.lm_eval_registry)
 
     def score(self, model_dir: str | Path, tasks, split: str, *, device: str = "cpu",
               cache: bool = True) -> dict[str, float]:
@@ -125,7 +124,7 @@ class LmEval:
         names = [self.names[t][split] for t in tasks]
         scores = evaluate_lm(model_dir, names, self.task_dir, cache_path=self.cache if cache else None,
                              limit=self.max_validation if split == "validation" else None, device=device,
-                             batch_size=self.batch_size, registry=self.registry)
+                             batch_size=self.batch_size)
         out = {}
         for task, name in zip(tasks, names):
             if self.metrics[task] not in scores[name]:

@@ -30,7 +30,7 @@ import torch
 
 from ..checkpoint import PICKLE_SUFFIXES, DictSource, SafetensorsSource, atomic_write_text, save_state_dict
 from ..errors import CheckpointError, MergecalError
-from .config import LocalClipTrack, Params
+from .config import LocalClipTrack
 from .local_llm import resolve, tracks_dir
 
 VISUAL = "visual."
@@ -59,13 +59,6 @@ def finetuned_path(track: LocalClipTrack, task: str, root: str | Path) -> Path:
 
 def dataset_root(track: LocalClipTrack, task: str, root: str | Path) -> Path:
     return resolve(track.datasets[task], root)
-
-
-def get_track(params: Params, name: str) -> LocalClipTrack:
-    for track in params.local_clip:
-        if track.name == name:
-            return track
-    raise MergecalError(f"local_clip: no track named {name!r} in params.yaml")
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints

@@ -77,13 +77,6 @@ def expert_path(track: LocalLlmTrack, task: str, root: str | Path) -> Path:
     return resolve(track.experts[task], root)
 
 
-def get_track(params: Params, name: str) -> LocalLlmTrack:
-    for track in params.local_llm:
-        if track.name == name:
-            return track
-    raise MergecalError(f"local_llm: no track named {name!r} in params.yaml")
-
-
 # --------------------------------------------------------------------------------------------- checks
 
 def check_model_dir(path: Path, *, allow_unsafe_pickle: bool = False) -> None:
@@ -126,7 +119,7 @@ def scorer(track: LocalLlmTrack, root: str | Path):
                                     where=f"local_llm track {track.name!r}: ")
         return LmEval(work_dir(root) / track.name / "lm_eval_tasks", names,
                       {t: spec.metric for t, spec in track.tasks.items()}, cache, track.evaluation.max_validation,
-                      track.evaluation.batch_size, registry=True)
+                      track.evaluation.batch_size)
     if track.task_dir is None:
         return suite_lm_eval(data_dir(track, root), track.task_names, work_dir(root) / track.name / "lm_eval_tasks",
                              cache, track.evaluation, LlmSuiteConfig(**track.data).n_validation)

@@ -353,6 +353,21 @@ def distac(params: Params, root: str | Path = ".", *, device: str = "cpu", progr
     return report
 
 
+def check_distac_file(path: Path, expected: dict, against: str) -> None:
+    """A DisTaC stage's conditioned checkpoint (this module's ``distac``, ``mergecal.pipeline.local_clip_calibration``)
+    whose recorded step (its ``distac`` metadata) is ``expected``: one CheckpointError naming ``path`` otherwise
+    (``against``: where ``expected`` comes from, for the message)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            stored = json.loads((fh.metadata() or {}).get("distac", "null"))
+    except (OSError, SafetensorError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: not a readable DisTaC checkpoint ({err})") from None
+    if stored != expected:
+        raise CheckpointError(f"{path}: DisTaC parameters differ from {against} (rerun `dvc repro`)")
+
+
 def probe(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
     """MAGIC's magnitude-sensitivity probe, per regime: on the weight-averaged model, scale each image-encoder
     key's slice of the averaged task vector and rank keys by accuracy on the probe task (none of the tasks)."""

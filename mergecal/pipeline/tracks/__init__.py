@@ -5,7 +5,8 @@ track, a lab's own checkpoints) is one module plus its params section.
 A track module provides:
 
 * ``NAME``: the value of ``Cell.track`` (and of the ``mergecal.track`` tag); a module of several configured
-  tracks (``local_llm``, ``local_clip``) names its cells ``NAME:<track name>``;
+  tracks (``local_llm``, ``local_clip``: the entries of ``params.<NAME>``) names its cells ``NAME:<track name>``
+  (``configured_tracks``, ``cell_track``, ``configured_track``);
 * ``enabled(params) -> bool``: whether its cells are in the matrix;
 * ``cells(params) -> list[Cell]``: its cells, references first;
 * ``inputs(cell, params, root) -> {role: path}``: the files a cell reads (their bytes go into the cell's id);
@@ -43,3 +44,24 @@ def enabled_tracks(params) -> list[ModuleType]:
 def skipped_cells(params) -> list:
     """(cell, reason) of every chain an enabled track cannot run."""
     return [item for track in enabled_tracks(params) for item in getattr(track, "skipped", lambda p: [])(params)]
+
+
+def configured_tracks(params, name: str) -> list:
+    """The enabled tracks of the module of several configured tracks named ``name`` (``params.<name>``)."""
+    return [t for t in getattr(params, name) if t.enabled]
+
+
+def cell_track(name: str, track) -> str:
+    """``Cell.track`` of a configured track of the module named ``name``."""
+    return f"{name}:{track.name}"
+
+
+def configured_track(cell, params):
+    """The configured track of a ``<module NAME>:<track name>`` cell; one MergecalError if params.yaml has none."""
+    from ...errors import MergecalError
+
+    module, name = cell.track.split(":", 1)
+    for track in getattr(params, module):
+        if track.name == name:
+            return track
+    raise MergecalError(f"{module}: no track named {name!r} in params.yaml")

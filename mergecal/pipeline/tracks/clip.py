@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...errors import CheckpointError
 from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
                      jsonable_diagnostics, merge_values, recipe_cell, recipe_trials, select_scaling, summaries,
                      uses_sensitivity, validation_averages)
@@ -73,7 +72,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     from ...recipe import Recipe
     from ...run_recipe import RecipeInputs
     from ...task_vectors import task_vector
-    from ..vision import VisionModels, evaluate_tasks, preprocessed, task_split
+    from ..vision import VisionModels, check_distac_file, evaluate_tasks, preprocessed, task_split
 
     root = Path(root)
     models = VisionModels(params, root)
@@ -95,15 +94,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         states = []
         for task in tasks:
             path = paths.distac(cell.regime) / f"{task}.safetensors"
-            from safetensors import SafetensorError, safe_open
-
-            try:
-                with safe_open(str(path), framework="pt") as fh:
-                    stored = json.loads((fh.metadata() or {}).get("distac", "null"))
-            except (OSError, SafetensorError, json.JSONDecodeError) as err:
-                raise CheckpointError(f"{path}: not a readable DisTaC checkpoint ({err})") from None
-            if stored != pre_steps[0].params.model_dump(mode="json"):
-                raise CheckpointError(f"{path}: DisTaC parameters differ from the cell's recipe (rerun `dvc repro`)")
+            check_distac_file(path, pre_steps[0].params.model_dump(mode="json"), "the cell's recipe")
             from ...checkpoint import load_state_dict
 
             states.append(load_state_dict(path))

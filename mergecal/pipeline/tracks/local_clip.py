@@ -25,27 +25,13 @@ from ..cells import Cell, CellResult, base_params, cell_grid, finetuned_referenc
     recipe_cell, select_scaling, summaries, uses_sensitivity, validation_averages
 from ...errors import CheckpointError
 from ..config import LocalClipTrack, Params
-from . import llm
+from . import cell_track, configured_track, configured_tracks, llm
 
 NAME = "local_clip"
 
 
-def track_name(track: LocalClipTrack) -> str:
-    return f"{NAME}:{track.name}"
-
-
-def _enabled(params: Params) -> list[LocalClipTrack]:
-    return [t for t in params.local_clip if t.enabled]
-
-
-def _config(cell: Cell, params: Params) -> LocalClipTrack:
-    from ..local_clip import get_track
-
-    return get_track(params, cell.track.split(":", 1)[1])
-
-
 def enabled(params: Params) -> bool:
-    return bool(_enabled(params))
+    return bool(configured_tracks(params, NAME))
 
 
 def cells(params: Params) -> list[Cell]:
@@ -54,13 +40,14 @@ def cells(params: Params) -> list[Cell]:
     from .llm import _chains
 
     out = []
-    for t in _enabled(params):
-        out += [Cell(track_name(t), t.name, t.task_set, tuple(t.task_names), "standard", ref, "") for ref in REFERENCES]
+    for t in configured_tracks(params, NAME):
+        name = cell_track(NAME, t)
+        out += [Cell(name, t.name, t.task_set, tuple(t.task_names), "standard", ref, "") for ref in REFERENCES]
         for merge, chain, values, grid, recipe in _chains(params):
             steps = [(s.name, values if s.phase == "merge" else
                       t.distac_step().model_dump() if s.name == "distac" else s.params.model_dump())
                      for s in recipe.steps]
-            out.append(recipe_cell(params, track_name(t), t.name, t.task_set, t.task_names, "standard", merge, chain,
+            out.append(recipe_cell(params, name, t.name, t.task_set, t.task_names, "standard", merge, chain,
                                    steps, grid))
     return out
 
@@ -75,7 +62,7 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     from ..local_clip import heads_path, model_paths, references_path
     from ..local_clip_calibration import distac_dir, sensitivity_path
 
-    track = _config(cell, params)
+    track = configured_track(cell, params)
     models = {role: path for role, path in model_paths(track, root).items()
               if path.exists() and (role == "pretrained" or cell.merge != "zeroshot")}
     files = {"reference": references_path(track, root), **llm.model_files(models)}
@@ -109,7 +96,7 @@ def fingerprint(params: Params):
 
 def cell_fingerprint(cell: Cell, params: Params):
     """The cell's own track's settings (another track's edit changes none of its ids)."""
-    return {"track": _config(cell, params).model_dump(mode="json"), "open_clip": _open_clip_version()}
+    return {"track": configured_track(cell, params).model_dump(mode="json"), "open_clip": _open_clip_version()}
 
 
 def _reference(track: LocalClipTrack, cell: Cell, root: Path) -> dict:
@@ -140,11 +127,10 @@ class _ReloadedModels:
 
 def _distac_views(track: LocalClipTrack, root: Path, pre, step, tasks: list[str]) -> dict:
     """The DisTaC-conditioned image encoders of ``tasks`` the stage wrote, checked against the cell's step."""
-    from safetensors import SafetensorError, safe_open
-
     from ...checkpoint import SafetensorsSource
     from ..local_clip import VisualView, visual_keys
     from ..local_clip_calibration import distac_dir, read_recorded
+    from ..vision import check_distac_file
 
     info = read_recorded(distac_dir(track, root) / "distac.json", f"DisTaC models of local_clip track {track.name!r}")
     if info["params"] != step.params.model_dump(mode="json"):
@@ -153,13 +139,7 @@ def _distac_views(track: LocalClipTrack, root: Path, pre, step, tasks: list[str]
     views = {}
     for task in (t for t in info["conditioned"] if t in tasks):
         path = distac_dir(track, root) / f"{task}.safetensors"
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                stored = json.loads((fh.metadata() or {}).get("distac", "null"))
-        except (OSError, SafetensorError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{path}: not a readable DisTaC checkpoint ({err})") from None
-        if stored != info["params"]:
-            raise CheckpointError(f"{path}: DisTaC parameters differ from distac.json (rerun `dvc repro`)")
+        check_distac_file(path, info["params"], "distac.json")
         views[task] = VisualView(SafetensorsSource(path), visual_keys(pre))
     return views
 
@@ -196,7 +176,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     from ..local_clip_calibration import read_recorded, sensitivity_path
 
     root = Path(root)
-    track = _config(cell, params)
+    track = configured_track(cell, params)
     reference = _reference(track, cell, root)
     tasks, per_task = list(cell.tasks), reference["tasks"]
     logged = {**base_params(cell), "arch": reference["arch"], "open_clip_version": _open_clip_version()}

@@ -17,37 +17,23 @@ from pathlib import Path
 from ...errors import CheckpointError
 from ..cells import Cell, CellResult
 from ..config import LocalLlmTrack, Params
-from . import llm
+from . import cell_track, configured_track, configured_tracks, llm
 
 NAME = "local_llm"
 
 
-def track_name(track: LocalLlmTrack) -> str:
-    return f"{NAME}:{track.name}"
-
-
-def _enabled(params: Params) -> list[LocalLlmTrack]:
-    return [t for t in params.local_llm if t.enabled]
-
-
-def _config(cell: Cell, params: Params) -> LocalLlmTrack:
-    from ..local_llm import get_track
-
-    return get_track(params, cell.track.split(":", 1)[1])
-
-
 def enabled(params: Params) -> bool:
-    return bool(_enabled(params))
+    return bool(configured_tracks(params, NAME))
 
 
 def cells(params: Params) -> list[Cell]:
-    return [cell for t in _enabled(params)
-            for cell in llm.family_cells(params, track_name(t), t.name, t.task_set, t.task_names)]
+    return [cell for t in configured_tracks(params, NAME)
+            for cell in llm.family_cells(params, cell_track(NAME, t), t.name, t.task_set, t.task_names)]
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
-    return [item for t in _enabled(params)
-            for item in llm.family_skipped(params, track_name(t), t.name, t.task_set, t.task_names)]
+    return [item for t in configured_tracks(params, NAME)
+            for item in llm.family_skipped(params, cell_track(NAME, t), t.name, t.task_set, t.task_names)]
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
@@ -55,7 +41,7 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     directory contributes nothing (references.json then holds its error, and the cell fails with it)."""
     from ..local_llm import base_path, expert_path, references_path, task_files
 
-    track = _config(cell, params)
+    track = configured_track(cell, params)
     models = {"base": base_path(track, root)}
     if cell.merge != "zeroshot":
         models.update({f"expert.{t}": expert_path(track, t, root) for t in cell.tasks})
@@ -69,7 +55,7 @@ def fingerprint(params: Params):
 
 def cell_fingerprint(cell: Cell, params: Params):
     """The cell's own track's settings (another track's edit changes none of its ids)."""
-    track = _config(cell, params)
+    track = configured_track(cell, params)
     return {"track": track.model_dump(mode="json"), "lm_eval": llm.lm_eval_version()}
 
 
@@ -102,7 +88,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     from ..local_llm import base_path, check_expert, check_model_dir, expert_path, scorer, work_dir
 
     root = Path(root)
-    track = _config(cell, params)
+    track = configured_track(cell, params)
     reference = _reference(track, cell, root)
     base = base_path(track, root)
     check_model_dir(base, allow_unsafe_pickle=track.allow_unsafe_pickle)
