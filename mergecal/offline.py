@@ -17,7 +17,7 @@ QUIET = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "M
 # cores (a training run, parallel cells, the test suite) spinning threads slowed a 3072 x 768 SVD 20-60x (#17;
 # scripts/perf_wait_policy.py measures it). numpy/scipy's OpenBLAS (the Gram route of TSV-M, Iso-C, Iso-CTS and SVC)
 # runs one thread: its pthreads pool, which the wait policy does not govern, made those merges 1.2-1.6x slower with
-# 2 threads than with 1 on the idle 2-core machine and 1.3-3.9x slower beside one busy process
+# 2 threads than with 1 on the idle 2-core machine and 1.2-2.1x slower beside one busy process (3.9x with more load)
 # (scripts/perf_blas_threads.py, docs/performance.md); one thread also gives the same bits on any core count.
 # torch's thread count stays its own (all cores) for the default single worker; with runner.max_workers > 1 each
 # worker takes cores / workers (mergecal.pipeline.cells.worker_threads; MERGECAL_TORCH_THREADS overrides).
