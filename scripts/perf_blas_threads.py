@@ -25,16 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mergecal import offline  # noqa: E402
+from scripts.perf_wait_policy import busy  # noqa: E402  (the spinning "other job")
 
 # everything but the BLAS thread count, which this script switches itself (its "default" is OpenBLAS's: all cores)
 os.environ.pop("OPENBLAS_NUM_THREADS", None)
 offline.apply({k: v for k, v in offline.OFFLINE_ENV.items() if k != "OPENBLAS_NUM_THREADS"})
-
-
-def busy() -> None:
-    x = 0
-    while True:
-        x += 1
 
 
 def main() -> int:
