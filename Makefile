@@ -24,6 +24,9 @@ export OPENBLAS_NUM_THREADS := 1
 export MKL_CBWR := AVX2
 export ONEDNN_MAX_CPU_ISA := AVX2
 export ATEN_CPU_CAPABILITY := avx2
+# numpy/scipy's OpenBLAS: its AVX2 (Haswell) kernels, unless the environment already chooses (?=: some machines set
+# OPENBLAS_CORETYPE for OpenBLAS's correctness on their CPU)
+export OPENBLAS_CORETYPE ?= Haswell
 
 .PHONY: setup run test lint fast perf bench clean
 

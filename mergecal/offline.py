@@ -24,15 +24,19 @@ QUIET = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "M
 # These are read when the libraries load: apply them before torch or numpy is imported (``import mergecal``
 # imports neither).
 THREADING = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}
-# The same CPU kernels on every x86-64 machine with AVX2: MKL (matmuls), oneDNN (convolutions) and ATen's own
-# vectorized kernels each pick a code path by the CPU's instruction set, and each choice changes the bits of a
-# training run (measured: 5 AdamW steps of a conv + transformer layer give four different results with each
-# library's path changed alone). The chaotic tiny pretraining then turns those bits into other models: the
-# 2026-11-25 machines trained different vision testbeds from the same code and seed (docs/performance.md).
-# AVX2 is the widest set the 2-core AMD EPYC machines have: there the pinned and unpinned kernels gave the same
-# bits (a text fine-tune stage, and the microbenchmark above); an AVX-512 machine runs slower with it. Thread
-# counts change the bits too (they stay the libraries' own).
-KERNELS = {"MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+# The same CPU kernels on every x86-64 machine with AVX2: MKL (matmuls), oneDNN (convolutions), ATen's own
+# vectorized kernels and numpy/scipy's OpenBLAS (the Gram route of the SVD-based merges) each pick a code path by
+# the CPU's instruction set, and each choice changes the bits of a training run or a merge (measured: 5 AdamW steps
+# of a conv + transformer layer give four different results with each library's path changed alone). The chaotic
+# tiny pretraining then turns those bits into other models. AVX2 is the widest set the 2-core AMD EPYC machines
+# all have. Checked across machines on 2026-11-25 (docs/performance.md): a cold run on an AVX-512 EPYC reproduced
+# every stage output of the last cold run on an AVX2 EPYC byte for byte; only OpenBLAS, then unpinned (it chose
+# its SkylakeX kernels), moved 10 of 202 leaderboard rows, the ill-posed SVC-after-Iso ones; with its Haswell
+# (AVX2) kernels 200 rows were equal, the other 2 moved by its thread count (now 1, THREADING). The pinned kernels
+# were not slower there (the benchmark flow 429 s against 442 s). Where the environment already sets
+# OPENBLAS_CORETYPE (some machines do, for OpenBLAS's correctness on their CPU), its value is kept.
+KERNELS = {"MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+           "OPENBLAS_CORETYPE": "Haswell"}
 OFFLINE_ENV = {**HUB_OFFLINE, **QUIET, **THREADING, **KERNELS}
 
 
