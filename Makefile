@@ -67,11 +67,13 @@ perf: $(STAMP)
 
 # TSV-M, Iso-C, Iso-CTS and SVC after TA: ours against FusionBench 0.2.33 and the float64 reference (#17), on ViT-B/32
 # and 2 ViT-L/14 blocks. FusionBench is not a dependency: FUSION_BENCH=its wheel (pip download --no-deps
-# fusion-bench==0.2.33) or the unpacked folder; without it those columns are skipped. Roughly an hour on 2 cores.
+# fusion-bench==0.2.33) or the unpacked folder; without it those columns are skipped. One thread for both libraries
+# (the algorithms compared; docs/performance.md); the float64 reference dominates: over an hour on 2 cores.
 FB_ARG = $(if $(FUSION_BENCH),--fusion-bench $(FUSION_BENCH))
 bench: $(STAMP)
-	$(BIN)/python scripts/perf_fusionbench.py $(FB_ARG) --shapes vit-b-32 --output reports/perf/fusionbench-vit-b-32.md
-	$(BIN)/python scripts/perf_fusionbench.py $(FB_ARG) --shapes vit-l-14 --blocks 2 --methods tsv_m svc \
+	$(BIN)/python scripts/perf_fusionbench.py $(FB_ARG) --shapes vit-b-32 --threads 1 \
+		--output reports/perf/fusionbench-vit-b-32.md
+	$(BIN)/python scripts/perf_fusionbench.py $(FB_ARG) --shapes vit-l-14 --blocks 2 --methods tsv_m svc --threads 1 \
 		--output reports/perf/fusionbench-vit-l-14.md
 
 lint: $(STAMP)
