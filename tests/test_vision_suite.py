@@ -128,11 +128,15 @@ def test_typefaces_render_differently():
 
 # ------------------------------------------------------------------ disjoint8: one image distribution per task
 
-def test_disjoint8_generators_are_seeded_and_label_within_their_classes():
+@pytest.mark.parametrize("task_set, datasets", [
+    ("disjoint8", ["objects", "glyphs", "symbols", "arrows", "dots", "swatches", "patterns"]),
+    ("headroom8", ["objects", "glyphs", "numerals", "symbols", "arrows", "greek", "dots", "patterns"]),
+])
+def test_single_dataset_task_sets_are_seeded_and_label_within_their_classes(task_set, datasets):
     from mergecal.data.vision import TASK_SETS, TASKS, generate, task_set_datasets
 
-    assert task_set_datasets("disjoint8") == ["objects", "glyphs", "symbols", "arrows", "dots", "swatches", "patterns"]
-    for task in TASK_SETS["disjoint8"]:
+    assert task_set_datasets(task_set) == datasets
+    for task in TASK_SETS[task_set]:
         spec = TASKS[task]
         if spec.dataset == "handwritten":
             continue
@@ -171,3 +175,15 @@ def test_disjoint8_suite_and_its_pretraining_captions(tmp_path):
     named = [str(c) for c in generate("pretrain", "train", 40, task_set="disjoint8", caption_rate=1.0)["captions"]]
     unnamed = [str(c) for c in generate("pretrain", "train", 40, task_set="disjoint8", caption_rate=0.0)["captions"]]
     assert len(set(unnamed)) <= 8 < len(set(named))  # one generic caption per source
+
+
+def test_headroom8_pretraining_captions_every_task_and_the_probe_but_no_left_out_dataset():
+    """headroom8 drops disjoint8's swatches (solved zero-shot) and handwritten (never in pretraining): every one of
+    its tasks' datasets, and the probe's letters, is a pretraining source; swatches is not."""
+    from mergecal.data.vision import PRETRAIN_SOURCES, TASK_SETS, TASKS, generate
+
+    sources = PRETRAIN_SOURCES["headroom8"]
+    assert {TASKS[t].dataset for t in TASK_SETS["headroom8"]} | {"letters"} == set(sources)
+    assert "swatches" not in sources and "handwritten" not in sources
+    captions = [str(c) for c in generate("pretrain", "train", 90, task_set="headroom8", caption_rate=1.0)["captions"]]
+    assert any("greek" in c for c in captions) and not any("blob" in c for c in captions)
