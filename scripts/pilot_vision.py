@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -36,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mergecal import merge_models  # noqa: E402
 from mergecal.checkpoint import load_state_dict, save_state_dict  # noqa: E402
-from mergecal.backbones import get_tokenizer, load_clip, save_clip, zero_shot_head  # noqa: E402
+from mergecal.backbones import create_clip, get_tokenizer, load_clip, save_clip, zero_shot_head  # noqa: E402
 from mergecal.data.vision import PROBE_TASK, SMOKE_SUITE, TASK_SETS, SuiteConfig, build_vision_suite, load_split  # noqa: E402
 from mergecal.data.vision import TASKS as ALL_TASKS  # noqa: E402
-from mergecal.evaluation import evaluate  # noqa: E402
+from mergecal.evaluation import evaluate as evaluate_on  # noqa: E402
 from mergecal.pipeline.vision import task_split  # noqa: E402  (the one owner of train/validation/test splits)
 from mergecal.train import FinetuneConfig, PretrainConfig, finetune, pretrain_clip  # noqa: E402
 from mergecal.train.finetune import SMOKE_FINETUNE  # noqa: E402
@@ -136,9 +137,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--logit-scale", type=float, metavar="S",
                    help="set the pretrained model's temperature exp(logit_scale) to S before the heads and fine-tunes "
                         "(CLIP's clamp is 100); zero-shot accuracy is unchanged, confidence is not")
+    p.add_argument("--init-logit-scale", type=float, metavar="S",
+                   help="start pretraining with the temperature exp(logit_scale) = S (open_clip's init: 1/0.07; "
+                        "still learned, clamped at 100 as CLIP)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu | cuda: pretraining, fine-tunes and evaluation (a GPU pilot's "
+                   "figures are not bitwise the CPU pipeline's; use it to screen recipes, then confirm on CPU)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global evaluate
+    evaluate = functools.partial(evaluate_on, device=args.device)  # noqa: PLW0603  (every evaluation below)
     configs = {"suite": SMOKE_SUITE if args.smoke else SuiteConfig(),
                "pretrain": SMOKE_PRETRAIN if args.smoke else PretrainConfig(),
                "finetune": SMOKE_FINETUNE if args.smoke else FinetuneConfig()}
@@ -163,7 +171,14 @@ def main(argv: list[str] | None = None) -> dict:
         model = load_clip(arch, args.pretrained)
     else:
         pre = load_split(root, "pretrain", "train")
-        model, hist = pretrain_clip(pre["images"], pre["captions"].tolist(), pre_cfg, progress=False)
+        start = None
+        if args.init_logit_scale is not None:
+            start = create_clip(arch, seed=pre_cfg.seed)
+            with torch.no_grad():
+                start.logit_scale.fill_(float(np.log(args.init_logit_scale)))
+        model, hist = pretrain_clip(pre["images"], pre["captions"].tolist(), pre_cfg, model=start,
+                                    device=args.device, progress=False)
+        model = model.cpu()  # the heads, theta_0 and every merge stay on the CPU; evaluation moves its model
         print(f"pretrain loss {np.mean(hist['loss'][:10]):.3f} -> {np.mean(hist['loss'][-10:]):.3f}, "
               f"logit scale {hist['logit_scale'][-1]:.1f}")
         if args.pretrained:
@@ -204,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
         # norm mismatch: a standard fine-tune at the pipeline's lr multiple (mergecal.regimes)
         config = (dataclasses.replace(ft_cfg, lr=ft_cfg.lr * args.norm_mismatch_lr_multiplier)
                   if regime == "norm_mismatch" else dataclasses.replace(ft_cfg, regime=regime))
-        states[(regime, name)], _ = finetune(model, heads[name], *data[name]["train"], config, progress=False)
+        states[(regime, name)], _ = finetune(model, heads[name], *data[name]["train"], config, device=args.device,
+                                             progress=False)
         print(f"  fine-tuned {regime:<15} {name:<12} {time.time() - t1:5.1f} s "
               f"({(time.time() - t1) / ft_cfg.steps:.3f} s/step), load {os.getloadavg()[0]:.2f}", flush=True)
         if args.save_finetuned:
@@ -219,7 +235,9 @@ def main(argv: list[str] | None = None) -> dict:
                 key = "individual" if regime == "standard" else f"individual_{regime}"
                 rows[name].update({key: test["accuracy"], f"{key}_val": val_acc, f"{key}_entropy": test["entropy"]})
     result = {"configs": {k: dataclasses.asdict(v) for k, v in configs.items()}, "rows": rows, "timings": timings,
-              "load": os.getloadavg(), "learned_logit_scale": learned_scale, "logit_scale": args.logit_scale}
+              "load": os.getloadavg(), "learned_logit_scale": learned_scale, "logit_scale": args.logit_scale,
+              "init_logit_scale": args.init_logit_scale,
+              "device": args.device}
     if "standard" in args.regimes.split(","):
         visual = [k for k in pre_sd if k.startswith("visual.") and pre_sd[k].is_floating_point()]
         flat0 = torch.cat([pre_sd[k].flatten().double() for k in visual])

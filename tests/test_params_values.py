@@ -48,7 +48,7 @@ MUTATIONS = [
     ("text.tasks", "[]", "text.tasks", "at least 2 tasks"),
     ("text.tasks", "[wordnet_nouns, wordnet_nouns]", "text.tasks", "'wordnet_nouns' is listed twice"),
     ("vision.tasks", "[objects, digits, objects]", "vision.tasks", "'objects' is listed twice"),
-    ("vision.tasks", "[objects, shapes]", "vision.tasks", "unknown task 'shapes' in task set 'disjoint8'"),
+    ("vision.tasks", "[objects, shapes]", "vision.tasks", "unknown task 'shapes' in task set 'headroom8'"),
     ("vision.task_set", "vision9", "vision.task_set", "unknown task set 'vision9'"),
     ("vision.regimes", "[]", "vision.regimes", "at least 1 entries"),
     ("vision.regimes", "[standard, standard]", "vision.regimes", "'standard' is listed twice"),
@@ -116,8 +116,8 @@ def test_a_wrong_value_fails_at_load_naming_its_key(tmp_path, dotted, value, key
 
 def test_yaml_exponent_without_a_dot_is_still_a_number(tmp_path):
     """YAML 1.1 reads `1e-5` as the string '1e-5': a real-valued setting takes it as the number it means."""
-    text = (REPO / "params.yaml").read_text().replace("lr: 0.0003", "lr: 3e-4")
-    assert "lr: 3e-4" in text
+    text = (REPO / "params.yaml").read_text().replace("lr: 0.001, warmup_steps: 25", "lr: 3e-4, warmup_steps: 25")
+    assert "lr: 3e-4" in text  # the vision fine-tunes' lr
     (tmp_path / "params.yaml").write_text(text)
     assert yaml.safe_load("lr: 3e-4") == {"lr": "3e-4"}
     assert load_params(tmp_path / "params.yaml").vision.finetune["lr"] == pytest.approx(3e-4)
