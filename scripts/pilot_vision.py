@@ -145,8 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "figures are not bitwise the CPU pipeline's; use it to screen recipes, then confirm on CPU)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    global evaluate
-    evaluate = functools.partial(evaluate_on, device=args.device)  # noqa: PLW0603  (every evaluation below)
+    evaluate = functools.partial(evaluate_on, device=args.device)  # every evaluation of this pilot
     configs = {"suite": SMOKE_SUITE if args.smoke else SuiteConfig(),
                "pretrain": SMOKE_PRETRAIN if args.smoke else PretrainConfig(),
                "finetune": SMOKE_FINETUNE if args.smoke else FinetuneConfig()}

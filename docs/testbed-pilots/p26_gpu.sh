@@ -15,12 +15,12 @@ for kv in suite.task_set=headroom8 suite.n_train=$NTR suite.n_test=$NTE suite.n_
   COMMON="$COMMON --set $kv"; done
 # the two suites first (the pilots read them; building one per pilot would race)
 for s in 0 1; do
-  python3 - "$s" "$N" <<'PY' &
+  python3 - "$s" "$N" "$W" <<'PY' &
 import sys; sys.path.insert(0, ".")
 from mergecal.data.vision import SuiteConfig, build_vision_suite
 s = int(sys.argv[1])
 ntr, nte, npr, nag, npt = map(int, sys.argv[2].split())
-build_vision_suite(f"/tmp/p26w/suite{s}", SuiteConfig(task_set="headroom8", n_train=ntr, n_test=nte, n_probe=npr,
+build_vision_suite(f"{sys.argv[3]}/suite{s}", SuiteConfig(task_set="headroom8", n_train=ntr, n_test=nte, n_probe=npr,
                    n_agnostic=nag, n_pretrain=npt, caption_rate=0.5, seed=s), progress=False)
 PY
 done
