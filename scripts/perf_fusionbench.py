@@ -22,12 +22,19 @@ or the wheel's unpacked folder; only the four source files with these functions 
 default implementation, which computes in float64; base weights zero, merged = the task-vector sum, alpha = 1/K).
 Without ``--fusion-bench`` those columns are skipped (one line says so).
 
+``--device cuda`` times both on the GPU: the task matrices are copied there outside the timing, FusionBench's
+functions get ``accelerator="cuda"``, ours take the torch route they take off the CPU (mergecal.linalg), every call
+ends with ``torch.cuda.synchronize()`` inside its timing, and one untimed call of each on the first key comes first
+(cuSOLVER / cuBLAS initialisation). The FLOP floors are then read at the GPU's measured matmul GFLOP/s. The float64
+oracle stays numpy on the CPU; ``--reference-keys N`` runs it on the first N keys only (it dominates the run time),
+and the difference columns are then the largest over those keys.
+
 This is a script, not a ``mergecal perf`` option: it needs the test suite's reference module and an outside wheel,
 and ``mergecal/`` stays untouched (the benchmark stage depends on all of it).
 
     python scripts/perf_fusionbench.py [--fusion-bench WHEEL_OR_DIR] [--shapes vit-b-32|vit-l-14] [--blocks N]
                                        [--methods tsv_m iso_c iso_cts svc] [--repeats 3] [--threads 2]
-                                       [--output FILE.md]
+                                       [--device cpu|cuda] [--reference-keys N] [--output FILE.md]
 """
 
 from __future__ import annotations
@@ -78,8 +85,10 @@ def _fusion_bench_root(path: Path) -> Path:
     raise SystemExit(f"--fusion-bench {path}: expected a fusion_bench wheel (.whl) or its unpacked folder")
 
 
-def load_fusion_bench(path: str | Path) -> dict[str, Callable[[list[torch.Tensor]], torch.Tensor]]:
-    """Per method, FusionBench's function wrapped to take one key's K task matrices and return the merged matrix."""
+def load_fusion_bench(path: str | Path,
+                      accelerator: str = "cpu") -> dict[str, Callable[[list[torch.Tensor]], torch.Tensor]]:
+    """Per method, FusionBench's function wrapped to take one key's K task matrices and return the merged matrix,
+    computed on ``accelerator`` (their functions' own argument)."""
     method_dir = _fusion_bench_root(Path(path)) / "fusion_bench" / "method"
     stubs = {"fusion_bench": types.ModuleType("fusion_bench"),
              "fusion_bench.utils": types.ModuleType("fusion_bench.utils"),
@@ -115,11 +124,11 @@ def load_fusion_bench(path: str | Path) -> dict[str, Callable[[list[torch.Tensor
     def svc(taus):
         merged = torch.stack(taus).sum(0)
         return fn["svc"](base_weight=torch.zeros_like(merged), task_weights=taus, merged_weight=merged,
-                         alpha=1.0 / len(taus), accelerator="cpu")
+                         alpha=1.0 / len(taus), accelerator=accelerator)
 
-    return {"tsv_m": per_key(lambda tvs: fn["tsv_m"](tvs, accelerator="cpu")),
-            "iso_c": per_key(lambda tvs: fn["iso_c"](tvs, accelerator="cpu")),
-            "iso_cts": per_key(lambda tvs: fn["iso_cts"](tvs, COMMON_SPACE_FRACTION, accelerator="cpu")),
+    return {"tsv_m": per_key(lambda tvs: fn["tsv_m"](tvs, accelerator=accelerator)),
+            "iso_c": per_key(lambda tvs: fn["iso_c"](tvs, accelerator=accelerator)),
+            "iso_cts": per_key(lambda tvs: fn["iso_cts"](tvs, COMMON_SPACE_FRACTION, accelerator=accelerator)),
             "svc": svc}
 
 
@@ -143,13 +152,14 @@ def references() -> dict[str, Callable[[list[np.ndarray]], np.ndarray]]:
 
 
 def rel_diff(x: torch.Tensor, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(x.double().numpy() - ref) / np.linalg.norm(ref))
+    return float(np.linalg.norm(x.double().cpu().numpy() - ref) / np.linalg.norm(ref))
 
 
-def time_alternated(impls: dict[str, Callable], taus: list[torch.Tensor], repeats: int,
-                    start: int = 0) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+def time_alternated(impls: dict[str, Callable], taus: list[torch.Tensor], repeats: int, start: int = 0,
+                    sync: Callable[[], None] | None = None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Median seconds of ``repeats`` calls per implementation, the order flipping every repetition (``start``
-    offsets it, so that keys alternate which goes first), and each one's last output."""
+    offsets it, so that keys alternate which goes first), and each one's last output. ``sync`` (a GPU's
+    synchronize) ends every call inside its timing, so that queued kernels count."""
     names = list(impls)
     times: dict[str, list[float]] = {n: [] for n in names}
     out = {}
@@ -157,6 +167,8 @@ def time_alternated(impls: dict[str, Callable], taus: list[torch.Tensor], repeat
         for name in names if (rep + start) % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
             out[name] = impls[name](taus)
+            if sync is not None:
+                sync()
             times[name].append(time.perf_counter() - t0)
     return {n: statistics.median(t) for n, t in times.items()}, out
 
@@ -168,8 +180,9 @@ def summarize(method: str, per_key: list[dict], shapes: list[tuple[int, int]], K
     from mergecal.perf.merging import floor_rows
 
     ours_s = sum(k["ours"] for k in per_key)
-    row = {"method": method, "keys": len(per_key), "ours_seconds": ours_s,
-           "ours_max_rel_diff": max(k["ours_diff"] for k in per_key)}
+    checked = [k for k in per_key if k["ours_diff"] is not None]  # keys the float64 oracle ran on
+    row = {"method": method, "keys": len(per_key), "reference_keys": len(checked), "ours_seconds": ours_s,
+           "ours_max_rel_diff": max(k["ours_diff"] for k in checked)}
     (floor,) = floor_rows({method: ours_s}, shapes, K, gflops)
     row.update({"floor_gflop": floor["floor_gflop"], "floor_dtype": floor["floor_dtype"], "gflops": floor["gflops"],
                 "floor_seconds": floor["floor_seconds"], "ours_floor_multiple": floor["floor_multiple"]})
@@ -177,7 +190,7 @@ def summarize(method: str, per_key: list[dict], shapes: list[tuple[int, int]], K
         theirs_s = sum(k["theirs"] for k in per_key)
         row.update({"theirs_seconds": theirs_s, "ratio": theirs_s / ours_s,
                     "median_key_ratio": statistics.median(k["theirs"] / k["ours"] for k in per_key),
-                    "theirs_max_rel_diff": max(k["theirs_diff"] for k in per_key),
+                    "theirs_max_rel_diff": max(k["theirs_diff"] for k in checked),
                     "theirs_floor_multiple": theirs_s / floor["floor_seconds"]})
     return row
 
@@ -215,8 +228,31 @@ def set_threads(threads: int) -> None:
     threadpool_limits(threads)  # numpy / scipy's BLAS, where the Gram route's syrk and eigh run
 
 
+def measure_device_gflops(device: str, n: int = 4096, repeats: int = 5) -> dict[str, float]:
+    """Matmul GFLOP/s on ``device`` for reading the FLOP floors: the CPU's (mergecal.perf.merging), or the GPU's
+    (median of ``repeats`` synchronised n x n products per dtype, after a warm-up)."""
+    from mergecal.perf.merging import measure_gflops
+
+    if device == "cpu":
+        return measure_gflops()
+    gflops = {}
+    for name, dtype in (("float32", torch.float32), ("float64", torch.float64)):
+        a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+        a @ b
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        gflops[name] = 2 * n**3 / statistics.median(times) / 1e9
+    print(f"  matmul on {device}: {gflops['float32']:.0f} GFLOP/s float32, {gflops['float64']:.0f} float64", flush=True)
+    return gflops
+
+
 def main(argv: list[str] | None = None) -> int:
-    from mergecal.perf.merging import SHAPE_SETS, measure_gflops, synthetic_task_vectors, vit_b32_shapes
+    from mergecal.perf.merging import SHAPE_SETS, synthetic_task_vectors, vit_b32_shapes
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fusion-bench", help="FusionBench 0.2.33's wheel or its unpacked folder (else skipped)")
@@ -227,8 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per key and implementation (median)")
     parser.add_argument("--threads", type=int, default=2, help="torch and numpy/scipy BLAS threads (default 2)")
+    parser.add_argument("--device", default="cpu", help="where both run: cpu (default) or cuda[:N]")
+    parser.add_argument("--reference-keys", type=int, help="run the float64 oracle on the first N keys only "
+                        "(default: every key)")
     parser.add_argument("--output", help="write the table here (Markdown, rewritten after each method) and a .json")
     args = parser.parse_args(argv)
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        raise SystemExit(f"--device {args.device}: expected cpu, or cuda[:N] on a machine with a CUDA GPU")
+    if args.reference_keys is not None and args.reference_keys < 1:
+        raise SystemExit(f"--reference-keys {args.reference_keys}: expected at least 1")
 
     set_threads(args.threads)
     blocks, width, _ = SHAPE_SETS[args.shapes]
@@ -237,33 +280,40 @@ def main(argv: list[str] | None = None) -> int:
     keys = list(task_vectors[0])
     matrix_shapes = [tuple(task_vectors[0][k].shape) for k in keys]
     if args.fusion_bench:
-        theirs = load_fusion_bench(args.fusion_bench)
+        theirs = load_fusion_bench(args.fusion_bench, accelerator=args.device)
     else:
         theirs = None
         print("FusionBench columns skipped: no --fusion-bench given (its wheel: pip download --no-deps "
               "fusion-bench==0.2.33)", flush=True)
     mine, refs = ours(), references()
+    on_gpu = args.device != "cpu"
+    where = (f"on {torch.cuda.get_device_name(args.device)}" if on_gpu else f"{args.threads} threads")
     setting = (f"{args.shapes}, {args.blocks or blocks} blocks ({len(keys)} matrices), K = {args.tasks}, "
-               f"{args.threads} threads, medians of {args.repeats} alternated calls per key, torch {torch.__version__}")
+               f"{where}, medians of {args.repeats} alternated calls per key, torch {torch.__version__}"
+               + (f", float64 oracle on the first {args.reference_keys} keys" if args.reference_keys else ""))
     print(setting, flush=True)
-    gflops_runs = [measure_gflops()]
+    sync = (lambda: torch.cuda.synchronize(args.device)) if on_gpu else None
+    gflops_runs = [measure_device_gflops(args.device)]
     records, rows = {}, []
     for method in args.methods:
         load_before = os.getloadavg()[0]
         records[method] = []
+        impls = {"ours": mine[method], **({"theirs": theirs[method]} if theirs else {})}
+        if on_gpu:  # library and kernel initialisation outside the timings
+            time_alternated(impls, [tv[keys[0]].to(args.device) for tv in task_vectors], 1, sync=sync)
         for i, key in enumerate(keys):
-            taus = [tv[key] for tv in task_vectors]
-            impls = {"ours": mine[method], **({"theirs": theirs[method]} if theirs else {})}
-            times, out = time_alternated(impls, taus, args.repeats, start=i)
-            ref = refs[method]([t.double().numpy() for t in taus])
+            taus = [tv[key].to(args.device) for tv in task_vectors]
+            times, out = time_alternated(impls, taus, args.repeats, start=i, sync=sync)
+            checked = args.reference_keys is None or i < args.reference_keys
+            ref = refs[method]([t.double().cpu().numpy() for t in taus]) if checked else None
             records[method].append({"key": key, "ours": times["ours"], "theirs": times.get("theirs"),
-                                    "ours_diff": rel_diff(out["ours"], ref),
-                                    "theirs_diff": rel_diff(out["theirs"], ref) if theirs else None})
+                                    "ours_diff": rel_diff(out["ours"], ref) if checked else None,
+                                    "theirs_diff": rel_diff(out["theirs"], ref) if theirs and checked else None})
             r = records[method][-1]
             print(f"  {method} {i + 1}/{len(keys)} {tuple(taus[0].shape)}: ours {r['ours']:.3f} s"
                   + (f", FusionBench {r['theirs']:.3f} s" if theirs else "") + f", load {os.getloadavg()[0]:.1f}",
                   flush=True)
-        gflops_runs.append(measure_gflops())
+        gflops_runs.append(measure_device_gflops(args.device))
         gflops = {d: max(g[d] for g in gflops_runs) for d in ("float32", "float64")}
         row = {**summarize(method, records[method], matrix_shapes, args.tasks, gflops),
                "load_before": load_before, "load_after": os.getloadavg()[0]}

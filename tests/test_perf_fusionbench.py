@@ -72,15 +72,19 @@ def test_calls_alternate_and_the_median_is_kept(bench, monkeypatch):
 def _fake_wheel(root: Path) -> None:
     """FusionBench's layout with stand-in functions that import what the real files import."""
     method = root / "fusion_bench" / "method"
-    header = "from fusion_bench.utils.type import StateDictType\nfrom fusion_bench.utils import timeit_context\n"
+    # each stand-in refuses any accelerator but the CPU, naming it: the device the loader hands over shows
+    header = ("from fusion_bench.utils.type import StateDictType\nfrom fusion_bench.utils import timeit_context\n"
+              "def _on(accelerator):\n    if accelerator != 'cpu':\n        raise ValueError(f'on {accelerator}')\n")
     files = {"task_singular_vector/utils/TSVM_utils.py":
-             "def compute_and_sum_svd_mem_reduction(tvs, accelerator):\n    return {'w': sum(t['w'] for t in tvs)}\n",
+             "def compute_and_sum_svd_mem_reduction(tvs, accelerator):\n    _on(accelerator)\n"
+             "    return {'w': sum(t['w'] for t in tvs)}\n",
              "isotropic_merging/iso_utils.py":
-             "def iso_c(tvs, accelerator):\n    print('Merging w...')\n    return {'w': 2 * tvs[0]['w']}\n"
-             "def iso_cts(tvs, f, accelerator):\n    return {'w': f * tvs[0]['w']}\n",
+             "def iso_c(tvs, accelerator):\n    _on(accelerator)\n    print('Merging w...')\n"
+             "    return {'w': 2 * tvs[0]['w']}\n"
+             "def iso_cts(tvs, f, accelerator):\n    _on(accelerator)\n    return {'w': f * tvs[0]['w']}\n",
              "singular_value_calibration/utils.py":
              "def subspace_consistency_spectral_calibration_accelerated(base_weight, task_weights, merged_weight,"
-             " alpha, accelerator):\n    return merged_weight * alpha\n"}
+             " alpha, accelerator):\n    _on(accelerator)\n    return merged_weight * alpha\n"}
     for rel, body in files.items():
         (method / rel).parent.mkdir(parents=True, exist_ok=True)
         (method / rel).write_text(header + body)
@@ -96,6 +100,50 @@ def test_the_loader_wraps_fusionbench_per_key_and_leaves_no_stub_behind(bench, t
     assert torch.equal(fb["iso_cts"](taus), 0.8 * torch.ones(2, 3))
     assert torch.equal(fb["svc"](taus), 1.5 * torch.ones(2, 3))  # merged = the sum, alpha = 1/K
     assert "Merging" not in capsys.readouterr().out  # FusionBench's per-key prints are swallowed
+
+
+def test_the_loader_hands_every_method_the_device(bench, tmp_path):
+    _fake_wheel(tmp_path)
+    fb = bench.load_fusion_bench(tmp_path, accelerator="cuda:1")
+    for method in bench.METHODS:
+        with pytest.raises(ValueError, match="on cuda:1"):
+            fb[method]([torch.ones(2, 3), torch.ones(2, 3)])
+
+
+def test_a_gpu_sync_ends_every_timed_call(bench, monkeypatch):
+    # the clock advances 1 s per call and 2 s per synchronize: each time must hold its own sync
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+
+    def impl(taus):
+        now[0] += 1.0
+
+    def sync():
+        now[0] += 2.0
+        syncs.append(now[0])
+
+    syncs = []
+    times, _ = bench.time_alternated({"a": impl, "b": impl}, [], repeats=2, sync=sync)
+    assert times == {"a": 3.0, "b": 3.0} and len(syncs) == 4
+
+
+def test_the_oracle_can_be_limited_to_the_first_keys(bench, tmp_path):
+    out = tmp_path / "bench.md"
+    assert bench.main(["--blocks", "1", "--width", "16", "--tasks", "2", "--threads", "1", "--repeats", "1",
+                       "--methods", "iso_c", "--reference-keys", "1", "--output", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    (row,) = data["rows"]
+    assert row["keys"] == 4 and row["reference_keys"] == 1 and row["ours_max_rel_diff"] < 1e-5
+    diffs = [k["ours_diff"] for k in data["per_key"]["iso_c"]]
+    assert diffs[0] is not None and diffs[1:] == [None, None, None]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused_in_one_line(bench):
+    with pytest.raises(SystemExit, match="--device cuda: expected cpu, or cuda"):
+        bench.main(["--device", "cuda", "--blocks", "1", "--width", "16"])
+    with pytest.raises(SystemExit, match="--reference-keys 0: expected at least 1"):
+        bench.main(["--reference-keys", "0", "--blocks", "1", "--width", "16"])
 
 
 def test_the_loader_names_a_missing_file(bench, tmp_path):
