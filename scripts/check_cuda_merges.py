@@ -2,7 +2,8 @@
 
 On synthetic ViT-B/32-shaped models (``mergecal perf``'s task vectors: low rank plus noise, K tasks), each method
 of the registry at its default parameters runs ``merge_models(..., device=...)`` on the CPU and on the GPU; printed
-per method: both times (the GPU's after one untimed warm-up merge, synchronised) and the relative difference
+per method: both times (the GPU's after one untimed warm-up merge, synchronised, and including the copy of
+the merged state dict back to the CPU that ``merge_models`` returns) and the relative difference
 ||cuda - cpu||_F / ||cpu - theta_0||_F of the merged update over all keys. DARE draws its drop masks from a
 generator seeded on the tensors' device (mergecal/methods/dare.py: the same merge on the same device type), so
 its GPU merge drops other entries than its CPU merge: its row is printed and left out of the largest difference.
@@ -30,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: no CUDA GPU on this machine (torch.cuda.is_available() is False)")
+    if not args.device.startswith("cuda") or not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: expected cuda[:N] on a machine with a CUDA GPU "
+                         f"(torch.cuda.is_available() is {torch.cuda.is_available()})")
     shapes = vit_b32_shapes(args.blocks)
     g = torch.Generator().manual_seed(1)
     pretrained = {k: 0.02 * torch.randn(s, generator=g) for k, s in shapes.items()}

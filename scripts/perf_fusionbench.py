@@ -228,31 +228,8 @@ def set_threads(threads: int) -> None:
     threadpool_limits(threads)  # numpy / scipy's BLAS, where the Gram route's syrk and eigh run
 
 
-def measure_device_gflops(device: str, n: int = 4096, repeats: int = 5) -> dict[str, float]:
-    """Matmul GFLOP/s on ``device`` for reading the FLOP floors: the CPU's (mergecal.perf.merging), or the GPU's
-    (median of ``repeats`` synchronised n x n products per dtype, after a warm-up)."""
-    from mergecal.perf.merging import measure_gflops
-
-    if device == "cpu":
-        return measure_gflops()
-    gflops = {}
-    for name, dtype in (("float32", torch.float32), ("float64", torch.float64)):
-        a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-        a @ b
-        torch.cuda.synchronize(device)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        gflops[name] = 2 * n**3 / statistics.median(times) / 1e9
-    print(f"  matmul on {device}: {gflops['float32']:.0f} GFLOP/s float32, {gflops['float64']:.0f} float64", flush=True)
-    return gflops
-
-
 def main(argv: list[str] | None = None) -> int:
-    from mergecal.perf.merging import SHAPE_SETS, synthetic_task_vectors, vit_b32_shapes
+    from mergecal.perf.merging import SHAPE_SETS, measure_gflops, synthetic_task_vectors, vit_b32_shapes
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fusion-bench", help="FusionBench 0.2.33's wheel or its unpacked folder (else skipped)")
@@ -293,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                + (f", float64 oracle on the first {args.reference_keys} keys" if args.reference_keys else ""))
     print(setting, flush=True)
     sync = (lambda: torch.cuda.synchronize(args.device)) if on_gpu else None
-    gflops_runs = [measure_device_gflops(args.device)]
+    gflops_runs = [measure_gflops(args.device)]
     records, rows = {}, []
     for method in args.methods:
         load_before = os.getloadavg()[0]
@@ -313,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {method} {i + 1}/{len(keys)} {tuple(taus[0].shape)}: ours {r['ours']:.3f} s"
                   + (f", FusionBench {r['theirs']:.3f} s" if theirs else "") + f", load {os.getloadavg()[0]:.1f}",
                   flush=True)
-        gflops_runs.append(measure_device_gflops(args.device))
+        gflops_runs.append(measure_gflops(args.device))
         gflops = {d: max(g[d] for g in gflops_runs) for d in ("float32", "float64")}
         row = {**summarize(method, records[method], matrix_shapes, args.tasks, gflops),
                "load_before": load_before, "load_after": os.getloadavg()[0]}
