@@ -21,7 +21,12 @@ def parse_assignments(pairs: list[str]) -> dict[str, Any]:
         name, sep, value = pair.partition("=")
         if not sep or not name:
             raise ParameterError(f"--set {pair!r}: expected NAME=VALUE")
-        params[name.strip()] = yaml.safe_load(value)
+        try:
+            params[name.strip()] = yaml.safe_load(value)  # safe: a YAML tag never constructs an object
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or "not valid YAML"
+            raise ParameterError(f"--set {pair!r}: not a YAML value ({problem}); expected a number, true/false, a "
+                                 "name or a [list], e.g. scaling=0.3 or mask_lambda=[0.2, 0.3]") from None
     return params
 
 
@@ -111,12 +116,13 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from .pipeline.workspace import checkout_root
 
     root = checkout_root(args.root)  # before anything is served: the reruns need the checkout's pipeline
-    if not os.environ.get("PREFECT_API_URL"):
-        raise MergecalError("schedule: set PREFECT_API_URL to a running Prefect server (e.g. `mergecal ui`, then "
-                            "export PREFECT_API_URL=http://127.0.0.1:4200/api)")
-    from .pipeline.schedule import serve
+    from .pipeline.schedule import START_SERVER, check_cron, serve
 
-    serve(args.cron, root)
+    check_cron(args.cron)
+    api_url = os.environ.get("PREFECT_API_URL")
+    if not api_url:
+        raise MergecalError(f"schedule: set PREFECT_API_URL to a running Prefect server ({START_SERVER})")
+    serve(args.cron, root, api_url)
     return 0
 
 

@@ -484,3 +484,52 @@ def test_cli_recipe_errors_match_the_api(inputs_dir, tmp_path, capsys):
     assert main(args[:method] + ["--recipe", "svc>tsv_m"] + args[method + 2:]) == 2
     assert "cannot follow" in one_line_error(capsys)
     assert not (tmp_path / "out").exists()
+
+
+# --- hardening, second round: --set values, schedule ------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, says", [
+    ("scaling=[1,", "not a YAML value (expected the node content, but found '<stream end>')"),
+    ("top_k=!!python/object/apply:os.system ['touch {ran}']", "not a YAML value (could not determine a constructor "
+                                                              "for the tag 'tag:yaml.org,2002:python/object/apply"),
+])
+def test_a_set_value_that_is_not_yaml_is_one_line(inputs_dir, tmp_path, capsys, value, says):
+    """Regression: a YAML parse or constructor error in --set was a traceback; safe_load never runs the tag."""
+    value = value.format(ran=tmp_path / "ran")
+    assert main(merge_args(inputs_dir, tmp_path / "out", "--set", value)) == 2
+    err = one_line_error(capsys)
+    assert err.startswith(f"mergecal: error: --set {value!r}: {says}"), err
+    assert "expected a number, true/false, a name or a [list]" in err
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed again on return: nothing listens there
+
+
+def test_schedule_with_a_bad_cron_is_one_line(capsys, monkeypatch):
+    """Regression: pydantic's ValidationError from Prefect's CronSchedule was a traceback."""
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{_closed_port()}/api")
+    assert main(["schedule", "--root", str(ROOT), "--cron", "not a cron"]) == 2
+    assert one_line_error(capsys) == ("mergecal: error: --cron 'not a cron': not a cron schedule; expected five "
+                                      'fields, minute hour day-of-month month day-of-week, e.g. "0 3 * * 1" '
+                                      "(Mondays at 03:00)")
+
+
+def test_schedule_without_a_prefect_server_is_one_line_and_fast(capsys, monkeypatch):
+    """Regression: with no server at PREFECT_API_URL, serving raised httpx.ConnectError from deep inside Prefect."""
+    url = f"http://127.0.0.1:{_closed_port()}/api"
+    monkeypatch.setenv("PREFECT_API_URL", url)
+    from mergecal.pipeline import schedule  # imported (Prefect's start-up) before the clock starts
+
+    start = time.perf_counter()
+    assert main(["schedule", "--root", str(ROOT), "--cron", "0 3 * * 1"]) == 2
+    assert time.perf_counter() - start < 10  # one refused connection, no retries
+    err = one_line_error(capsys)
+    assert err.startswith(f"mergecal: error: schedule: no Prefect server answers at PREFECT_API_URL={url} (")
+    assert err.endswith(schedule.START_SERVER) and "`mergecal ui`" in err and "prefect server start" in err

@@ -97,6 +97,23 @@ MUTATIONS = [
     ("llm.finetune_per_task.summing", "{steps: 3}", "llm.finetune_per_task.summing", "not one of the track's tasks"),
     ("llm.evaluation.max_validation", "0", "llm.evaluation.max_validation", "greater than or equal to 1"),
     ("llm.backbone", "../x", "llm.backbone", "should match pattern"),
+    # hardening, second round: a shape transformers' Llama cannot build fails at load, not inside the stage
+    ("llm.shape.num_attention_heads", "3", "llm.shape.num_attention_heads", "3 heads do not divide hidden_size 128"),
+    ("llm.shape.num_key_value_heads", "3", "llm.shape.num_key_value_heads",
+     "3 key/value heads do not divide num_attention_heads 4"),
+    ("llm.shape.hidden_size", "12", "llm.shape.num_attention_heads", "= 3 is odd; rotary embeddings need it even"),
+    # ... and counts have an upper bound (mergecal.config_types.MAX_*); a float-looking count is no count
+    ("llm.pretrain.steps", "9223372036854775808", "llm.pretrain.steps", "less than or equal to 10000000"),
+    ("vision.finetune.steps", "10000001", "vision.finetune.steps", "less than or equal to 10000000"),
+    ("llm.data.n_train", "1000000000000000000000000000000", "llm.data.n_train", "less than or equal to 100000000"),
+    ("llm.data.n_train", "1e30", "llm.data.n_train", "valid integer"),
+    ("runner.max_workers", "1000000000", "runner.max_workers", "less than or equal to 256"),
+    ("runner.max_workers", "3.0", "runner.max_workers", "valid integer"),
+    ("seed", "18446744073709551616", "seed", "less than or equal to 4294967295"),
+    ("distac.steps", "3.0", "distac", "parameter 'steps': Input should be a valid integer (got 3.0)"),
+    ("distac.steps", "100000000000", "distac", "parameter 'steps': Input should be less than or equal to 10000000"),
+    ("benchmark.evaluation.distac_samples", "1000000000", "benchmark.evaluation.distac_samples",
+     "less than or equal to 100000000"),
 ]
 
 
@@ -160,3 +177,48 @@ def test_schema_defaults_are_the_librarys_and_enabled_means_what_it_says():
     for track in tracks:
         disabled = parse_params({**merges, track: {"enabled": False}})
         assert {c.track for c in enumerate_cells(disabled)} == tracks - {track}
+
+
+def test_counts_up_to_a_labs_realistic_settings_load(tmp_path):
+    """The maxima leave room: 10^7 optimizer steps, 10^8 samples, 256 workers, a 32-bit seed."""
+    from mergecal.config_types import MAX_COUNT, MAX_STEPS, MAX_WORKERS
+
+    assert (MAX_STEPS, MAX_COUNT, MAX_WORKERS) == (10**7, 10**8, 256)
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    for dotted, value in [("llm.pretrain.steps", MAX_STEPS), ("llm.data.n_train", MAX_COUNT),
+                          ("runner.max_workers", MAX_WORKERS), ("seed", 2**32 - 1), ("distac.steps", MAX_STEPS)]:
+        _set(data, dotted, value)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    params = load_params(tmp_path / "params.yaml")
+    assert params.llm.pretrain["steps"] == MAX_STEPS and params.runner.max_workers == MAX_WORKERS
+
+
+def test_the_default_llm_shape_and_a_grouped_query_one_load():
+    from mergecal.pipeline.config import parse_params
+    from mergecal.train.lm import TinyLlamaShape
+
+    shape = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}  # heads of 16 dimensions
+    assert TinyLlamaShape(**parse_params({"llm": {"shape": shape}}).llm.shape) == TinyLlamaShape(**shape)
+    with pytest.raises(ValueError, match="3 heads do not divide hidden_size 128"):
+        TinyLlamaShape(num_attention_heads=3)  # the library refuses it too, before transformers does
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"seed: 0\n# caf\xe9 (Latin-1)\n", "not UTF-8 text (byte 0xe9 on line 2); save it as UTF-8"),
+    (b"", "empty; expected the pipeline's settings"),
+    (b"# only a comment\n", "empty; expected the pipeline's settings"),
+])
+def test_a_params_file_that_is_not_utf8_or_is_empty_is_one_line(tmp_path, capsys, content, says):
+    """Regression (hardening, second round, item 2): UnicodeDecodeError escaped load_params (every stage, `mergecal
+    report --params`), and an empty file ran the pipeline with every default."""
+    from mergecal.cli import main
+
+    path = tmp_path / "mine.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ParameterError) as info:
+        load_params(path)
+    assert str(info.value).startswith(f"{path}: {says}") and "\n" not in str(info.value)
+    assert main(["report", "--root", str(tmp_path), "--params", "mine.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mergecal: error: {path}: {says}") and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "reports").exists()

@@ -421,3 +421,68 @@ def test_leaderboard_bytes_do_not_depend_on_the_run(report, tmp_path):
             assert (tmp_path / "again" / name).read_bytes() != (out / name).read_bytes(), name
         else:
             assert (tmp_path / "again" / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def _invocation(client, exp, inv, start, recipes, *, expected, like, status):
+    """An invocation's parent run (tagged with the cells it sets out to compute, as the flow does), the cells of
+    ``recipes`` logged under it, and the parent left in ``status`` (RUNNING: the benchmark was killed)."""
+    parent = client.create_run(exp, start_time=start, tags={
+        "mergecal.kind": "invocation", "mergecal.invocation_id": inv, "mergecal.code_version": "sha",
+        "mergecal.cells": str(expected)}).info.run_id
+    for j, recipe in enumerate(recipes):
+        _log_cell(client, exp, parent, inv, recipe, start + 10 * (j + 1), like=like)
+    if status != "RUNNING":
+        client.set_terminated(parent, status, end_time=start + 1000)
+    return parent
+
+
+def test_a_killed_invocation_is_no_result(tmp_path, capsys):
+    """Regression (hardening, second round, item 6): after a SIGKILL of the benchmark, its invocation (parent run
+    still RUNNING, 1 of 3 cells) was the leaderboard's, and the history listed it as an ordinary invocation."""
+    from mergecal.cli import main
+
+    (tmp_path / "params.yaml").write_text("tracking: {store: mlruns}\n")
+    (tmp_path / "mlruns").mkdir()
+    uri = f"sqlite:///{tmp_path}/mlruns/mlruns.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("mergecal", artifact_location=str(tmp_path / "mlruns" / "artifacts"))
+    recipes = ["zeroshot", "finetuned", "task_arithmetic"]
+    killed = _invocation(client, exp, "killed-first", T0, recipes[:1], expected=3, like="inv-2", status="RUNNING")
+    # no finished invocation yet: no report, one line saying why
+    assert main(["report", "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err  # MLflow logs its store's creation before
+    assert "Traceback" not in err and err.count("mergecal: error: ") == 1
+    assert err[err.index("mergecal: error: "):].rstrip() == (
+        "mergecal: error: tracking store: no finished benchmark invocation to report; the latest, killed-first, is no "
+        "result (killed or still running (MLflow status RUNNING, never finished): 1 of 3 cells): rerun the benchmark "
+        "(dvc repro)")
+    assert not (tmp_path / "reports").exists()
+
+    client.set_terminated(killed, "KILLED")  # as the next invocation marks it
+    _invocation(client, exp, "finished", T0 + DAY, recipes, expected=3, like="inv-1", status="FINISHED")
+    _invocation(client, exp, "killed-last", T0 + 2 * DAY, recipes[2:], expected=3, like="inv-2", status="RUNNING")
+    out = tmp_path / "reports"
+    write_reports(uri, "mergecal", out)
+    data = json.loads((out / "leaderboard.json").read_text())
+    assert data["results"]["n_computed"] == 3  # the finished invocation's, not the killed one's 1 of 3
+    rows = data["leaderboard"]["mergecal-vit-tiny"]["vision2"]["standard"]
+    assert rows["task_arithmetic"]["values"]["avg_norm_acc"] == pytest.approx(VALUES["inv-1"]["task_arithmetic"][2])
+    history = (out / "history.md").read_text()
+    assert "| finished |" in history
+    assert "| killed (MLflow status KILLED): 1 of 3 cells |" in history
+    assert "| killed or still running (MLflow status RUNNING, never finished): 1 of 3 cells |" in history
+    assert "| recipe | `finished` |" in history  # only the finished invocation is compared
+    assert "killed (MLflow status KILLED)" in (out / "history.html").read_text()
+    with pytest.raises(MergecalError, match=r"invocation 'killed-last' is no result \(killed or still running .*"
+                                            r"reports read finished invocations only: finished$"):
+        pick_invocation(load_runs(uri), "killed-last")
+
+
+def test_a_finished_invocation_missing_cells_is_incomplete():
+    row = {"n_cells": 12, "n_skipped": 1, "n_expected": 42, "run_status": "FINISHED"}
+    from mergecal.reports.runs import unfinished_state
+
+    assert unfinished_state(row) == "incomplete: 11 of 42 cells"
+    assert unfinished_state({**row, "n_cells": 43}) is None
+    assert unfinished_state({**row, "n_expected": 0}) is None  # an older store: the parent records no count
+    assert unfinished_state({**row, "run_status": "FAILED"}) == "not finished (MLflow status FAILED): 11 of 42 cells"

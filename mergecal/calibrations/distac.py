@@ -39,6 +39,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoint import DictSource, save_state_dict
+from ..config_types import Count, NonNegativeInt, Steps
 from ..errors import ParameterError, UnknownNameError
 from ..methods.base import HyperParams, build_params
 from ..device import resolve_device
@@ -71,10 +72,10 @@ class DistacParams(HyperParams):
     t_student: float = Field(10.0, gt=0.0)
     beta: float = Field(0.5, ge=0.0)
     lr: float = Field(1e-5, gt=0.0)
-    steps: int = Field(500, ge=1)
-    batch_size: int = Field(128, ge=1)
+    steps: Steps = 500
+    batch_size: Count = 128
     grad_clip: float | None = Field(1.0, gt=0.0)
-    seed: int = Field(0, ge=0)
+    seed: NonNegativeInt = 0
     optimizer: Literal["adam"] = "adam"
 
     @classmethod

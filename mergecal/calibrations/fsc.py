@@ -42,11 +42,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoint import load_state_dict, save_state_dict
+from ..config_types import Count
 from ..errors import CheckpointError, IncompatibleModelsError, ParameterError, UnknownNameError
 from ..families import BackboneFamily, ModuleSpec, is_affine_in_parameters, resolve_family
 from ..methods.base import build_params, format_params
@@ -67,7 +68,7 @@ RAW_RATIOS_FILE = "raw_ratios.safetensors"
 class FscParams(CalibrationParams):
     """FSC hyperparameters (defaults: the paper's and reference-details')."""
 
-    n_samples_per_task: int = Field(default=1, ge=1)  # unlabeled samples per task (paper: 1)
+    n_samples_per_task: Count = 1  # unlabeled samples per task (paper: 1)
     norm: Literal["l1", "l2"] = "l1"  # norm over the feature dimension
     aggregate: Literal["mean"] = "mean"  # over the K tasks (Eq. 18)
     token_ratios: Literal["per_token", "mean"] = "per_token"  # "mean": one scalar per module (not the reference)

@@ -35,6 +35,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from ..config_types import NonNegativeInt
 from ..errors import ParameterError
 from ..keys import get_key_rule
 from ..linalg import svd, svd_gram
@@ -49,7 +50,7 @@ AUTHORS_ALPHA = {"tsv_m": 1.0}
 
 class SvcParams(CalibrationParams):
     alpha: float | None = Field(None, gt=0.0)  # None: 1/K
-    targeted_task: int | None = Field(None, ge=0)
+    targeted_task: NonNegativeInt | None = None
     space: Literal["column", "row"] = "column"
     key_rule: str = "svc_authors"
     calibrate_vectors: bool = False

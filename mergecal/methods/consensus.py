@@ -14,8 +14,8 @@ coordinate it moved (|tau| > lambda * 0), so k = 1 gives lambda * tau; the defau
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 
+from ..config_types import NonNegativeInt
 from ..errors import ParameterError
 from .base import MergeMethod, MergeParams, register, sum_of
 
@@ -23,7 +23,7 @@ from .base import MergeMethod, MergeParams, register, sum_of
 class ConsensusParams(MergeParams):
     scaling: float = 0.3  # lambda of the task-arithmetic prior
     mask_lambda: float | list[float] = 0.4
-    min_agreement: int = Field(2, ge=0)  # k
+    min_agreement: NonNegativeInt = 2  # k
 
 
 def _lambdas(mask_lambda: float | list[float], K: int) -> list[float]:

@@ -18,7 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..config_types import ConfigValueError, Count, NonNegativeInt, NonNegativeReal, PositiveReal, check_config
+from ..config_types import ConfigValueError, Count, NonNegativeInt, NonNegativeReal, PositiveReal, WorkerCount, \
+    check_config
 from ..errors import MergecalError, ParameterError
 from ..regimes import OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime
 
@@ -606,7 +607,7 @@ class Runner(Strict):
     (prefect-dask's DaskTaskRunner; ``address`` of an existing cluster, else a local one)."""
 
     kind: Literal["threads", "processes", "dask"] = "threads"
-    max_workers: Count = 1
+    max_workers: WorkerCount = 1
     retries: NonNegativeInt = 1
     retry_delay_seconds: NonNegativeReal = 1.0
     address: str | None = None
@@ -702,9 +703,18 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     if not path.is_file():
         raise ParameterError(f"{path}: parameters file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = err.object[:err.start].count(b"\n") + 1
+        raise ParameterError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} on line {line}); save it "
+                             "as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise ParameterError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    if data is None:  # an empty file (or only comments) is more likely a mistake than a wish for every default
+        raise ParameterError(f"{path}: empty; expected the pipeline's settings (a mapping such as the repository's "
+                             "params.yaml; write {} to take every default)")
     return parse_params(data, str(path))

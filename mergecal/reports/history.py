@@ -15,7 +15,7 @@ import pandas as pd
 
 from .leaderboard import REGIME_ORDER, fmt_pct, rank, recipe_order
 from .plots import Plot, history_figure, slug, to_svg
-from .runs import GROUP, invocations
+from .runs import FINISHED, GROUP, invocations
 
 DEFAULT_METRIC = "avg_norm_acc"
 DEFAULT_THRESHOLD = 1.0  # percentage points
@@ -55,10 +55,21 @@ def stamp(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000.0, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _results(table: pd.DataFrame) -> list[str]:
+    """The invocations (rows of ``invocations``) that are results: with cells, and finished."""
+    return list(table[(table["n_cells"] > 0) & (table["state"] == FINISHED)]["invocation_id"])
+
+
+NOT_COMPARED = ("A killed or unfinished invocation is listed with its state but is no result: only finished ones are "
+                "compared below.")
+
+
 def history_frame(runs: pd.DataFrame, metric: str = DEFAULT_METRIC) -> pd.DataFrame:
-    """Long table: one row per cell and invocation, invocations in time order (``order`` 0, 1, ...)."""
-    order = {inv: i for i, inv in enumerate(invocations(runs)["invocation_id"])}
-    cells = runs[runs["kind"] == "cell"].drop_duplicates(["invocation_id", *GROUP, "recipe"], keep="last")
+    """Long table: one row per cell and finished invocation, invocations in time order (``order`` 0, 1, ...);
+    a killed or unfinished invocation is no result, so none of its cells is compared."""
+    order = {inv: i for i, inv in enumerate(_results(invocations(runs)))}
+    cells = runs[(runs["kind"] == "cell") & runs["invocation_id"].isin(order)]
+    cells = cells.drop_duplicates(["invocation_id", *GROUP, "recipe"], keep="last")
     column = f"metrics.{metric}"
     values = cells[column] if column in cells else pd.Series(float("nan"), index=cells.index)
     frame = pd.DataFrame({
@@ -110,12 +121,13 @@ def _cell_text(group: pd.DataFrame, recipe: str, invocation: str) -> str:
 def history_markdown(runs: pd.DataFrame, metric: str = DEFAULT_METRIC,
                      threshold: float = DEFAULT_THRESHOLD) -> str:
     history, table = history_frame(runs, metric), invocations(runs)
-    table = table[table["n_cells"] > 0]
-    ids = list(table["invocation_id"])
+    table, ids = table[table["n_cells"] > 0], _results(table)
     lines = [f"# History: {metric} per invocation", "", "Invocations, oldest first:", "",
-             "| invocation | started | code version | cells | failed |", "|---|---|---|---:|---:|"]
-    lines += [f"| `{r.invocation_id}` | {stamp(r.start_time)} | `{r.code_version}` | {r.n_cells} | {r.n_failed} |"
-              for r in table.itertuples()]
+             "| invocation | started | code version | cells | failed | state |", "|---|---|---|---:|---:|---|"]
+    lines += [f"| `{r.invocation_id}` | {stamp(r.start_time)} | `{r.code_version}` | {r.n_cells} | {r.n_failed} | "
+              f"{r.state} |" for r in table.itertuples()]
+    if len(ids) < len(table):
+        lines += ["", NOT_COMPARED]
     regressions = find_regressions(history, threshold)
     lines += ["", f"## Regressions ({_rule(threshold)})", ""]
     lines += [f"- {r.describe()}" for r in regressions] or ["None."]
@@ -129,8 +141,7 @@ def history_markdown(runs: pd.DataFrame, metric: str = DEFAULT_METRIC,
 
 def history_plots(runs: pd.DataFrame, metric: str = DEFAULT_METRIC) -> list[Plot]:
     """One line chart per group over the invocations (when there are at least two)."""
-    history, table = history_frame(runs, metric), invocations(runs)
-    ids = list(table[table["n_cells"] > 0]["invocation_id"])
+    history, ids = history_frame(runs, metric), _results(invocations(runs))
     plots = []
     for key, group, recipes in _groups(history):
         series = {}
@@ -149,15 +160,16 @@ def history_html(runs: pd.DataFrame, metric: str = DEFAULT_METRIC, threshold: fl
     """The history as an HTML fragment (tables and regressions; plots are added by the caller)."""
     esc = html.escape
     history, table = history_frame(runs, metric), invocations(runs)
-    table = table[table["n_cells"] > 0]
-    ids = list(table["invocation_id"])
-    head = "".join(f"<th>{h}</th>" for h in ("invocation", "started", "code version", "cells", "failed"))
+    table, ids = table[table["n_cells"] > 0], _results(table)
+    head = "".join(f"<th>{h}</th>" for h in ("invocation", "started", "code version", "cells", "failed", "state"))
     out = [f"<h2>History: {esc(metric)} per invocation</h2>", "<table>", f"<thead><tr>{head}</tr></thead>", "<tbody>"]
     out += [f"<tr><td><code>{esc(r.invocation_id)}</code></td><td>{esc(stamp(r.start_time))}</td>"
             f"<td><code>{esc(r.code_version)}</code></td><td class=\"num\">{r.n_cells}</td>"
-            f"<td class=\"num\">{r.n_failed}</td></tr>" for r in table.itertuples()]
-    out += ["</tbody>", "</table>",
-            f"<h3>Regressions ({_rule(threshold)})</h3>"]
+            f"<td class=\"num\">{r.n_failed}</td><td>{esc(r.state)}</td></tr>" for r in table.itertuples()]
+    out += ["</tbody>", "</table>"]
+    if len(ids) < len(table):
+        out.append(f"<p>{esc(NOT_COMPARED)}</p>")
+    out += [f"<h3>Regressions ({_rule(threshold)})</h3>"]
     regressions = find_regressions(history, threshold)
     if regressions:
         out += ['<ul class="regressions">'] + [f"<li>{esc(r.describe())}</li>" for r in regressions] + ["</ul>"]

@@ -20,7 +20,7 @@ from ..errors import MergecalError
 from ..pipeline.tracking import PREFIX
 
 # tags (named in mergecal.pipeline.tracking, without the prefix) read into DataFrame columns
-TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cell_id", "status", "error", "backbone", "task_set",
+TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
                "regime", "merge", "calibration", "recipe", "tasks")
 GROUP = ("backbone", "task_set", "regime")
 DIAGNOSTICS = ("sensitivity", "magic_coefficients", "svc_spectra", "task_vectors", "scaling_curve")
@@ -99,7 +99,9 @@ def _reused_cells(tracking_uri: str, rows: list[dict[str, Any]]) -> list[dict[st
 
 def invocations(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per invocation in time order: id, start_time (ms), code_version, n_cells, n_failed, n_skipped
-(n_cells counts the skipped chains' runs too: chains a track cannot run, logged with their reason).
+(n_cells counts the skipped chains' runs too: chains a track cannot run, logged with their reason), run_status
+(its parent run's MLflow status, "" without one), n_expected (the cells it set out to compute, 0 when not
+recorded) and state (``finished``, or why the invocation is no result: ``unfinished_state``).
 
     The time of an invocation is its parent run's start; cells logged without a parent fall back to
     their earliest cell.
@@ -113,26 +115,65 @@ def invocations(runs: pd.DataFrame) -> pd.DataFrame:
         parent = parents[parents["invocation_id"] == inv]
         start = int(parent["start_time"].iloc[0]) if len(parent) else int(mine["start_time"].min())
         code = parent["code_version"].iloc[0] if len(parent) else ""
-        rows.append({"invocation_id": inv, "start_time": start, "code_version": code,
-                     "n_cells": len(mine), "n_failed": int((~mine["status"].isin(["ok", "skipped"])).sum()),
-                     "n_skipped": int((mine["status"] == "skipped").sum())})
+        expected = str(parent["cells"].iloc[0]) if len(parent) else ""
+        row = {"invocation_id": inv, "start_time": start, "code_version": code,
+               "n_cells": len(mine), "n_failed": int((~mine["status"].isin(["ok", "skipped"])).sum()),
+               "n_skipped": int((mine["status"] == "skipped").sum()),
+               "run_status": str(parent["run_status"].iloc[0]) if len(parent) else "",
+               "n_expected": int(expected) if expected.isdigit() else 0}
+        rows.append({**row, "state": unfinished_state(row) or FINISHED})
     frame = pd.DataFrame(rows, columns=["invocation_id", "start_time", "code_version", "n_cells", "n_failed",
-                                        "n_skipped"])
+                                        "n_skipped", "run_status", "n_expected", "state"])
     return frame.sort_values(["start_time", "invocation_id"], kind="stable").reset_index(drop=True)
 
 
+FINISHED = "finished"  # the state of an invocation that is a result
+
+
+def unfinished_state(invocation: dict[str, Any]) -> str | None:
+    """Why an invocation (a row of ``invocations``) is no result, or None when it is one: its parent run ended
+    FINISHED (the flow ends it only after every cell has a run) and, where the parent records how many cells it
+    set out to compute, the store holds that many. A benchmark killed mid-run leaves its parent RUNNING (the next
+    invocation marks it KILLED) with only the cells finished before the kill."""
+    computed = invocation["n_cells"] - invocation["n_skipped"]
+    expected = invocation["n_expected"]
+    cells = f"{computed} of {expected} cells" if expected else f"{computed} cells"
+    status = invocation["run_status"]
+    if status == "FINISHED":
+        return f"incomplete: {cells}" if expected and computed < expected else None
+    if status == "RUNNING":
+        return f"killed or still running (MLflow status RUNNING, never finished): {cells}"
+    if status == "KILLED":
+        return f"killed (MLflow status KILLED): {cells}"
+    if not status:
+        return f"no invocation run (cells logged without a parent): {cells}"
+    return f"not finished (MLflow status {status}): {cells}"
+
+
 def pick_invocation(runs: pd.DataFrame, invocation: str | None = None) -> str:
-    """``invocation`` if it has cells, else the latest invocation that has any."""
+    """``invocation`` if it has cells and finished, else the latest finished invocation that has any; a killed,
+    failed or still running invocation is never a result (MergecalError naming its state)."""
     table = invocations(runs)
     with_cells = table[table["n_cells"] > 0]
+    finished = with_cells[with_cells["state"] == FINISHED]
+    known = ", ".join(finished["invocation_id"]) or "none"
     if invocation is not None:
         if invocation not in set(with_cells["invocation_id"]):
-            known = ", ".join(with_cells["invocation_id"]) or "none"
-            raise MergecalError(f"invocation {invocation!r}: no cells logged for it (invocations with cells: {known})")
+            listed = ", ".join(with_cells["invocation_id"]) or "none"
+            raise MergecalError(f"invocation {invocation!r}: no cells logged for it (invocations with cells: {listed})")
+        state = with_cells.loc[with_cells["invocation_id"] == invocation, "state"].iloc[0]
+        if state != FINISHED:
+            raise MergecalError(f"invocation {invocation!r} is no result ({state}); reports read finished "
+                                f"invocations only: {known}")
         return invocation
     if with_cells.empty:
         raise MergecalError("tracking store: no cell runs (mergecal.kind=cell) found")
-    return str(with_cells["invocation_id"].iloc[-1])
+    if finished.empty:
+        latest = with_cells.iloc[-1]
+        raise MergecalError(f"tracking store: no finished benchmark invocation to report; the latest, "
+                            f"{latest['invocation_id']}, is no result ({latest['state']}): rerun the benchmark "
+                            "(dvc repro)")
+    return str(finished["invocation_id"].iloc[-1])
 
 
 def cells_of(runs: pd.DataFrame, invocation: str) -> pd.DataFrame:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config_types import Count, NonNegativeInt, NonNegativeReal, PositiveReal, Probability
+from ..config_types import Count, NonNegativeInt, NonNegativeReal, PositiveReal, Probability, Steps
 from ..errors import ParameterError, UnknownNameError
 from ..regimes import OBJECTIVES, Objective
 from .lr_schedule import cosine_lr, set_lr
@@ -43,7 +43,7 @@ class FinetuneConfig:
     fine-tunes in params.yaml, ``vision.finetune``). lr 1e-3 because the tiny model starts from a weak
     pretraining (the real CLIP's 1e-5 would barely move it)."""
 
-    steps: Count = 200
+    steps: Steps = 200
     batch_size: Count = 64
     lr: PositiveReal = 1e-3
     weight_decay: NonNegativeReal = 0.1

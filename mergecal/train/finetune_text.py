@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..config_types import Count, Flag, NonNegativeInt, NonNegativeReal, PositiveReal, Probability
+from ..config_types import Count, Flag, NonNegativeInt, NonNegativeReal, PositiveReal, Probability, Steps
 from ..backbones.hf_text import build_classifier, load_encoder, tokenize
 from ..calibrations.confidence import expected_calibration_error, prediction_entropy
 from ..errors import ParameterError
@@ -26,7 +26,7 @@ from .lr_schedule import warmup_cosine
 class TextFinetuneConfig:
     # 80 steps at 2e-4, length 32 (padding trimmed per batch): 4 tasks individual 0.830, TA merged 0.604 in a
     # pilot (the earlier 150 steps at 1e-4, length 48, 5 tasks cost about 4x as much).
-    steps: Count = 80
+    steps: Steps = 80
     batch_size: Count = 32
     lr: PositiveReal = 2e-4
     weight_decay: NonNegativeReal = 0.1

@@ -23,7 +23,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..backbones.hf_causal_lm import load_causal_lm, save_causal_lm, weights_digest
-from ..config_types import Count, Flag, NonNegativeInt, NonNegativeReal, PositiveReal, Probability
+from ..config_types import ConfigValueError, Count, Flag, NonNegativeInt, NonNegativeReal, PositiveReal, Probability, \
+    Steps
 from ..device import resolve_device
 from ..checkpoint import atomic_write_text
 from ..errors import ParameterError
@@ -46,10 +47,31 @@ class TinyLlamaShape:
     max_position_embeddings: Count = 128
     tie_word_embeddings: Flag = True
 
+    def __post_init__(self):
+        problem = shape_problem(self)
+        if problem is not None:
+            raise ConfigValueError(*problem)
+
+
+def shape_problem(shape: TinyLlamaShape) -> tuple[str, str] | None:
+    """(field, message) of the first rule of transformers' Llama that ``shape`` breaks, else None: heads split
+    the hidden size, key/value heads group the attention heads (grouped-query attention), and rotary embeddings
+    rotate pairs of dimensions, so a head's size is even. Checked when the shape is built (params.yaml is
+    loaded), not deep inside a stage."""
+    hidden, heads, kv_heads = shape.hidden_size, shape.num_attention_heads, shape.num_key_value_heads
+    if hidden % heads:
+        return "num_attention_heads", f"{heads} heads do not divide hidden_size {hidden}"
+    if heads % kv_heads:
+        return "num_key_value_heads", f"{kv_heads} key/value heads do not divide num_attention_heads {heads}"
+    if (hidden // heads) % 2:
+        return "num_attention_heads", (f"a head's size hidden_size / num_attention_heads = {hidden // heads} is "
+                                       "odd; rotary embeddings need it even")
+    return None
+
 
 @dataclass(frozen=True)
 class LmTrainConfig:
-    steps: Count = 300
+    steps: Steps = 300
     batch_size: Count = 32
     lr: PositiveReal = 3e-3
     weight_decay: NonNegativeReal = 0.1

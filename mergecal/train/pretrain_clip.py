@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config_types import Count, NonNegativeInt, NonNegativeReal, PositiveReal
+from ..config_types import Count, NonNegativeInt, NonNegativeReal, PositiveReal, Steps
 from ..errors import ParameterError
 from .lr_schedule import cosine_lr, set_lr  # noqa: F401  (re-exported: mergecal.train.cosine_lr)
 
@@ -25,7 +25,7 @@ MAX_LOGIT_SCALE = math.log(100.0)
 @dataclass
 class PretrainConfig:
     arch: str = "mergecal-vit-tiny"
-    steps: Count = 600  # library default; the pipeline sets its own in params.yaml (vision.pretrain)
+    steps: Steps = 600  # library default; the pipeline sets its own in params.yaml (vision.pretrain)
     batch_size: Count = 128
     lr: PositiveReal = 2e-3
     weight_decay: NonNegativeReal = 0.1
