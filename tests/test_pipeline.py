@@ -174,22 +174,63 @@ def test_cell_id_follows_input_bytes(built, tmp_path):
     assert cells_mod.cell_id(cell, params, root) == before
 
 
-def test_cell_code_digest_follows_cell_code_only(tmp_path):
+def test_cell_code_digest_follows_the_modules_each_cell_imports(tmp_path, monkeypatch):
+    """Editing a merge method or a calibration changes the ids of the cells whose recipe names it and no other;
+    editing the shared core (evaluation, cells.py) changes every id; reports, speed benchmarks, the command line
+    and an unregistered new module change none. A comment is an edit."""
+    import functools
+
     package = tmp_path / "mergecal"
     shutil.copytree(cells_mod.PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
-    digest = cells_mod.cell_code_digest.__wrapped__
-    before = digest(package)
-    assert before == cells_mod.cell_code_digest() == digest(cells_mod.PACKAGE_DIR)
-    for edited in ("reports/leaderboard.py", "cli.py", "perf/merging.py"):  # no effect on any cell's result
-        (package / edited).write_text((package / edited).read_text() + "\n# edited\n")
-    assert digest(package) == before
-    for edited in ("methods/ties.py", "calibrations/svc.py", "evaluation/zeroshot.py", "pipeline/cells.py"):
-        original = (package / edited).read_text()
-        (package / edited).write_text(original.replace("\n", "\n\n", 1))
-        assert digest(package) != before, edited
-        (package / edited).write_text(original)
-    (package / "methods" / "new_method.py").write_text("X = 1\n")
-    assert digest(package) != before
+    params = load_params(REPO / "params.yaml")
+    cells = cells_mod.enumerate_cells(params)
+    first_regime = {c.track: c.regime for c in reversed(cells)}  # one regime a track: the code digest ignores it
+    cells = [c for c in cells if c.regime == first_regime[c.track]]
+    steps = [set(cells_mod.recipe_steps(c.recipe)) for c in cells]
+    monkeypatch.setattr(cells_mod, "cell_inputs", lambda cell, params, root: {})  # only the code changes here
+
+    def ids(package_dir: Path) -> list[str]:
+        """Every cell's id, the code digest computed afresh over ``package_dir``."""
+        monkeypatch.setattr(cells_mod, "cell_code_digest", functools.lru_cache(maxsize=None)(
+            functools.partial(cells_mod.cell_code_digest.__wrapped__, package_dir=package_dir)))
+        return cells_mod.matrix_ids(cells, params, ".")
+
+    before = ids(package)
+    assert before == ids(cells_mod.PACKAGE_DIR)  # the copy: the same ids
+
+    def changed_by(*edited: str) -> set[int]:
+        originals = {name: (package / name).read_text() for name in edited}
+        for name, source in originals.items():
+            (package / name).write_text(source + "\n# edited\n")
+        try:
+            return {i for i, (old, new) in enumerate(zip(before, ids(package))) if old != new}
+        finally:
+            for name, source in originals.items():
+                (package / name).write_text(source)
+
+    ties = changed_by("methods/ties.py")  # and DARE's, built on TIES' core (`from .ties import TiesCore`)
+    assert ties and ties == {i for i, s in enumerate(steps) if s & {"ties", "dare"}}
+    assert not ties & {i for i, c in enumerate(cells) if c.merge == "task_arithmetic"}
+    svc = changed_by("calibrations/svc.py")
+    assert svc and svc == {i for i, s in enumerate(steps) if "svc" in s}
+    fsc = changed_by("calibrations/fsc.py")
+    assert fsc and fsc == {i for i, s in enumerate(steps) if "fsc" in s} and fsc != svc
+    llm = changed_by("pipeline/tracks/llm.py")
+    assert llm and llm == {i for i, c in enumerate(cells) if c.track == "llm"}
+    for core in ("evaluation/zeroshot.py", "pipeline/cells.py", "merge.py"):
+        assert changed_by(core) == set(range(len(cells))), core
+    assert changed_by("reports/leaderboard.py", "cli.py", "perf/merging.py", "perf/memory.py", "ui.py") == set()
+    (package / "methods" / "new_method.py").write_text("from ..linalg import svd\n")
+    cells_mod._package_sources.cache_clear()  # the graph is read once a process: read it again with the new file
+    assert ids(package) == before
+
+
+def test_cell_code_digest_is_logged_per_cell():
+    params = load_params(REPO / "params.yaml")
+    by_merge = {c.merge: c for c in cells_mod.enumerate_cells(params) if c.track == "vision" and c.chain == "{merge}"}
+    logged = {m: cells_mod.base_params(c)["mergecal_code"] for m, c in by_merge.items()}
+    assert logged["ties"] == cells_mod.cell_code_digest("vision", by_merge["ties"].recipe)[:16]
+    assert logged["ties"] != logged["task_arithmetic"]
 
 
 def test_same_params_give_identical_results(built):

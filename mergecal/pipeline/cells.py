@@ -7,8 +7,9 @@ module is generic. A cell is (track, regime, merge method, calibration chain), p
 denominator of normalized accuracy). A cell's id hashes everything its result depends on: the canonical
 recipe (every hyperparameter), the scaling grid, the evaluation settings, the bytes of every input file
 (checkpoints, heads, DisTaC-conditioned models, sensitivity ranking, data manifest) and the source of the
-library that computes it (``cell_code_digest``). Equal ids, equal results: an edited method recomputes its
-cells instead of reusing results of the old code.
+modules that compute it (``cell_code_digest``: the shared core, the cell's track and its recipe's steps). Equal
+ids, equal results: an edited method recomputes its own cells instead of reusing results of the old code, and
+no other cell.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .. import __version__
 from ..errors import CheckpointError, MergecalError
 from .chains import calibration_name, scaling_source
 from .config import Params
+from .imports import import_closure, import_graph, module_files
 
 REFERENCES = ("zeroshot", "finetuned")
 
@@ -141,18 +143,70 @@ def content_record(path: str | Path, cache_dir: str | Path | None = None) -> dic
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # parts of the package that never change a cell's result: reports, speed benchmarks, the command line
-NOT_CELL_CODE = ("reports", "perf", "cli.py", "ui.py")
+NOT_CELL_CODE = ("reports", "perf", "cli", "ui")
+
+
+def _not_cell_code(module: str) -> bool:
+    parts = module.split(".")
+    return len(parts) > 1 and parts[1] in NOT_CELL_CODE
+
+
+@lru_cache(maxsize=1024)
+def recipe_steps(recipe_id: str) -> tuple[str, ...]:
+    """The step names of a canonical recipe id (() for the reference cells, which have none)."""
+    from ..recipe import Recipe
+
+    return tuple(step.name for step in Recipe.parse(recipe_id).steps) if recipe_id else ()
+
+
+def step_modules() -> dict[str, str]:
+    """Recipe step name -> the module that defines it, as the registries say: each merge method's class, each
+    calibration's registering module (a composite's parts are the recipe's steps: ``Recipe`` expands it)."""
+    from ..calibrations import registry
+    from ..methods import MERGE_METHODS
+
+    calibrations = registry.__name__.rpartition(".")[0]
+    return {**{name: cls.__module__ for name, cls in MERGE_METHODS.items()},
+            **{name: f"{calibrations}.{module}" for name, module in registry.MODULES.items()}}
+
+
+def track_modules() -> dict[str, str]:
+    """``Cell.track`` (before any ``:``) -> the module implementing it."""
+    from . import tracks
+
+    return {name: f"{tracks.__name__}.{module}" for name, module in tracks.MODULES.items()}
+
+
+def cell_code_modules(track: str, recipe: str, graph) -> set[str]:
+    """The modules a cell's result depends on: those that ``cells`` (this module), the cell's track module and
+    the modules of its recipe's steps import (``mergecal.pipeline.imports``). Methods, calibrations and tracks
+    the cell does not name stay out, though their registries import them all; the reports, speed benchmarks and
+    command line (``NOT_CELL_CODE``) too."""
+    steps, tracks = step_modules(), track_modules()
+    named = {tracks[track.split(":", 1)[0]]} | {steps[name] for name in recipe_steps(recipe)}
+    # a step registered from a module outside the package has no source here to hash
+    return import_closure(graph, {__name__, *(named & graph.keys())},
+                          plugins=(frozenset(steps.values()), frozenset(tracks.values())), leave_out=_not_cell_code)
 
 
 @lru_cache(maxsize=8)
-def cell_code_digest(package_dir: Path = PACKAGE_DIR) -> str:
-    """SHA-256 over the package's Python sources (relative path and bytes) that compute cells."""
+def _package_sources(package_dir: Path) -> tuple[dict[str, frozenset[str]], dict[str, tuple[str, str]]]:
+    """The package's import graph and each module's source (path relative to the package, absolute path), read
+    once a process."""
+    files = module_files(package_dir.parent, (package_dir.name,))
+    return (import_graph(package_dir.parent, (package_dir.name,)),
+            {module: (path.relative_to(package_dir).as_posix(), str(path)) for module, path in files.items()})
+
+
+@lru_cache(maxsize=None)
+def cell_code_digest(track: str, recipe: str, package_dir: Path = PACKAGE_DIR) -> str:
+    """SHA-256 over the sources (path relative to the package, sha256 of its bytes) of ``cell_code_modules``;
+    computed once per (track, recipe) and process (an edit is seen by the next process: the next ``dvc repro``)."""
+    graph, sources = _package_sources(package_dir)
     h = hashlib.sha256()
-    for path in sorted(package_dir.rglob("*.py")):
-        relative = path.relative_to(package_dir).as_posix()
-        if relative.split("/")[0] in NOT_CELL_CODE:
-            continue
-        h.update(relative.encode() + b"\0" + path.read_bytes() + b"\0")
+    for relative, path in sorted(sources[module] for module in cell_code_modules(track, recipe, graph)):
+        stat = os.stat(path)  # the bytes are read again only if size or mtime changed
+        h.update(f"{relative}\0{_file_digest(path, stat.st_size, stat.st_mtime_ns)}\0".encode())
     return h.hexdigest()
 
 
@@ -182,7 +236,7 @@ def cell_id(cell: Cell, params: Params, root: str | Path, source_id: str | None 
         track.fingerprint(params)
     payload = {"cell": cell.to_dict(), "inputs": digests, "evaluation": params.benchmark.evaluation.model_dump(),
                "track": fingerprint,
-               "code": cell_code_digest(), "scaling_source": source_id}
+               "code": cell_code_digest(cell.track, cell.recipe), "scaling_source": source_id}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -339,7 +393,7 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
 def base_params(cell: Cell) -> dict[str, str]:
     """The MLflow params every cell of any track logs."""
     return {"track": cell.track, "backbone": cell.backbone, "regime": cell.regime, "recipe": cell.recipe,
-            "mergecal_version": __version__, "mergecal_code": cell_code_digest()[:16]}
+            "mergecal_version": __version__, "mergecal_code": cell_code_digest(cell.track, cell.recipe)[:16]}
 
 
 def recipe_cell(params: Params, track: str, backbone: str, task_set: str, tasks, regime: str, merge: str, chain: str,

@@ -1,0 +1,153 @@
+"""The project's own import graph, read from its sources with ``ast`` (nothing is imported).
+
+Two users: a benchmark cell's id hashes the sources of the modules its computation imports
+(``mergecal.pipeline.cells.cell_code_digest``), and each DVC stage depends on the modules its script imports
+(``scripts/stage_deps.py`` keeps dvc.yaml's code deps equal to them). An edge is any import the module can run:
+at module level or inside a function; ``if TYPE_CHECKING:`` imports never run and are left out. Importing a
+module runs its packages' ``__init__.py`` first, so every module also depends on its parent packages.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Iterable, Mapping
+from functools import lru_cache
+from pathlib import Path
+
+from ..errors import MergecalError
+
+#: the project's top-level packages (the roots under a checkout)
+PROJECT_PACKAGES = ("mergecal", "flows", "stages")
+
+#: modules that import others by a name computed at run time (``importlib.import_module``), and where those
+#: names are written: ("dict", <module-level dict whose values are module names>, <their package>) or
+#: ("calls", <function whose first argument is a module name>, <its package>). A test checks that every
+#: ``import_module`` call of the project is in this table.
+LAZY_IMPORTS = {
+    "mergecal": ("dict", "_EXPORTS", "mergecal"),
+    "mergecal.calibrations.registry": ("dict", "MODULES", "mergecal.calibrations"),
+    "mergecal.pipeline.tracks": ("dict", "MODULES", "mergecal.pipeline.tracks"),
+    "mergecal.pipeline.config": ("calls", "_library_default", "mergecal"),
+}
+
+Graph = Mapping[str, frozenset[str]]
+
+
+def module_files(root: Path, packages: Iterable[str]) -> dict[str, Path]:
+    """Module name -> source file of every module of ``packages`` under ``root`` (a package: its __init__.py)."""
+    files = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imported_names(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """Absolute names of what the module imports, anywhere in it (``from a import b`` gives ``a`` and ``a.b``: b
+    may be a module; the caller resolves names to modules)."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    never_run = {id(node) for test in ast.walk(tree) if isinstance(test, ast.If) and _is_type_checking(test.test)
+                 for statement in test.body for node in ast.walk(statement)}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in never_run:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            base = ".".join(base + (node.module.split(".") if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+    return names
+
+
+def lazy_names(tree: ast.Module, rule: tuple[str, str, str]) -> set[str]:
+    """The module names a ``LAZY_IMPORTS`` rule reads from a module's source."""
+    kind, name, package = rule
+    values: list = []
+    if kind == "dict":
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                values = list(ast.literal_eval(node.value).values())
+    else:
+        values = [node.args[0].value for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+                  and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)]
+    return {f"{package}.{value}" for value in values}
+
+
+@lru_cache(maxsize=1024)
+def _source_imports(source: bytes, module: str, is_package: bool) -> frozenset[str]:
+    """``imported_names`` and ``lazy_names`` of a module's source (parsed once a process for the same bytes)."""
+    tree = ast.parse(source)
+    names = imported_names(tree, module, is_package)
+    return frozenset(names | lazy_names(tree, LAZY_IMPORTS[module]) if module in LAZY_IMPORTS else names)
+
+
+def _resolve(name: str, modules: Mapping[str, Path]) -> str | None:
+    """The module a dotted name lives in: itself if it is a module, else its longest prefix that is one."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def import_graph(root: Path, packages: Iterable[str] = PROJECT_PACKAGES) -> dict[str, frozenset[str]]:
+    """Module -> the project's modules it imports (statically, lazily per ``LAZY_IMPORTS``, and its parent
+    packages), over the modules of ``packages`` under ``root``. Imports of anything else are left out."""
+    modules = module_files(root, packages)
+    graph = {}
+    for module, path in modules.items():
+        try:
+            names = _source_imports(path.read_bytes(), module, path.name == "__init__.py")
+        except SyntaxError as err:
+            raise MergecalError(f"{path}:{err.lineno}: not valid Python ({err.msg})") from None
+        targets = {_resolve(name, modules) for name in names} | set(_parents(module))
+        graph[module] = frozenset(t for t in targets if t in modules and t != module)
+    return graph
+
+
+def import_closure(graph: Graph, roots: Iterable[str], plugins: Iterable[frozenset[str]] = (),
+                   leave_out: Callable[[str], bool] = lambda module: False) -> set[str]:
+    """The modules ``roots`` import, directly or not, themselves included.
+
+    ``plugins``: families of modules that a registry imports all of (the merge methods, the calibrations, the
+    tracks). A family's module comes in only as a root or when a module of the same family imports it: the
+    registry that imports every method does not bring every method into a TIES cell, while a method built on
+    another (DARE on TIES' core) brings that one in. ``leave_out``: modules not followed at all."""
+    roots = set(roots)
+    unknown = sorted(roots - graph.keys())
+    if unknown:
+        raise MergecalError(f"module {unknown[0]!r}: no such module in the project's sources")
+    family = {module: i for i, members in enumerate(plugins) for module in members}
+    seen: set[str] = set()
+    pending = list(roots)
+    while pending:
+        module = pending.pop()
+        if module in seen or leave_out(module):
+            continue
+        seen.add(module)
+        for target in graph[module]:
+            if target in family and target not in roots and family.get(module) != family[target]:
+                continue
+            pending.append(target)
+    return seen
+
+
+def source_paths(modules: Iterable[str], root: Path, packages: Iterable[str] = PROJECT_PACKAGES) -> list[str]:
+    """Sorted paths (relative to ``root``, with /) of the sources of ``modules``."""
+    files = module_files(root, packages)
+    return sorted(files[m].relative_to(root).as_posix() for m in modules)

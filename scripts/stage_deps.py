@@ -1,0 +1,196 @@
+"""dvc.yaml's code deps from the import graph: each stage depends on exactly the project's modules (mergecal/,
+flows/, stages/) that its command's module imports, directly or not (``mergecal.pipeline.imports``), so that an
+edit reruns the stages that import the edited module and no other.
+
+    python -m scripts.stage_deps --check   # exit 1 and one line per stage whose code deps drifted
+    python -m scripts.stage_deps --write   # rewrite those deps lists in place (comments and layout kept)
+
+A stage's command module is the project module its ``cmd`` runs (``python -m stages.<name>``); a stage whose
+command runs none is left alone. Only the deps lists change: the code deps (paths under mergecal/, flows/,
+stages/, files or folders) are replaced by the closure's files, sorted, where the first of them stood; every
+other dep (data/, models/, ...) keeps its line, comment and order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+from mergecal.errors import MergecalError
+from mergecal.pipeline.imports import PROJECT_PACKAGES, import_closure, import_graph, source_paths
+
+COMMAND_MODULE = re.compile(r"\bpython3?\s+-m\s+((?:" + "|".join(PROJECT_PACKAGES) + r")(?:\.\w+)*)")
+
+
+def is_code_dep(path: str) -> bool:
+    return path.split("/", 1)[0] in PROJECT_PACKAGES
+
+
+def stage_bodies(stages: dict) -> dict[str, dict]:
+    """Stage name -> the mapping that holds its cmd and deps (a ``foreach`` stage's ``do``)."""
+    return {name: stage.get("do", stage) if isinstance(stage, dict) else {} for name, stage in stages.items()}
+
+
+def expected_code_deps(stages: dict, root: Path) -> dict[str, list[str]]:
+    """Stage name -> the sorted source files of its command module's import closure (stages that run one)."""
+    graph = import_graph(root)
+    out = {}
+    for name, body in stage_bodies(stages).items():
+        match = COMMAND_MODULE.search(str(body.get("cmd", "")))
+        if match is None:
+            continue
+        if match.group(1) not in graph:
+            raise MergecalError(f"dvc.yaml: stage {name!r}: its cmd runs {match.group(1)!r}, not a module of the "
+                                "project's sources")
+        out[name] = source_paths(import_closure(graph, {match.group(1)}), root)
+    return out
+
+
+def load_stages(text: str) -> dict:
+    try:
+        stages = yaml.safe_load(text)["stages"]
+    except (yaml.YAMLError, TypeError, KeyError) as err:
+        raise MergecalError(f"dvc.yaml: expected a YAML mapping with `stages:` ({type(err).__name__})") from None
+    if not isinstance(stages, dict):
+        raise MergecalError("dvc.yaml: `stages:` should be a mapping of stage names")
+    return stages
+
+
+def drift(stages: dict, expected: dict[str, list[str]]) -> dict[str, tuple[list[str], list[str]]]:
+    """Stage name -> (missing, extra) code deps, for each stage whose code deps differ from ``expected``."""
+    bodies = stage_bodies(stages)
+    out = {}
+    for name, paths in expected.items():
+        listed = {d for d in bodies[name].get("deps") or [] if isinstance(d, str) and is_code_dep(d)}
+        missing, extra = sorted(set(paths) - listed), sorted(listed - set(paths))
+        if missing or extra:
+            out[name] = (missing, extra)
+    return out
+
+
+def describe(found: dict[str, tuple[list[str], list[str]]]) -> list[str]:
+    return [f"dvc.yaml: stage {name!r}: " + "; ".join(
+        f"{what} {', '.join(paths)}" for what, paths in (("missing", missing), ("extra", extra)) if paths)
+        for name, (missing, extra) in found.items()]
+
+
+def _item_value(line: str) -> str:
+    """The scalar of a ``- value  # comment`` line."""
+    value = line.strip()[2:].split(" #", 1)[0].strip()
+    return value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def _in_deps_list(line: str, deps_indent: int) -> bool:
+    """Whether a line after ``deps:`` still belongs to its list: blank, a comment, deeper, or a ``- item`` at the
+    same indent (YAML's compact form)."""
+    content = line.strip()
+    return not content or content.startswith("#") or _indent(line) > deps_indent or \
+        (content.startswith("- ") and _indent(line) == deps_indent)
+
+
+def rewrite_deps(text: str, expected: dict[str, list[str]]) -> str:
+    """``text`` with each named stage's code deps replaced by ``expected[stage]``; every other line as it was.
+    Relies on dvc.yaml's block layout (``stages:`` at the left margin, a stage's name alone on its line, ``deps:``
+    followed by ``- path`` lines) and checks the result: the same YAML but for those lists, else a
+    MergecalError and nothing written."""
+    lines = text.splitlines(keepends=True)
+    out: list[str] = []
+    in_stages, stage_indent, stage = False, None, None
+    i = 0
+    while i < len(lines):
+        line, content = lines[i], lines[i].split("#", 1)[0].strip()
+        i += 1
+        out.append(line)
+        if not content:
+            continue
+        if _indent(line) == 0:
+            in_stages, stage_indent, stage = content == "stages:", None, None
+        elif in_stages and stage_indent in (None, _indent(line)):
+            stage_indent, stage = _indent(line), content.split(":", 1)[0]
+        elif stage in expected and content == "deps:":
+            block = []
+            while i < len(lines) and _in_deps_list(lines[i], _indent(line)):
+                block.append(lines[i])
+                i += 1
+            while block and not block[-1].strip():  # blank lines after the list belong to what follows
+                block.pop()
+                i -= 1
+            out += _new_block(block, expected[stage], stage)
+    new = "".join(out)
+    if _normalized(load_stages(text), expected) != _normalized(load_stages(new)):
+        raise MergecalError("dvc.yaml: its layout is not the one this tool rewrites (`stages:` at the left margin, "
+                            "a stage's name alone on its line, `deps:` then `- path` lines); nothing written")
+    return new
+
+
+def _new_block(block: list[str], code: list[str], stage: str) -> list[str]:
+    """A deps list's lines with its code deps replaced by ``code``, where the first of them stood."""
+    items = [line for line in block if line.lstrip().startswith("- ")]
+    if not items:
+        raise MergecalError(f"dvc.yaml: stage {stage!r}: expected its deps as `- path` lines")
+    prefix = items[0][: _indent(items[0])]
+    replacement = [f"{prefix}- {path}\n" for path in code]
+    new, placed = [], False
+    for line in block:
+        if line.lstrip().startswith("- ") and is_code_dep(_item_value(line)):
+            new += [] if placed else replacement
+            placed = True
+        else:
+            new.append(line)
+    if not placed:  # no code dep yet: the closure goes first
+        first = new.index(items[0])
+        new[first:first] = replacement
+    return new
+
+
+def _normalized(stages: dict, replaced: dict[str, list[str]] | None = None) -> dict:
+    """``stages`` with each deps list as (its code deps sorted, or ``replaced[stage]``) + the others in order."""
+    for name, body in stage_bodies(stages).items():
+        deps = body.get("deps") or []
+        code = sorted(d for d in deps if isinstance(d, str) and is_code_dep(d))
+        others = [d for d in deps if not (isinstance(d, str) and is_code_dep(d))]
+        body["deps"] = sorted((replaced or {}).get(name, code)) + others
+    return stages
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.stage_deps", description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true", help="exit 1 naming each stage whose code deps drifted")
+    mode.add_argument("--write", action="store_true", help="rewrite dvc.yaml's code deps from the import graph")
+    parser.add_argument("--root", type=Path, default=Path("."), help="the checkout (default: .)")
+    args = parser.parse_args(argv)
+    path = args.root / "dvc.yaml"
+    try:
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise MergecalError(f"{path}: cannot read ({err.strerror or err})") from None
+        stages = load_stages(text)
+        expected = expected_code_deps(stages, args.root)
+        found = drift(stages, expected)
+        if args.check:
+            for line in describe(found):
+                print(line)
+            return 1 if found else 0
+        if found:
+            from mergecal.checkpoint import atomic_write_text
+
+            atomic_write_text(path, rewrite_deps(text, expected))
+        print(f"{path}: code deps of {len(found)} stage(s) rewritten" + (f": {', '.join(found)}" if found else ""))
+        return 0
+    except MergecalError as err:
+        print(f"stage_deps: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The project's import graph (mergecal.pipeline.imports) and dvc.yaml's code deps drawn from it
+(scripts/stage_deps.py): each stage depends on exactly the modules its command imports."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from mergecal.pipeline import imports
+from scripts import stage_deps
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_dvc_yaml_code_deps_equal_each_stages_import_closure():
+    """Fails when an import was added or removed without `python -m scripts.stage_deps --write`: the message names
+    the stage and the modules missing from (or extra in) its deps."""
+    stages = stage_deps.load_stages((REPO / "dvc.yaml").read_text())
+    expected = stage_deps.expected_code_deps(stages, REPO)
+    assert {"benchmark", "text_finetune", "llm_finetune", "report"} <= expected.keys()  # foreach stages included
+    found = stage_deps.drift(stages, expected)
+    assert not found, "\n".join(stage_deps.describe(found) + ["run: python -m scripts.stage_deps --write"])
+
+
+def test_every_run_time_import_of_the_project_is_in_lazy_imports():
+    """A module that imports by a computed name hides its deps from `ast`: LAZY_IMPORTS must say where the names
+    are, and each of its rules must still find modules."""
+    files = imports.module_files(REPO, imports.PROJECT_PACKAGES)
+    callers = {module for module, path in files.items() for node in ast.walk(ast.parse(path.read_bytes()))
+               if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+               in ("import_module", "__import__")}
+    assert callers == set(imports.LAZY_IMPORTS)
+    for module, rule in imports.LAZY_IMPORTS.items():
+        found = imports.lazy_names(ast.parse(files[module].read_bytes()), rule)
+        assert found and found <= files.keys(), (module, found)
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+PROJECT = {
+    "mergecal/__init__.py": "",
+    "mergecal/core.py": "import os\n\n\ndef run():\n    from . import helper  # inside a function: still a dep\n",
+    "mergecal/helper.py": "from .sub.leaf import X\n",
+    "mergecal/sub/__init__.py": "",
+    "mergecal/sub/leaf.py": "X = 1\n",
+    "mergecal/typed.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from . import unused\n",
+    "mergecal/unused.py": "",
+    "stages/__init__.py": "",
+    "stages/one.py": "from mergecal import core\n",
+    "stages/two.py": "import mergecal.typed\n",
+}
+
+DVC_YAML = """\
+# the pipeline (this comment stays)
+stages:
+  one:  # first stage
+    cmd: python -m stages.one
+    deps:
+      - stages/one.py
+      - data/raw  # its data
+      - mergecal/unused.py
+    params:
+      - seed
+    outs:
+      - out/one
+  two:
+    foreach: [a, b]
+    do:
+      cmd: python -m stages.two --task ${item}
+      deps:
+        - data/${item}
+      outs:
+        - out/${item}.json:
+            cache: false
+  other:  # runs no project module: left alone
+    cmd: echo hi
+    deps:
+      - mergecal/unused.py
+"""
+
+REWRITTEN = """\
+# the pipeline (this comment stays)
+stages:
+  one:  # first stage
+    cmd: python -m stages.one
+    deps:
+      - mergecal/__init__.py
+      - mergecal/core.py
+      - mergecal/helper.py
+      - mergecal/sub/__init__.py
+      - mergecal/sub/leaf.py
+      - stages/__init__.py
+      - stages/one.py
+      - data/raw  # its data
+    params:
+      - seed
+    outs:
+      - out/one
+  two:
+    foreach: [a, b]
+    do:
+      cmd: python -m stages.two --task ${item}
+      deps:
+        - mergecal/__init__.py
+        - mergecal/typed.py
+        - stages/__init__.py
+        - stages/two.py
+        - data/${item}
+      outs:
+        - out/${item}.json:
+            cache: false
+  other:  # runs no project module: left alone
+    cmd: echo hi
+    deps:
+      - mergecal/unused.py
+"""
+
+
+def test_check_names_the_stage_and_the_drifted_modules_and_write_fixes_only_the_deps(tmp_path, capsys):
+    write(tmp_path, {**PROJECT, "dvc.yaml": DVC_YAML})
+    assert stage_deps.main(["--check", "--root", str(tmp_path)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "dvc.yaml: stage 'one': missing mergecal/__init__.py, mergecal/core.py, mergecal/helper.py, "
+        "mergecal/sub/__init__.py, mergecal/sub/leaf.py, stages/__init__.py; extra mergecal/unused.py",
+        "dvc.yaml: stage 'two': missing mergecal/__init__.py, mergecal/typed.py, stages/__init__.py, stages/two.py"]
+    assert stage_deps.main(["--write", "--root", str(tmp_path)]) == 0
+    assert (tmp_path / "dvc.yaml").read_text() == REWRITTEN
+    assert stage_deps.main(["--check", "--root", str(tmp_path)]) == 0
+    assert stage_deps.main(["--write", "--root", str(tmp_path)]) == 0  # nothing left to do
+    assert capsys.readouterr().out.endswith("code deps of 0 stage(s) rewritten\n")
+    assert (tmp_path / "dvc.yaml").read_text() == REWRITTEN
+
+
+def test_import_closure_enters_a_plugin_only_when_named_or_used_by_a_plugin():
+    graph = {"cells": frozenset({"registry", "core"}), "core": frozenset(),
+             "registry": frozenset({"ties", "dare", "ta"}), "ties": frozenset({"core"}),
+             "dare": frozenset({"ties"}), "ta": frozenset({"linalg"}), "linalg": frozenset()}
+    plugins = [frozenset({"ties", "dare", "ta"})]
+    assert imports.import_closure(graph, {"cells"}, plugins) == {"cells", "registry", "core"}
+    assert imports.import_closure(graph, {"cells", "ta"}, plugins) == {"cells", "registry", "core", "ta", "linalg"}
+    assert imports.import_closure(graph, {"cells", "dare"}, plugins) == {"cells", "registry", "core", "dare", "ties"}
+    assert imports.import_closure(graph, {"cells"}) == graph.keys()  # no plug-ins: the whole closure
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+def one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    assert captured.err.count("stage_deps: error: ") == 1 and captured.err.count("\n") == 1, captured.err
+    return captured.err.strip()
+
+
+@pytest.mark.parametrize("files, message", [
+    ({}, r"dvc.yaml: cannot read \(No such file or directory\)"),
+    ({"dvc.yaml": "stages: [unclosed\n"}, r"dvc.yaml: expected a YAML mapping with `stages:` \(.*\)"),
+    ({"dvc.yaml": DVC_YAML.replace("stages.one", "stages.gone")},
+     r"dvc.yaml: stage 'one': its cmd runs 'stages.gone', not a module of the project's sources"),
+    ({"dvc.yaml": DVC_YAML, "mergecal/helper.py": "def broken(:\n"}, r"mergecal/helper.py:1: not valid Python"),
+    ({"dvc.yaml": DVC_YAML.replace("    deps:\n      - stages/one.py\n      - data/raw  # its data\n"
+                                   "      - mergecal/unused.py\n", "    deps: [stages/one.py, data/raw]\n")},
+     r"dvc.yaml: its layout is not the one this tool rewrites .*; nothing written"),
+])
+def test_bad_input_is_one_line_and_leaves_dvc_yaml_as_it_was(tmp_path, capsys, files, message):
+    write(tmp_path, {**PROJECT, **files})
+    assert stage_deps.main(["--write", "--root", str(tmp_path)]) == 2
+    assert re.search(message, one_line_error(capsys))
+    if "dvc.yaml" in files:
+        assert (tmp_path / "dvc.yaml").read_text() == files["dvc.yaml"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
