@@ -21,8 +21,10 @@ from pathlib import Path
 import yaml
 
 from mergecal.errors import MergecalError
-from mergecal.pipeline.imports import PROJECT_PACKAGES, import_closure, import_graph, source_paths
+from mergecal.pipeline.imports import PROJECT_PACKAGES, import_graph, source_paths, stage_closure
 
+#: the stage that runs the benchmark matrix: every merge method, calibration and track, through the registries
+RUNS_EVERY_MEMBER = {"stages.benchmark"}
 COMMAND_MODULE = re.compile(r"\bpython3?\s+-m\s+((?:" + "|".join(PROJECT_PACKAGES) + r")(?:\.\w+)*)")
 
 
@@ -46,7 +48,8 @@ def expected_code_deps(stages: dict, root: Path) -> dict[str, list[str]]:
         if match.group(1) not in graph:
             raise MergecalError(f"dvc.yaml: stage {name!r}: its cmd runs {match.group(1)!r}, not a module of the "
                                 "project's sources")
-        out[name] = source_paths(import_closure(graph, {match.group(1)}), root)
+        closure = stage_closure(graph, match.group(1), runs_every_member=match.group(1) in RUNS_EVERY_MEMBER)
+        out[name] = source_paths(closure, root)
     return out
 
 

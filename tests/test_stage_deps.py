@@ -147,6 +147,43 @@ def test_import_closure_enters_a_plugin_only_when_named_or_used_by_a_plugin():
     assert imports.import_closure(graph, {"cells"}) == graph.keys()  # no plug-ins: the whole closure
 
 
+def test_a_stage_does_not_depend_on_what_a_registry_or_the_params_validation_imports():
+    """A registry imports every member (so that names resolve) and config.py imports method and calibration
+    parameter classes (to validate params.yaml): neither computes a stage's output, so neither is a dep of the
+    stage, while a member the stage's code imports directly is, and the benchmark stage depends on every member."""
+    graph = {"stages.fit": frozenset({"mergecal.pipeline.config", "mergecal.pipeline.vision"}),
+             "mergecal.pipeline.config": frozenset({"mergecal.methods", "mergecal.calibrations.distac",
+                                                    "mergecal.recipe", "mergecal.train"}),
+             "mergecal.pipeline.vision": frozenset({"mergecal.calibrations.distac"}),
+             "mergecal.methods": frozenset({"mergecal.methods.base", "mergecal.methods.ties"}),
+             "mergecal.methods.base": frozenset(), "mergecal.methods.ties": frozenset({"mergecal.linalg"}),
+             "mergecal.calibrations.distac": frozenset({"mergecal.calibrations.registry"}),
+             "mergecal.calibrations.registry": frozenset({"mergecal.calibrations.svc",
+                                                          "mergecal.calibrations.distac"}),
+             "mergecal.calibrations.svc": frozenset(), "mergecal.recipe": frozenset({"mergecal.calibrations.svc"}),
+             "mergecal.linalg": frozenset(), "mergecal.train": frozenset()}
+    assert imports.stage_closure(graph, "stages.fit") == {
+        "stages.fit", "mergecal.pipeline.config", "mergecal.pipeline.vision", "mergecal.train",
+        "mergecal.calibrations.distac", "mergecal.calibrations.registry"}
+    assert {"mergecal.methods.ties", "mergecal.linalg", "mergecal.calibrations.svc"} <= \
+        imports.stage_closure(graph, "stages.fit", runs_every_member=True)
+
+
+def test_editing_a_merge_method_reruns_the_benchmark_stage_only():
+    """The measured aim of the cost-of-change issue: a lab that edits methods/ties.py waits for the benchmark stage
+    (whose cell ids then recompute the TIES and DARE cells only), the testbed's TA merge follows
+    methods/task_arithmetic.py, and no training stage reruns for either."""
+    stages = stage_deps.load_stages((REPO / "dvc.yaml").read_text())
+    expected = stage_deps.expected_code_deps(stages, REPO)
+    assert [s for s, deps in expected.items() if "mergecal/methods/ties.py" in deps] == ["benchmark"]
+    assert sorted(s for s, deps in expected.items() if "mergecal/methods/task_arithmetic.py" in deps) == \
+        ["benchmark", "testbed"]
+    for training in ("pretrain", "finetune", "llm_pretrain", "llm_finetune", "text_finetune"):
+        assert not [d for d in expected[training] if d.startswith(("mergecal/methods/", "mergecal/calibrations/svc",
+                                                                    "mergecal/calibrations/wsc"))
+                    and not d.endswith(("__init__.py", "base.py"))], training
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 
 def one_line_error(capsys) -> str:

@@ -24,7 +24,7 @@ PROJECT_PACKAGES = ("mergecal", "flows", "stages")
 #: ("calls", <function whose first argument is a module name>, <its package>). A test checks that every
 #: ``import_module`` call of the project is in this table.
 LAZY_IMPORTS = {
-    "mergecal": ("dict", "_EXPORTS", "mergecal"),
+    "mergecal": ("exports", "_EXPORTS", "mergecal"),
     "mergecal.calibrations.registry": ("dict", "MODULES", "mergecal.calibrations"),
     "mergecal.pipeline.tracks": ("dict", "MODULES", "mergecal.pipeline.tracks"),
     "mergecal.pipeline.config": ("calls", "_library_default", "mergecal"),
@@ -72,7 +72,7 @@ def lazy_names(tree: ast.Module, rule: tuple[str, str, str]) -> set[str]:
     """The module names a ``LAZY_IMPORTS`` rule reads from a module's source."""
     kind, name, package = rule
     values: list = []
-    if kind == "dict":
+    if kind in ("dict", "exports"):
         for node in tree.body:
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
@@ -90,7 +90,25 @@ def _source_imports(source: bytes, module: str, is_package: bool) -> frozenset[s
     """``imported_names`` and ``lazy_names`` of a module's source (parsed once a process for the same bytes)."""
     tree = ast.parse(source)
     names = imported_names(tree, module, is_package)
-    return frozenset(names | lazy_names(tree, LAZY_IMPORTS[module]) if module in LAZY_IMPORTS else names)
+    rule = LAZY_IMPORTS.get(module)
+    if rule is None or rule[0] == "exports":  # exports load when a name is used: see ``_exported``
+        return frozenset(names)
+    return frozenset(names | lazy_names(tree, rule))
+
+
+def _exported(root: Path, modules: Mapping[str, Path]) -> dict[str, str]:
+    """``package.name`` -> the module that defines it, for the names a package exports lazily (PEP 562): importing
+    the package loads none of them, ``from package import name`` loads that one module."""
+    out = {}
+    for package, rule in LAZY_IMPORTS.items():
+        if rule[0] == "exports" and package in modules:
+            tree = ast.parse(modules[package].read_bytes())
+            for node in tree.body:
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                if any(isinstance(t, ast.Name) and t.id == rule[1] for t in targets):
+                    for name, module in ast.literal_eval(node.value).items():
+                        out[f"{package}.{name}"] = f"{rule[2]}.{module}"
+    return out
 
 
 def _resolve(name: str, modules: Mapping[str, Path]) -> str | None:
@@ -109,25 +127,28 @@ def import_graph(root: Path, packages: Iterable[str] = PROJECT_PACKAGES) -> dict
     """Module -> the project's modules it imports (statically, lazily per ``LAZY_IMPORTS``, and its parent
     packages), over the modules of ``packages`` under ``root``. Imports of anything else are left out."""
     modules = module_files(root, packages)
+    exported = _exported(root, modules)
     graph = {}
     for module, path in modules.items():
         try:
             names = _source_imports(path.read_bytes(), module, path.name == "__init__.py")
         except SyntaxError as err:
             raise MergecalError(f"{path}:{err.lineno}: not valid Python ({err.msg})") from None
-        targets = {_resolve(name, modules) for name in names} | set(_parents(module))
+        targets = {_resolve(exported.get(name, name), modules) for name in names} | set(_parents(module))
         graph[module] = frozenset(t for t in targets if t in modules and t != module)
     return graph
 
 
 def import_closure(graph: Graph, roots: Iterable[str], plugins: Iterable[frozenset[str]] = (),
-                   leave_out: Callable[[str], bool] = lambda module: False) -> set[str]:
+                   leave_out: Callable[[str], bool] = lambda module: False,
+                   skip_edge: Callable[[str, str], bool] = lambda module, target: False) -> set[str]:
     """The modules ``roots`` import, directly or not, themselves included.
 
     ``plugins``: families of modules that a registry imports all of (the merge methods, the calibrations, the
     tracks). A family's module comes in only as a root or when a module of the same family imports it: the
     registry that imports every method does not bring every method into a TIES cell, while a method built on
-    another (DARE on TIES' core) brings that one in. ``leave_out``: modules not followed at all."""
+    another (DARE on TIES' core) brings that one in. ``leave_out``: modules not followed at all. ``skip_edge``:
+    imports (module, target) not followed."""
     roots = set(roots)
     unknown = sorted(roots - graph.keys())
     if unknown:
@@ -143,8 +164,48 @@ def import_closure(graph: Graph, roots: Iterable[str], plugins: Iterable[frozens
         for target in graph[module]:
             if target in family and target not in roots and family.get(module) != family[target]:
                 continue
+            if skip_edge(module, target):
+                continue
             pending.append(target)
     return seen
+
+
+#: registry -> the package of its members: a registry imports every member so that its name resolves
+REGISTRIES = {"mergecal.methods": "mergecal.methods", "mergecal.calibrations.registry": "mergecal.calibrations",
+              "mergecal.pipeline.tracks": "mergecal.pipeline.tracks"}
+#: the params.yaml validation, and the packages it imports only to check settings (a merge's or calibration's
+#: parameters, a chain's recipe), never to compute with them
+PARAMS_VALIDATION = ("mergecal.pipeline.config", ("mergecal.methods", "mergecal.calibrations", "mergecal.recipe",
+                                                   "mergecal.pipeline.chains"))
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def registry_members(graph: Graph) -> set[str]:
+    """The merge methods, calibrations and tracks: what the registries import, less their own infrastructure
+    (``base``, the registry itself)."""
+    return {target for registry, package in REGISTRIES.items() if registry in graph for target in graph[registry]
+            if _within(target, package) and target != package and target != registry
+            and target.rpartition(".")[2] != "base"}
+
+
+def stage_closure(graph: Graph, module: str, *, runs_every_member: bool = False) -> set[str]:
+    """The modules a DVC stage whose command runs ``module`` depends on: its import closure, less two kinds of
+    import that compute nothing the stage writes: a registry importing its members (so that names resolve) and
+    the params validation importing a method's or calibration's parameter classes. A member comes in when a
+    module the stage runs imports it directly (the DisTaC stage and ``calibrations/distac.py``), or, with
+    ``runs_every_member`` (the benchmark stage, which dispatches every cell through the registries), always."""
+    validator, validated = PARAMS_VALIDATION
+
+    def skip(source: str, target: str) -> bool:
+        if source in REGISTRIES and _within(target, REGISTRIES[source]) and target != source:
+            return target.rpartition(".")[2] != "base"
+        return source == validator and any(_within(target, p) for p in validated)
+
+    roots = {module} | (registry_members(graph) if runs_every_member else set())
+    return import_closure(graph, roots, skip_edge=skip)
 
 
 def source_paths(modules: Iterable[str], root: Path, packages: Iterable[str] = PROJECT_PACKAGES) -> list[str]:

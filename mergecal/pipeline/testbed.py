@@ -61,6 +61,7 @@ def vision_health(params: Params, root: str | Path = ".", results: dict | None =
                   device: str = "cpu") -> dict:
     """The measured criteria of the vision track (``results``: the benchmark flow's summary, for the merge cells)."""
     from ..merge import merge_models
+    from ..methods.task_arithmetic import TaskArithmetic  # by import, not by name: a dep of this stage
 
     track, paths = params.vision, paths_for(params, root)
     tasks = list(track.tasks)
@@ -107,8 +108,8 @@ def vision_health(params: Params, root: str | Path = ".", results: dict | None =
         if ta and ta["scaling"] is not None:
             # DisTaC's Fig. 1 setting: the scaling tuned on the standard models, applied to the mismatched set
             models = VisionModels(params, root)
-            state = merge_models(models.visual_pretrained(), models.finetuned("norm_mismatch"), "task_arithmetic",
-                                 scaling=ta["scaling"])
+            state = merge_models(models.visual_pretrained(), models.finetuned("norm_mismatch"),
+                                 TaskArithmetic(scaling=ta["scaling"]))
             test = evaluate_tasks(models.model(state), models.heads, paths.data, tasks, "test",
                                   batch_size=params.benchmark.evaluation.batch_size, device=device)
             norm_acc = 100 * float(np.mean([test[t]["accuracy"] / mismatch[t]["test_accuracy"] for t in tasks]))
