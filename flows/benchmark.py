@@ -33,11 +33,11 @@ from prefect.filesystems import LocalFileSystem
 
 from mergecal.device import resolve_device
 from mergecal.errors import MergecalError
-from mergecal.pipeline.cells import (Cell, enumerate_cells, matrix_ids, measure, run_cell, source_index,
-                                     set_worker_threads)
+from mergecal.pipeline.cells import Cell, enumerate_cells, matrix_ids, measure, run_cell, source_index
 from mergecal.pipeline.config import Params, load_params, parse_params
 from mergecal.pipeline.devices import device_lease
 from mergecal.pipeline.results import one_line, skipped_id, summary_row, write_results
+from mergecal.pipeline.threads import pin_threads, worker_threads
 from mergecal.pipeline.tracking import Tracker, cell_tags, code_version, tag
 from mergecal.pipeline.tracks import skipped_cells
 
@@ -56,7 +56,7 @@ def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: s
     the result of the cell that chose this cell's scaling (passed as a Prefect future, so this cell waits
     for it and does not run when it failed)."""
     settings = parse_params(params, "params")
-    set_worker_threads(settings.runner.max_workers)
+    pin_threads(worker_threads(settings.threads, settings.runner.max_workers))  # its share of params' `threads`
     cell_obj = Cell(**{**cell, "tasks": tuple(cell["tasks"]), "grid": tuple(cell["grid"])})
     tracker = Tracker(root, settings.tracking.experiment, settings.tracking.store)
     logged = tracker.finished_cell(key)

@@ -19,8 +19,8 @@ QUIET = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "M
 # runs one thread: its pthreads pool, which the wait policy does not govern, made those merges 1.2-1.6x slower with
 # 2 threads than with 1 on the idle 2-core machine and 1.2-2.1x slower beside one busy process (3.9x with more load)
 # (scripts/perf_blas_threads.py, docs/performance.md); one thread also gives the same bits on any core count.
-# torch's thread count stays its own (all cores) for the default single worker; with runner.max_workers > 1 each
-# worker takes cores / workers (mergecal.pipeline.cells.worker_threads; MERGECAL_TORCH_THREADS overrides).
+# torch's thread count is params.yaml's `threads`, which its stages and cells pin (mergecal.pipeline.threads): its
+# bits depend on it, and torch's own default (all cores) differs between machines.
 # These are read when the libraries load: apply them before torch or numpy is imported (``import mergecal``
 # imports neither).
 THREADING = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}

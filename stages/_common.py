@@ -19,8 +19,10 @@ def setup_env(root: Path) -> None:
     os.environ.setdefault("PREFECT_HOME", str(home))
 
 
-def run(stage: Callable, argv: list[str] | None = None) -> int:
-    """``stage(params, root, args)`` with params.yaml loaded; MergecalErrors become one line and exit 2."""
+def run(stage: Callable, argv: list[str] | None = None, *, threads: bool = False) -> int:
+    """``stage(params, root, args)`` with params.yaml loaded; MergecalErrors become one line and exit 2.
+    ``threads``: the stage trains or evaluates with torch, whose bits depend on its thread count: pin it to
+    params.yaml's ``threads`` first (dvc.yaml lists ``threads`` in the stage's params; a test checks both)."""
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -36,6 +38,10 @@ def run(stage: Callable, argv: list[str] | None = None) -> int:
 
     try:
         params = load_params(root / args.params)
+        if threads:
+            from mergecal.pipeline.threads import pin_threads
+
+            pin_threads(params.threads, interop=True)
         stage(params, root, args)
     except MergecalError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -18,4 +18,4 @@ def stage(params, root, args):
 
 
 if __name__ == "__main__":
-    raise SystemExit(run(stage))
+    raise SystemExit(run(stage, threads=True))

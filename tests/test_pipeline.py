@@ -40,7 +40,7 @@ def test_repository_params_yaml_is_valid_and_complete_for_dvc():
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"vison": {}}, r"vison: unknown key; allowed: seed, device, vision"),
+    ({"vison": {}}, r"vison: unknown key; allowed: seed, device, threads, vision"),
     ({"vision": {"tasks": ["shapes", "sahpes"]}}, r"vision.tasks: unknown task 'sahpes' in task set 'vision8'; "
                                                   r"choose from: shapes"),
     ({"benchmark": {"merges": {"tie": {}}}}, r"unknown merge method 'tie'; choose from: .*ties"),
@@ -606,6 +606,8 @@ def test_testbed_health_reports_each_criterion_from_the_built_files(built):
     tasks = params.vision.tasks
     results = {"rows": [{"track": "vision", "regime": "standard", "label": "task_arithmetic", "avg_acc": 0.5,
                          "avg_norm_acc": 0.8, "selected_scaling": 0.3},
+                        {"track": "vision", "regime": "low_confidence", "label": "task_arithmetic", "avg_acc": 0.45,
+                         "avg_norm_acc": 0.76, "selected_scaling": 0.3},
                         # a text row with the same label must not be read as the vision track's
                         {"track": "text", "regime": "standard", "label": "task_arithmetic", "avg_acc": 0.9,
                          "avg_norm_acc": 0.9, "selected_scaling": 1.0}]}
@@ -615,6 +617,7 @@ def test_testbed_health_reports_each_criterion_from_the_built_files(built):
     ft = [100 * diag["standard"][t]["test_accuracy"] for t in tasks]
     assert measured["min_finetuned"] == pytest.approx(min(ft))
     assert measured["ta_below_finetuned"] == pytest.approx(sum(ft) / len(ft) - 50.0)
+    assert measured["low_confidence_loss"] == pytest.approx(80.0 - 76.0)
     hot = params.vision.norm_mismatch_task
     others = [diag["standard"][t]["norm"] for t in tasks if t != hot]
     assert measured["norm_mismatch_ratio_min"] == pytest.approx(diag["norm_mismatch"][hot]["norm"]
@@ -673,16 +676,3 @@ def test_stages_write_only_what_a_later_stage_reads(built):
     root, params = built
     out = vision.paths_for(params, root).models / "task_vectors"
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["diagnostics.json"] * len(params.vision.regimes)
-
-
-def test_worker_threads_divide_the_cores_among_parallel_workers():
-    from mergecal.errors import MergecalError
-    from mergecal.pipeline.cells import worker_threads
-
-    assert worker_threads(1, {}, cores=16) is None  # one worker: torch's own default (all cores)
-    assert worker_threads(4, {}, cores=16) == 4
-    assert worker_threads(3, {}, cores=2) == 1  # never below one thread
-    assert worker_threads(1, {"MERGECAL_TORCH_THREADS": "3"}, cores=16) == 3  # the override wins
-    assert worker_threads(8, {"MERGECAL_TORCH_THREADS": "2"}, cores=16) == 2
-    with pytest.raises(MergecalError, match="MERGECAL_TORCH_THREADS='two'"):
-        worker_threads(1, {"MERGECAL_TORCH_THREADS": "two"})

@@ -31,7 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 def _env():
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
-    env["MERGECAL_TORCH_THREADS"] = "1"
     return env
 
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -413,26 +411,3 @@ def measure(fn, *args, **kwargs) -> tuple[Any, float, float]:
     with peak_memory() as peak:
         result = fn(*args, **kwargs)
     return result, time.perf_counter() - start, peak.peak_mb
-
-
-def worker_threads(max_workers: int, environ: Mapping[str, str] = os.environ,
-                   cores: int | None = None) -> int | None:
-    """torch's thread count for a benchmark worker: ``MERGECAL_TORCH_THREADS`` if set; else, when several cells
-    run at once (``runner.max_workers`` > 1), the cores divided among them (at least 1), so that the workers'
-    thread pools do not oversubscribe the cores; else None (torch's own default, all cores). numpy/scipy's
-    OpenBLAS runs one thread in every worker (``mergecal.offline.THREADING``)."""
-    value = environ.get("MERGECAL_TORCH_THREADS")
-    if value:
-        if not value.isdigit() or int(value) < 1:
-            raise MergecalError(f"MERGECAL_TORCH_THREADS={value!r}: expected a positive number of threads")
-        return int(value)
-    if max_workers > 1:
-        return max(1, (cores or os.cpu_count() or 1) // max_workers)
-    return None
-
-
-def set_worker_threads(max_workers: int) -> None:
-    """Apply ``worker_threads`` to torch in this process (the flow's process or a worker process)."""
-    n = worker_threads(max_workers)
-    if n is not None and torch.get_num_threads() != n:
-        torch.set_num_threads(n)

@@ -616,6 +616,8 @@ class Runner(Strict):
 class Params(Strict):
     seed: NonNegativeInt = 0
     device: str = "auto"
+    # torch's threads in every stage that trains or evaluates (a model's bits depend on it; mergecal.pipeline.threads)
+    threads: Count = Field(2, le=1024)
     vision: VisionTrack = Field(default_factory=VisionTrack)
     text: TextTrack = Field(default_factory=TextTrack)
     llm: LlmTrack = Field(default_factory=LlmTrack)
