@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 import struct
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -17,10 +19,10 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .errors import CheckpointError
+from .errors import CheckpointError, OutputError
 from .outputs import INDEX_SUFFIX, MARKER, OutputDir, umask  # noqa: F401  (MARKER: re-exported)
 
 # safetensors dtype codes -> torch dtypes (what safe_open's get_slice().get_dtype() reports)
@@ -47,6 +49,98 @@ def convert_hint(path: Path) -> str:
     out = path.with_suffix(".safetensors")
     return (f"convert it with: python -c \"import torch; from safetensors.torch import save_file; "
             f"save_file({{k: v.contiguous() for k, v in torch.load('{path}', weights_only=True).items()}}, '{out}')\"")
+
+
+_SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                  (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def input_kind(path: Path, missing: str | None = None) -> str:
+    """``"dir"`` or ``"file"`` for an input path (symlinks followed), from its ``stat`` alone; a one-line
+    CheckpointError for a path that is missing (the message ``missing``), unreachable, or not a regular file: a FIFO,
+    device or socket is refused before anything opens it (opening a FIFO waits for a writer, so the merge would
+    hang)."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(missing or f"{path}: checkpoint not found") from None
+    except PermissionError:
+        raise CheckpointError(f"{path}: permission denied (a directory on its path cannot be searched by this "
+                              "user)") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read it ({err.strerror or err})") from None
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISREG(mode):
+        return "file"
+    kind = next((name for test, name in _SPECIAL_FILES if test(mode)), "not a regular file")
+    raise CheckpointError(f"{path}: is {kind}; a checkpoint must be a regular file (or a directory of them)")
+
+
+def readable_file(path: Path, missing: str | None = None) -> Path:
+    """``path`` if it is a regular file this process may read (``input_kind``, then an open that cannot block);
+    a one-line CheckpointError otherwise. safetensors reports an unreadable file as "No such file or directory"."""
+    if input_kind(path, missing) != "file":
+        raise CheckpointError(f"{path}: is a directory, expected a file")
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))  # O_NONBLOCK: even a FIFO swapped in since the stat
+    except PermissionError:
+        raise CheckpointError(f"{path}: permission denied (the file is not readable by this user)") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read it ({err.strerror or err})") from None
+    return path
+
+
+def shard_file(index: Path, key: str, shard: str) -> Path:
+    """The readable file that ``index``'s weight_map names for ``key``. It must resolve, symlinks followed, inside
+    the folder that holds the index: an index may not make a merge read files elsewhere (``../../x``, ``/etc/..``).
+    That folder is taken where the index is and where it links to (Hugging Face's cache links an index and its
+    shards into one ``blobs/`` folder)."""
+    path = index.parent / shard
+    real = Path(os.path.realpath(path))
+    folders = (Path(os.path.realpath(index.parent)), Path(os.path.realpath(index)).parent)
+    if not any(folder in real.parents for folder in folders):
+        raise CheckpointError(f"{index}: shard {shard!r} for key {key!r} is not a file inside the index's folder "
+                              f"({real}); an index may name only shards beside it")
+    return readable_file(path, missing=f"{index}: shard {shard!r} for key {key!r} not found at {path}")
+
+
+def read_index(path: Path) -> dict[str, Path]:
+    """``{key: shard file}`` of a sharded safetensors ``*.index.json``, every shard checked by ``shard_file``."""
+    try:
+        weight_map = json.loads(readable_file(path).read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: not a safetensors index "
+                              f"(expected a JSON object with 'weight_map'): {err}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        got = type(weight_map).__name__ if not isinstance(weight_map, dict) else "a non-string shard"
+        raise CheckpointError(f"{path}: 'weight_map' must map tensor names to shard files, got {got}")
+    return {key: shard_file(path, key, shard) for key, shard in weight_map.items()}
+
+
+def _cannot_write(output: Path, reason: str) -> OutputError:
+    return OutputError(f"{output}: cannot write the output ({reason})")
+
+
+def _write_reason(err: Exception) -> str:
+    """The operating system's words in a safetensors write error ('Error while serializing: I/O error: No space
+    left on device (os error 28) at path ...'), else its message."""
+    found = re.search(r"\(os error (\d+)\)", str(err))
+    return os.strerror(int(found.group(1))) if found else str(err).removeprefix("Error while serializing: ")
+
+
+def _write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str],
+                      output: Path) -> None:
+    """``save_file`` into ``path`` with a failure (a full disk, say) as one OutputError naming ``output``, what the
+    caller is writing, instead of safetensors' raw error."""
+    try:
+        save_file(tensors, str(path), metadata=dict(metadata))
+        _sort_metadata(path)
+        _readable(path)
+    except SafetensorError as err:
+        raise _cannot_write(output, _write_reason(err)) from None
+    except OSError as err:
+        raise _cannot_write(output, err.strerror or str(err)) from None
 
 
 @runtime_checkable
@@ -111,7 +205,12 @@ class SafetensorsSource:
 
     @staticmethod
     def _resolve(path: Path) -> dict[str, Path]:
-        if path.is_dir():
+        if input_kind(path) == "dir":
+            try:
+                os.listdir(path)
+            except PermissionError:
+                raise CheckpointError(f"{path}: permission denied (the directory cannot be listed by this "
+                                      "user)") from None
             candidates = [path / "model.safetensors", path / f"model.safetensors{INDEX_SUFFIX}"]
             found = [c for c in candidates if c.exists()]
             if not found:
@@ -128,25 +227,9 @@ class SafetensorsSource:
                     f"found {len(found)}"
                 )
             path = found[0]
-        if not path.exists():
-            raise CheckpointError(f"{path}: checkpoint not found")
+        readable_file(path)
         if path.name.endswith(INDEX_SUFFIX):
-            try:
-                index = json.loads(path.read_text())
-                weight_map = index["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise CheckpointError(f"{path}: not a safetensors index "
-                                      f"(expected a JSON object with 'weight_map'): {err}") from None
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                got = type(weight_map).__name__ if not isinstance(weight_map, dict) else "a non-string shard"
-                raise CheckpointError(f"{path}: 'weight_map' must map tensor names to shard files, got {got}")
-            files = {}
-            for key, shard in weight_map.items():
-                shard_path = path.parent / shard
-                if not shard_path.exists():
-                    raise CheckpointError(f"{path}: shard {shard!r} for key {key!r} not found at {shard_path}")
-                files[key] = shard_path
-            return files
+            return read_index(path)
         if path.suffix in PICKLE_SUFFIXES:
             raise CheckpointError(f"{path}: pickled checkpoints are not read here (unpickling can run code); "
                                   f"{convert_hint(path)}")
@@ -240,9 +323,7 @@ def save_state_dict(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file({k: _contiguous_cpu(v) for k, v in tensors.items()}, tmp, metadata=dict(metadata or {}))
-        _sort_metadata(tmp)
-        _readable(tmp)
+        _write_safetensors({k: _contiguous_cpu(v) for k, v in tensors.items()}, Path(tmp), metadata or {}, path)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -288,9 +369,7 @@ class ShardedCheckpointWriter:
 
     def _flush(self) -> None:
         name = f"shard-{len(self._shards):05d}.safetensors"
-        save_file(self._buffer, str(self.staging / name), metadata=self.metadata)
-        _sort_metadata(self.staging / name)
-        _readable(self.staging / name)
+        _write_safetensors(self._buffer, self.staging / name, self.metadata, self.out_dir)
         self._shards.append((name, list(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0
 
@@ -316,6 +395,9 @@ class ShardedCheckpointWriter:
     def close(self) -> Path:
         try:
             self.finish()
+        except OSError as err:  # the index on a full disk, say
+            self.abort()
+            raise _cannot_write(self.out_dir, err.strerror or str(err)) from None
         except BaseException:
             self.abort()
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import threading
@@ -31,6 +32,7 @@ def parse_assignments(pairs: list[str]) -> dict[str, Any]:
 
 
 def parse_size(text: str) -> int:
+    """``"2GB"`` -> bytes; a one-line error for anything but a finite size of at least one byte (inf, nan, 0, -1)."""
     units = {"kb": 1024, "mb": 1024**2, "gb": 1024**3, "b": 1}
     lowered = text.strip().lower()
     for unit, factor in units.items():
@@ -40,9 +42,12 @@ def parse_size(text: str) -> int:
     else:
         number, factor = lowered, 1
     try:
-        return int(float(number) * factor)
+        size = float(number) * factor
     except ValueError:
-        raise ParameterError(f"--max-shard-size {text!r}: expected a size such as 2GB or 500MB") from None
+        size = None
+    if size is None or not math.isfinite(size) or size < 1:
+        raise ParameterError(f"--max-shard-size {text!r}: expected a positive, finite size such as 2GB or 500MB")
+    return int(size)
 
 
 def cmd_methods(args: argparse.Namespace) -> int:

@@ -106,6 +106,8 @@ def _eigh_desc(gram: torch.Tensor, k: int | None = None, *,
     import scipy.linalg
 
     n = gram.shape[-1]
+    if k == 0:  # no pair asked for (Iso-CTS without a common direction): scipy refuses an empty index range
+        return gram.new_zeros((*gram.shape[:-2], 0)), gram.new_zeros((*gram.shape[:-1], 0))
     if use_torch or on_accelerator(gram):  # torch's (batched) eigh: every eigenpair, then the top k
         evals, evecs = torch.linalg.eigh(gram)
         keep = n if k is None else min(k, n)

@@ -9,6 +9,7 @@ TIES), so ``merge_checkpoints`` can merge sharded checkpoints larger than memory
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from .checkpoint import save_checkpoint
 from .errors import CheckpointError, ParameterError
 from .methods import get_merge_method
 from .methods.base import MergeMethod
+from .outputs import remove_stale
 from .recipe import Recipe, iter_weight_space
 from .task_vectors import COMPUTE_DTYPE, SourceLike, TaskVectorSet, check_finite
 
@@ -29,15 +31,18 @@ def iter_merge(task_vectors: TaskVectorSet, method: MergeMethod, keys: Sequence[
                progress: bool = False, skip_zero_keys: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, merged task vector)`` in float32 for every float key (or the given ``keys``). A key whose
     task vectors are all exactly zero merges to zero without calling the method (``skip_zero_keys``); the
-    method's ``fit`` still sees every key, so global statistics (TIES's top-k threshold) are unchanged."""
+    method's ``fit`` still sees every key, so global statistics (TIES's top-k threshold) are unchanged.
+    A zero-size key (shape 0 x 6, say) merges to an empty tensor for every method, which neither ``fit`` nor
+    ``combine`` sees: it has no element to count, no row to trim and no singular value."""
     keys = list(task_vectors.keys if keys is None else keys)
     unknown = [k for k in keys if k not in set(task_vectors.keys)]
     if unknown:
         raise CheckpointError(f"key {unknown[0]!r} is not a floating-point key of the models being merged")
-    method.fit(task_vectors, keys)
+    empty = {k for k in keys if math.prod(task_vectors.shape(k)) == 0}
+    method.fit(task_vectors, [k for k in keys if k not in empty])
     for key in tqdm(keys, desc=f"merge {method.name}", unit="key", disable=not progress, leave=False):
         taus = task_vectors.load(key)
-        if skip_zero_keys and not any(bool(tau.any()) for tau in taus):
+        if key in empty or (skip_zero_keys and not any(bool(tau.any()) for tau in taus)):
             # no task moved this key (a frozen embedding, say): every method's combine gives exactly zero
             # here (tests/test_methods.py), so skip its work (SVDs of a 30522 x 384 matrix for MiniLM's)
             yield key, torch.zeros_like(taus[0], dtype=COMPUTE_DTYPE)
@@ -110,8 +115,10 @@ def merge_checkpoints(pretrained: str | os.PathLike, finetuned: Sequence[str | o
     ``method`` is a merge method, or a data-free ``Recipe`` (a merge followed by ``svc`` / ``wsc`` steps, which
     also stream key by key). The output directory appears only when complete (see ``ShardedCheckpointWriter``);
     its metadata records the method ID (and the recipe ID). ``out_dir`` may not be or hold an input, and an
-    existing directory that mergecal did not write is replaced only with ``overwrite=True``.
+    existing directory that mergecal did not write is replaced only with ``overwrite=True``. What a killed
+    merge left beside ``out_dir`` (hidden staging directories, the lock file) is removed first (``remove_stale``).
     """
+    remove_stale(out_dir)
     if isinstance(method, Recipe):
         if params:
             raise ParameterError(f"recipe {method.label!r}: give parameters inside the recipe, e.g. svc(alpha=1.0), "

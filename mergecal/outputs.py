@@ -10,8 +10,10 @@ directory; ``commit()`` moves the staging directory into place, ``abort()`` remo
 * one writer at a time: ``.<name>.lock`` beside the target is held (``flock``) from the start to the commit;
   a second writer fails with a clear error. The lock file is removed when released;
 * staging (``.<name>.<pid>-<token>.staging``) and the swapped-out old output (``...old``) live beside the target.
-  Whoever holds the lock is the only writer, so such entries found then were left by a killed run and are
-  removed (an ``.old`` whose target is missing is the previous output of a run killed mid-commit: put back);
+  Whoever holds the lock is the only writer, so such entries found then whose PID is not a running process were
+  left by a killed run (SIGKILL runs no cleanup) and are removed (an ``.old`` whose target is missing is the
+  previous output of a run killed mid-commit: put back). ``remove_stale(target)`` does the same, lock file
+  included, without writing: ``merge_checkpoints`` calls it first, so they go even when the merge then fails;
 * directories and files are created with the process umask (``mkdtemp`` would give 0700).
 """
 
@@ -154,6 +156,68 @@ def _signals_deferred():
             signal.raise_signal(received[0])
 
 
+def _lock_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.lock"
+
+
+def _release(lock_path: Path, fd: int) -> None:
+    lock_path.unlink(missing_ok=True)  # while still held: a waiting opener sees a new file
+    os.close(fd)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a running process other than this one (which holds the lock, so none of its own
+    entries is in use). A belt to the lock's braces: a running process's entries are never removed."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, as another user
+        return True
+    except (OverflowError, ValueError):  # not a PID at all
+        return False
+    return True
+
+
+def _stale_entries(target: Path) -> list[Path]:
+    """Staging and swapped-out directories beside ``target`` left by writers that no longer run."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)-[0-9a-f]{{8}}\.(staging|old)")
+    found = ((p, pattern.fullmatch(p.name)) for p in target.parent.iterdir())
+    return sorted(p for p, match in found if match and not _running(int(match.group(1))))
+
+
+def _remove_leftovers(target: Path) -> None:
+    """Remove the stale entries beside ``target``; call only while holding its lock."""
+    found = _stale_entries(target)
+    olds = [p for p in found if p.name.endswith(".old")]
+    if olds and not os.path.lexists(target):  # the latest swapped out (a rename sets ctime)
+        os.rename(max(olds, key=lambda p: p.stat().st_ctime), target)
+    for path in found:
+        if path.exists():
+            _remove(path)
+
+
+def remove_stale(target: str | os.PathLike) -> None:
+    """Remove what killed writers left beside ``target`` (staging, swapped-out output, lock file) unless a writer
+    holds its lock now; best effort and silent: the write that follows reports what it cannot do."""
+    target = _located(Path(target))
+    lock_path = _lock_path(target)
+    try:
+        if not (os.path.lexists(lock_path) or _stale_entries(target)):
+            return
+        fd = _lock(lock_path, target)
+    except (OutputError, OSError):  # a writer holds it, or the directory cannot be read or written
+        return
+    try:
+        _remove_leftovers(target)
+    except OSError:
+        pass
+    finally:
+        _release(lock_path, fd)
+
+
 class OutputDir:
     """A directory output written in ``self.staging`` and committed by rename (see the module docstring)."""
 
@@ -162,9 +226,7 @@ class OutputDir:
         self._fd: int | None = None
         self.target = _located(Path(target))
         check_target(self.target, list(inputs))
-        name = self.target.name
-        self._lock_path = self.target.parent / f".{name}.lock"
-        self._leftover = re.compile(rf"\.{re.escape(name)}\.\d+-[0-9a-f]{{8}}\.(staging|old)")
+        self._lock_path = _lock_path(self.target)
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             self._fd = _lock(self._lock_path, self.target)
@@ -174,7 +236,7 @@ class OutputDir:
         except OSError as err:
             raise _os_error(self.target, "cannot write the output", err) from None
         try:
-            self._remove_leftovers()
+            _remove_leftovers(self.target)
             check_replaceable(self.target, overwrite)
             self.staging = self._sibling("staging")
             os.mkdir(self.staging, 0o777)  # the umask applies
@@ -188,19 +250,9 @@ class OutputDir:
     def _sibling(self, kind: str) -> Path:
         return self.target.parent / f".{self.target.name}.{os.getpid()}-{secrets.token_hex(4)}.{kind}"
 
-    def _remove_leftovers(self) -> None:
-        found = sorted(p for p in self.target.parent.iterdir() if self._leftover.fullmatch(p.name))
-        olds = [p for p in found if p.name.endswith(".old")]
-        if olds and not os.path.lexists(self.target):  # the latest swapped out (a rename sets ctime)
-            os.rename(max(olds, key=lambda p: p.stat().st_ctime), self.target)
-        for path in found:
-            if path.exists():
-                _remove(path)
-
     def _unlock(self) -> None:
         if self._fd is not None:
-            self._lock_path.unlink(missing_ok=True)  # while still held: a waiting opener sees a new file
-            os.close(self._fd)
+            _release(self._lock_path, self._fd)
             self._fd = None
 
     def commit(self) -> Path:

@@ -4,16 +4,22 @@ wrong; nothing the tool did not write is ever deleted."""
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
-from mergecal import merge_checkpoints, merge_models, save_checkpoint
+from mergecal import MERGE_METHODS, merge_checkpoints, merge_models, save_checkpoint
+from mergecal.calibrations.registry import all_calibrations
 from mergecal.checkpoint import MARKER, SafetensorsSource, ShardedCheckpointWriter, load_state_dict, save_state_dict
 from mergecal.cli import main
 from mergecal.errors import CheckpointError, OutputError, ParameterError
@@ -91,12 +97,15 @@ def test_sharded_index_input_with_out_its_parent_is_refused(tmp_path, pretrained
 
 
 def test_shards_reached_through_an_index_elsewhere_are_inputs_too(tmp_path, pretrained, finetuned):
+    """Hugging Face's cache layout: a snapshot folder of links to an index and shards that lie in one other
+    folder (blobs/). It is read (the shards are beside the index the link points to), and the output may not
+    be the folder that holds them."""
     shards = save_checkpoint(pretrained, tmp_path / "shards", max_shard_bytes=700)
-    index = json.loads((shards / "model.safetensors.index.json").read_text())
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    index["weight_map"] = {k: f"../shards/{v}" for k, v in index["weight_map"].items()}
-    (elsewhere / "model.safetensors.index.json").write_text(json.dumps(index))
+    for file in shards.iterdir():
+        (elsewhere / file.name).symlink_to(Path("..") / "shards" / file.name)
+    assert SafetensorsSource(elsewhere).keys() == list(pretrained)
     ft = save_state_dict(finetuned[0], tmp_path / "ft.safetensors")
     with pytest.raises(OutputError, match="contains the input"):
         merge_checkpoints(elsewhere, [ft], "ties", shards, overwrite=True)
@@ -533,3 +542,240 @@ def test_schedule_without_a_prefect_server_is_one_line_and_fast(capsys, monkeypa
     err = one_line_error(capsys)
     assert err.startswith(f"mergecal: error: schedule: no Prefect server answers at PREFECT_API_URL={url} (")
     assert err.endswith(schedule.START_SERVER) and "`mergecal ui`" in err and "prefect server start" in err
+
+
+# --- 10. hardening, second round: what an input may name, special files, permissions, stale files, sizes, ENOSPC ---
+
+
+def sharded_with(tmp_path: Path, model: dict, entry: str) -> Path:
+    """models/pre/: a sharded checkpoint of ``model`` whose index names ``entry`` for its first key."""
+    pre = save_checkpoint(model, tmp_path / "models" / "pre", max_shard_bytes=700)
+    index_path = pre / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][next(iter(index["weight_map"]))] = entry
+    index_path.write_text(json.dumps(index))
+    return index_path
+
+
+def test_an_index_naming_a_shard_outside_its_folder_is_refused(tmp_path, pretrained, finetuned, capsys):
+    outside = save_state_dict(pretrained, tmp_path / "x.safetensors")  # a valid file: today it is merged
+    ft = save_state_dict(finetuned[0], tmp_path / "ft.safetensors")
+    for entry in ("../../x.safetensors", str(outside), "link.safetensors", "../../../../../../../../etc/passwd"):
+        index = sharded_with(tmp_path, pretrained, entry)
+        if entry == "link.safetensors":  # inside by its name, outside once the link is followed
+            (index.parent / entry).symlink_to(outside)
+        key = next(iter(json.loads(index.read_text())["weight_map"]))
+        out = tmp_path / "out"
+        assert main(["merge", "--pretrained", str(index.parent), "--finetuned", str(ft), "--method", "ties",
+                     "--out", str(out)]) == 2, entry
+        err = one_line_error(capsys)
+        assert f"{index}: shard {entry!r} for key {key!r} is not a file inside the index's folder" in err
+        assert not out.exists()
+
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32}
+
+
+def test_a_model_directory_whose_index_names_a_shard_outside_it_is_refused(tmp_path):
+    """The LLM loaders read index files themselves (pickled shards) or through transformers (safetensors)."""
+    from mergecal.backbones.hf_causal_lm import causal_lm_state_dict, load_causal_lm
+
+    torch.save({"a": torch.ones(2)}, tmp_path / "x.bin")
+    save_state_dict({"a": torch.ones(2)}, tmp_path / "x.safetensors")
+    for index_name, entry in [("pytorch_model.bin.index.json", "../../x.bin"),
+                              ("model.safetensors.index.json", "../../x.safetensors")]:
+        model = tmp_path / "models" / index_name.split(".")[0]
+        model.mkdir(parents=True)
+        (model / "config.json").write_text(json.dumps(TINY_LLAMA))  # load_causal_lm builds it before the weights
+        (model / index_name).write_text(json.dumps({"weight_map": {"a": entry}}))
+        expected = f"shard {entry!r} for key 'a' is not a file inside the index's folder"
+        with pytest.raises(CheckpointError, match=expected):
+            causal_lm_state_dict(model, allow_unsafe_pickle=True)
+        with pytest.raises(CheckpointError, match=expected):
+            load_causal_lm(model, allow_unsafe_pickle=True)
+
+
+@contextmanager
+def writer_after(fifo: Path, seconds: float = 5.0):
+    """A reader that opens ``fifo`` waits for a writer forever: after ``seconds`` writers come and go, so that code
+    which opens it (a failing test) ends instead of hanging the suite. A process, not a thread: safetensors holds
+    the GIL while it waits in open()."""
+    writers = subprocess.Popen(["sh", "-c", 'sleep "$1"; while :; do exec 3>"$0"; exec 3>&-; done',
+                                str(fifo), str(seconds)])
+    try:
+        yield
+    finally:
+        writers.kill()
+        writers.wait()
+
+
+def test_a_fifo_or_socket_is_refused_before_it_is_opened(tmp_path, pretrained, capsys):
+    from mergecal.backbones.loading import load_weights_file
+
+    ft = save_state_dict(pretrained, tmp_path / "ft.safetensors")
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    in_dir = tmp_path / "dir"
+    in_dir.mkdir()
+    os.mkfifo(in_dir / "model.safetensors")
+    index = sharded_with(tmp_path, pretrained, "pipe.safetensors")
+    os.mkfifo(index.parent / "pipe.safetensors")
+    os.mkfifo(tmp_path / "pipe.pt")
+    cases = [(fifo, fifo), (in_dir, in_dir / "model.safetensors"), (index, index.parent / "pipe.safetensors")]
+    for given, named in cases:
+        start = time.monotonic()
+        with writer_after(named):
+            rc = main(["merge", "--pretrained", str(given), "--finetuned", str(ft), "--method", "ties",
+                       "--out", str(tmp_path / "out")])
+        assert rc == 2 and time.monotonic() - start < 4.5, given  # refused, not released by the writers
+        assert f"{named}: is a FIFO (named pipe); a checkpoint must be a regular file" in one_line_error(capsys)
+    with writer_after(tmp_path / "pipe.pt"), pytest.raises(CheckpointError, match="pipe.pt: is a FIFO"):
+        load_weights_file(tmp_path / "pipe.pt", allow_unsafe_pickle=True)
+    sock_path = tmp_path / "sock.safetensors"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(sock_path))
+        with pytest.raises(CheckpointError, match=f"{sock_path}: is a socket"):
+            SafetensorsSource(sock_path)
+    assert not (tmp_path / "out").exists()
+
+
+@contextmanager
+def as_another_user():
+    """The tests run as root, who may read any file: drop to 'nobody' (effective IDs, restored after) so that
+    the kernel refuses a file of mode 000 as it does for a user; a non-root user is refused as it is."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def test_an_unreadable_input_says_permission_denied(pretrained, finetuned, capsys):
+    d = Path(tempfile.mkdtemp())  # not under pytest's tmp_path, whose parents only their owner may enter
+    hidden = d / "hidden"
+    try:
+        d.chmod(0o755)
+        pre = save_state_dict(pretrained, d / "pre.safetensors")
+        ft = save_state_dict(finetuned[0], d / "ft.safetensors")
+        pre.chmod(0o000)
+        hidden.mkdir(mode=0o700)
+        save_state_dict(pretrained, hidden / "model.safetensors").chmod(0o000)
+        hidden.chmod(0o000)
+        with as_another_user():
+            rc = main(["merge", "--pretrained", str(pre), "--finetuned", str(ft), "--method", "ties",
+                       "--out", str(d / "out")])
+            with pytest.raises(CheckpointError, match="permission denied") as in_hidden:
+                SafetensorsSource(hidden / "model.safetensors")
+        assert rc == 2
+        err = one_line_error(capsys)
+        assert f"{pre}: permission denied (the file is not readable by this user)" in err
+        assert "No such file" not in err and "No such file" not in str(in_hidden.value)
+        assert not (d / "out").exists()
+    finally:
+        if hidden.exists():
+            hidden.chmod(0o700)
+        shutil.rmtree(d)
+
+
+def test_stale_staging_and_lock_files_go_at_the_start_of_any_merge_to_the_output(inputs_dir, tmp_path, capsys):
+    done = subprocess.Popen(["true"])
+    done.wait()
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        dead = tmp_path / f".out.{done.pid}-0123abcd.staging"  # as a merge killed by SIGKILL leaves it
+        dead.mkdir()
+        (dead / "shard-00000.safetensors").write_bytes(b"partial")
+        (tmp_path / ".out.lock").touch()  # and the lock file it held
+        alive = tmp_path / f".out.{running.pid}-fedcba98.staging"
+        alive.mkdir()
+        # a merge that then fails on its parameters cleans up all the same
+        assert main(merge_args(inputs_dir, tmp_path / "out", "--set", "top_k=7")) == 2
+        assert "top_k" in one_line_error(capsys)
+        assert leftovers(tmp_path) == [alive.name]  # a running process's entry is kept
+        assert main(merge_args(inputs_dir, tmp_path / "out")) == 0
+        assert leftovers(tmp_path) == [alive.name] and SafetensorsSource(tmp_path / "out").keys()
+    finally:
+        running.kill()
+        running.wait()
+
+
+@pytest.mark.parametrize("size", ["infGB", "nan", "-1GB", "0", "0.5b", "1e400"])
+def test_max_shard_size_must_be_a_positive_finite_size(inputs_dir, tmp_path, capsys, size):
+    assert main(merge_args(inputs_dir, tmp_path / "out", f"--max-shard-size={size}")) == 2
+    assert f"--max-shard-size {size!r}: expected a positive, finite size such as 2GB" in one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def no_space_left(tensors, filename, metadata=None):
+    """safetensors' save_file on a full disk: part of the file written, then its serialisation error."""
+    Path(filename).write_bytes(b"\0" * 64)
+    raise SafetensorError(f'Error while serializing: I/O error: No space left on device (os error 28) at path '
+                          f'"{filename}"')
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(inputs_dir, tmp_path, capsys, monkeypatch, pretrained):
+    from mergecal import checkpoint
+
+    monkeypatch.setattr(checkpoint, "save_file", no_space_left)
+    out = tmp_path / "out"
+    assert main(merge_args(inputs_dir, out, "--max-shard-size", "600")) == 2
+    assert one_line_error(capsys) == f"mergecal: error: {out}: cannot write the output (No space left on device)"
+    assert not out.exists() and leftovers(tmp_path) == []
+    with pytest.raises(OutputError, match=r"single.safetensors: cannot write the output \(No space left on device\)"):
+        save_state_dict(pretrained, tmp_path / "single.safetensors")
+    assert not (tmp_path / "single.safetensors").exists() and leftovers(tmp_path) == []
+
+
+def test_iso_cts_with_no_common_direction_merges_from_the_cli(inputs_dir, tmp_path, capsys):
+    args = merge_args(inputs_dir, tmp_path / "out", "--set", "common_space_fraction=0")
+    args[args.index("--method") + 1] = "iso_cts"
+    assert main(args) == 0  # K = 2 and an even rank: no common direction (k_c = 0) on such keys
+    assert SafetensorsSource(tmp_path / "out").keys()
+
+
+# --- 11. zero-size keys: passed through unchanged by every merge and every data-free calibration ---------------
+
+
+def with_empty_key(model: dict) -> dict:
+    return {**model, "visual.empty.weight": torch.zeros(0, 6, dtype=torch.float16)}
+
+
+DATA_FREE = sorted(n for n, spec in all_calibrations().items() if not spec.needs_data)
+
+
+@pytest.mark.parametrize("calibration", [None, *DATA_FREE])
+@pytest.mark.parametrize("method", sorted(MERGE_METHODS))
+def test_a_zero_size_key_passes_through_every_merge_and_calibration(pretrained, finetuned, method, calibration):
+    assert DATA_FREE == ["svc", "wsc"]  # the registry's data-free steps (a new one joins this test by itself)
+    models = [with_empty_key(m) for m in finetuned]
+    if calibration is None:
+        merged = merge_models(with_empty_key(pretrained), models, method)
+        expected = merge_models(pretrained, finetuned, method)
+    else:
+        merged = run_recipe(f"{method}>{calibration}", with_empty_key(pretrained), models).state_dict
+        expected = run_recipe(f"{method}>{calibration}", pretrained, finetuned).state_dict
+    empty = merged.pop("visual.empty.weight")
+    assert empty.shape == (0, 6) and empty.dtype == torch.float16
+    assert merged.keys() == expected.keys()
+    for key, value in expected.items():  # and the other keys are merged as without it
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("text", ["tsv_m>svc", "task_arithmetic>wsc"])
+def test_a_zero_size_key_through_the_cli(tmp_path, pretrained, finetuned, text):
+    pre = save_state_dict(with_empty_key(pretrained), tmp_path / "pre.safetensors")
+    fts = [save_state_dict(with_empty_key(m), tmp_path / f"ft{i}.safetensors") for i, m in enumerate(finetuned)]
+    out = tmp_path / "out"
+    assert main(["merge", "--pretrained", str(pre), "--finetuned", *map(str, fts), "--recipe", text,
+                 "--out", str(out)]) == 0
+    merged = load_state_dict(out)
+    assert merged["visual.empty.weight"].shape == (0, 6) and merged["visual.empty.weight"].dtype == torch.float16
+    expected = run_recipe(text, pretrained, finetuned).state_dict
+    for key, value in expected.items():
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-6, msg=key)

@@ -9,7 +9,7 @@ from mergecal import MERGE_METHODS, get_merge_method, merge_models, merge_task_v
 from mergecal.errors import ParameterError, UnknownNameError
 from mergecal.magnitude import kth_largest_magnitudes
 from mergecal.methods.dare import drop_and_rescale
-from mergecal.methods.iso_cts import iso_cts_ranks
+from mergecal.methods.iso_cts import iso_cts_matrix, iso_cts_ranks
 
 ALL_METHODS = sorted(MERGE_METHODS)
 SVD_METHODS = ["tsv_m", "iso_c", "iso_cts"]
@@ -342,6 +342,39 @@ def test_iso_cts_keeps_common_and_task_ranks_with_a_flat_spectrum():
     assert (common2, per_task2) == (16, 2)
     sv2 = torch.linalg.svdvals(merged2)
     assert int((sv2 > 1e-6 * sv2[0]).sum()) == 20
+
+
+@pytest.mark.parametrize("shape,K,f", [((6, 4), 2, 0.0), ((4, 6), 2, 0.0), ((5, 3), 3, 0.001), ((1, 1), 1, 0.8),
+                                       ((5, 1), 1, 0.8)])
+def test_iso_cts_without_a_common_direction_is_the_authors_task_specific_merge(shape, K, f):
+    """k_c = 0 (a fraction of 0, or a key so small that the rank rounding leaves none): the authors' code slices
+    an empty common space (u[:, :0]) and goes on, so every task keeps the top r/K triplets of its own tau_t; the
+    Gram solver used to fail in scipy there."""
+    g = torch.Generator().manual_seed(6)
+    taus = [torch.randn(*shape, generator=g) for _ in range(K)]
+    r = min(shape)
+    assert iso_cts_ranks(r, K, f) == (0, r // K)
+    k = r // K
+    parts = [torch.linalg.svd(t.double(), full_matrices=False) for t in taus]
+
+    def polar(a):
+        u, _, vh = torch.linalg.svd(a, full_matrices=False)
+        return u @ vh
+
+    U = polar(torch.cat([p[0][:, :k] for p in parts], dim=1))
+    Vh = polar(torch.cat([p[2][:k] for p in parts], dim=0))
+    expected = U * torch.cat([p[1][:k] for p in parts]).mean() @ Vh
+    for solver in ("gram", "svd"):
+        merged = merge_task_vectors([{"w": t} for t in taus], "iso_cts", common_space_fraction=f, solver=solver)
+        torch.testing.assert_close(merged["w"].double(), expected, rtol=1e-5, atol=1e-5, msg=solver)
+    on_cuda_route = iso_cts_matrix(taus, f, backend="torch")  # the Gram route as it runs off the CPU
+    torch.testing.assert_close(on_cuda_route.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan")])
+def test_iso_cts_common_space_fraction_outside_0_1_is_one_line(fraction):
+    with pytest.raises(ParameterError, match="iso_cts: parameter 'common_space_fraction'"):
+        get_merge_method("iso_cts", common_space_fraction=fraction)
 
 
 def test_iso_cts_rank_deficient_merge_has_the_stated_rank():

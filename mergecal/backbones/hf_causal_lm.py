@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import INDEX_SUFFIX, SafetensorsSource, ShardedCheckpointWriter, load_state_dict
+from ..checkpoint import (INDEX_SUFFIX, SafetensorsSource, ShardedCheckpointWriter, load_state_dict, read_index,
+                          shard_file)
 from ..device import resolve_device
 from ..errors import CheckpointError, ParameterError
 from .loading import load_weights_file
@@ -72,14 +73,14 @@ def _pickle_state_dict(path: Path, allow_unsafe_pickle: bool) -> dict[str, torch
                                   f"{err}") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
-        files = sorted(set(weight_map.values()))
+        files = sorted({shard_file(index, key, shard) for key, shard in weight_map.items()})
     elif (path / "pytorch_model.bin").exists():
-        files = ["pytorch_model.bin"]
+        files = [path / "pytorch_model.bin"]
     else:
-        files = sorted(p.name for p in path.glob("pytorch_model-*.bin"))
+        files = sorted(path.glob("pytorch_model-*.bin"))
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_weights_file(path / name, allow_unsafe_pickle=allow_unsafe_pickle))
+    for file in files:
+        state.update(load_weights_file(file, allow_unsafe_pickle=allow_unsafe_pickle))
     return state
 
 
@@ -110,6 +111,8 @@ def load_causal_lm(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.f
     path = Path(model_dir)
     hf_logging.disable_progress_bar()
     if weight_format(path) == "safetensors":
+        if (path / f"model.safetensors{INDEX_SUFFIX}").exists():  # transformers follows it: shards beside it only
+            read_index(path / f"model.safetensors{INDEX_SUFFIX}")
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
                                                      dtype=dtype)
     else:
@@ -281,9 +284,11 @@ def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[st
     (``check_same_family``). ``out_dir`` may not hold an input; see ``save_causal_lm_weights``."""
     from ..merge import _iter_model, iter_merge, require_data_free
     from ..methods import get_merge_method
+    from ..outputs import remove_stale
     from ..recipe import Recipe, iter_weight_space
     from ..task_vectors import TaskVectorSet
 
+    remove_stale(out_dir)  # what a killed merge left beside out_dir, even if this one fails on its inputs
     if isinstance(expert_dirs, (str, os.PathLike)):
         raise ParameterError(f"expert_dirs: expected a list of model directories, got a single path "
                              f"{str(expert_dirs)!r}")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import INDEX_SUFFIX, PICKLE_SUFFIXES, load_state_dict
+from ..checkpoint import INDEX_SUFFIX, PICKLE_SUFFIXES, load_state_dict, readable_file
 from ..errors import CheckpointError
 
 
@@ -71,6 +71,7 @@ def load_weights_file(path: str | os.PathLike, *, allow_unsafe_pickle: bool = Fa
     if path.suffix not in PICKLE_SUFFIXES:
         raise CheckpointError(f"{path}: unknown weights format (expected .safetensors, a directory, "
                               f"*{INDEX_SUFFIX} or one of {', '.join(PICKLE_SUFFIXES)})")
+    readable_file(path)  # a FIFO, device or socket is refused before torch.load opens it (and blocks)
     try:
         return _as_state_dict(_torch_load(path, weights_only=True), path)
     except pickle.UnpicklingError as err:

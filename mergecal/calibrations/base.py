@@ -51,10 +51,13 @@ def iter_calibrated(merged: Iterable[tuple[str, torch.Tensor]], task_vectors, ca
     """Apply ``calibrations`` in order to a stream of ``(key, merged update)`` pairs.
 
     ``task_vectors`` is the ``TaskVectorSet`` the merge was computed from. Per-key diagnostics are
-    stored in ``diagnostics[calibration.name][key]`` when a dict is given.
+    stored in ``diagnostics[calibration.name][key]`` when a dict is given. A zero-size key is passed through.
     """
     for key, update in merged:
         shape, dtype = tuple(update.shape), update.dtype
+        if update.numel() == 0:  # a zero-size key passes unchanged: no row, spectrum or norm to calibrate
+            yield key, update
+            continue
         covering = [c for c in calibrations if c.covers(key, shape, dtype)]
         if covering:
             taus = task_vectors.load(key)

@@ -8,6 +8,9 @@ Per 2-D key (rule ``matrices_except_text_projection``), with r = min(m, n):
   * concatenate U's and V's, replace each by its orthogonal polar factor, set every singular value to
     the mean of the concatenated ones, rebuild.
 Every other float key is averaged. theta = theta_0 + alpha * merged, alpha = 1 by default (validation).
+No common direction (k_c = 0: f = 0 where K divides r, f = 0.001 on a small key, K = 1 on an r = 1 key): the
+authors' code slices an empty common space (u[:, :0]) and goes on, so every task keeps the top r/K triplets of
+tau_t itself; both solvers do the same (the "gram" one asks mergecal.linalg for zero eigenpairs).
 K = 1: the common and the task-specific triplets together span tau's SVD, so the result equals Iso-C's,
 alpha * U mean(S) V^T (up to round-off).
 Degenerate input: rank-deficient residuals contribute LAPACK's arbitrary null-space vectors, which the
