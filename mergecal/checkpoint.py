@@ -49,6 +49,64 @@ def convert_hint(path: Path) -> str:
             f"save_file({{k: v.contiguous() for k, v in torch.load('{path}', weights_only=True).items()}}, '{out}')\"")
 
 
+def weights_candidates(directory: Path) -> list[Path]:
+    """The files a checkpoint directory's weights may be read from, as HF writes them: ``model.safetensors`` /
+    ``model.safetensors.index.json``, else every ``*.index.json``, else every ``*.safetensors`` (one expected)."""
+    found = [c for c in (directory / "model.safetensors", directory / f"model.safetensors{INDEX_SUFFIX}") if c.exists()]
+    return found or sorted(directory.glob(f"*{INDEX_SUFFIX}")) or sorted(directory.glob("*.safetensors"))
+
+
+def weights_entry(directory: Path) -> Path:
+    """The one safetensors file or index a checkpoint directory is read from (``weights_candidates``)."""
+    found = weights_candidates(directory)
+    pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not found and pickles:
+        raise CheckpointError(f"{directory}: holds only pickled weights ({pickles[0].name}), and pickled "
+                              f"checkpoints are not read (unpickling can run code); {convert_hint(pickles[0])}")
+    if len(found) != 1:
+        raise CheckpointError(f"{directory}: expected exactly one *.safetensors file or *{INDEX_SUFFIX} in the "
+                              f"directory, found {len(found)}")
+    return found[0]
+
+
+def check_safetensors_name(path: Path) -> None:
+    """A checkpoint file is read only as safetensors (a pickle is named as such)."""
+    if path.suffix in PICKLE_SUFFIXES:
+        raise CheckpointError(f"{path}: pickled checkpoints are not read here (unpickling can run code); "
+                              f"{convert_hint(path)}")
+    if path.suffix != ".safetensors":
+        raise CheckpointError(f"{path}: expected a .safetensors file or a *{INDEX_SUFFIX}")
+
+
+def index_shards(index: Path) -> dict[str, Path]:
+    """{key: shard file} of a sharded checkpoint's index (names relative to the index's directory); every
+    shard present."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{index}: not a safetensors index "
+                              f"(expected a JSON object with 'weight_map'): {err}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        got = type(weight_map).__name__ if not isinstance(weight_map, dict) else "a non-string shard"
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files, got {got}")
+    files = {}
+    for key, shard in weight_map.items():
+        shard_path = index.parent / shard
+        if not shard_path.exists():
+            raise CheckpointError(f"{index}: shard {shard!r} for key {key!r} not found at {shard_path}")
+        files[key] = shard_path
+    return files
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """Every file ``SafetensorsSource(path)`` reads: the safetensors file, or the index and its shards."""
+    entry = weights_entry(path) if path.is_dir() else path
+    if entry.name.endswith(INDEX_SUFFIX):
+        return [entry, *dict.fromkeys(index_shards(entry).values())]
+    check_safetensors_name(entry)
+    return [entry]
+
+
 @runtime_checkable
 class TensorSource(Protocol):
     """Read-only, key-by-key access to a state dict."""
@@ -111,47 +169,12 @@ class SafetensorsSource:
 
     @staticmethod
     def _resolve(path: Path) -> dict[str, Path]:
-        if path.is_dir():
-            candidates = [path / "model.safetensors", path / f"model.safetensors{INDEX_SUFFIX}"]
-            found = [c for c in candidates if c.exists()]
-            if not found:
-                singles = sorted(path.glob("*.safetensors"))
-                indexes = sorted(path.glob(f"*{INDEX_SUFFIX}"))
-                found = indexes or singles
-            pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-            if not found and pickles:
-                raise CheckpointError(f"{path}: holds only pickled weights ({pickles[0].name}), and pickled "
-                                      f"checkpoints are not read (unpickling can run code); {convert_hint(pickles[0])}")
-            if len(found) != 1:
-                raise CheckpointError(
-                    f"{path}: expected exactly one *.safetensors file or *{INDEX_SUFFIX} in the directory, "
-                    f"found {len(found)}"
-                )
-            path = found[0]
+        path = weights_entry(path) if path.is_dir() else path
         if not path.exists():
             raise CheckpointError(f"{path}: checkpoint not found")
         if path.name.endswith(INDEX_SUFFIX):
-            try:
-                index = json.loads(path.read_text())
-                weight_map = index["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise CheckpointError(f"{path}: not a safetensors index "
-                                      f"(expected a JSON object with 'weight_map'): {err}") from None
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                got = type(weight_map).__name__ if not isinstance(weight_map, dict) else "a non-string shard"
-                raise CheckpointError(f"{path}: 'weight_map' must map tensor names to shard files, got {got}")
-            files = {}
-            for key, shard in weight_map.items():
-                shard_path = path.parent / shard
-                if not shard_path.exists():
-                    raise CheckpointError(f"{path}: shard {shard!r} for key {key!r} not found at {shard_path}")
-                files[key] = shard_path
-            return files
-        if path.suffix in PICKLE_SUFFIXES:
-            raise CheckpointError(f"{path}: pickled checkpoints are not read here (unpickling can run code); "
-                                  f"{convert_hint(path)}")
-        if path.suffix != ".safetensors":
-            raise CheckpointError(f"{path}: expected a .safetensors file or a *{INDEX_SUFFIX}")
+            return index_shards(path)
+        check_safetensors_name(path)
         handle = SafetensorsSource._open_file(path)
         return {key: path for key in handle.keys()}
 
