@@ -143,6 +143,44 @@ def _write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata
         raise _cannot_write(output, err.strerror or str(err)) from None
 
 
+def weights_candidates(directory: Path) -> list[Path]:
+    """The files a checkpoint directory's weights may be read from, as HF writes them: ``model.safetensors`` /
+    ``model.safetensors.index.json``, else every ``*.index.json``, else every ``*.safetensors`` (one expected)."""
+    found = [c for c in (directory / "model.safetensors", directory / f"model.safetensors{INDEX_SUFFIX}") if c.exists()]
+    return found or sorted(directory.glob(f"*{INDEX_SUFFIX}")) or sorted(directory.glob("*.safetensors"))
+
+
+def weights_entry(directory: Path) -> Path:
+    """The one safetensors file or index a checkpoint directory is read from (``weights_candidates``)."""
+    found = weights_candidates(directory)
+    pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not found and pickles:
+        raise CheckpointError(f"{directory}: holds only pickled weights ({pickles[0].name}), and pickled "
+                              f"checkpoints are not read (unpickling can run code); {convert_hint(pickles[0])}")
+    if len(found) != 1:
+        raise CheckpointError(f"{directory}: expected exactly one *.safetensors file or *{INDEX_SUFFIX} in the "
+                              f"directory, found {len(found)}")
+    return found[0]
+
+
+def check_safetensors_name(path: Path) -> None:
+    """A checkpoint file is read only as safetensors (a pickle is named as such)."""
+    if path.suffix in PICKLE_SUFFIXES:
+        raise CheckpointError(f"{path}: pickled checkpoints are not read here (unpickling can run code); "
+                              f"{convert_hint(path)}")
+    if path.suffix != ".safetensors":
+        raise CheckpointError(f"{path}: expected a .safetensors file or a *{INDEX_SUFFIX}")
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """Every file ``SafetensorsSource(path)`` reads: the safetensors file, or the index and its shards."""
+    entry = weights_entry(path) if path.is_dir() else path
+    if entry.name.endswith(INDEX_SUFFIX):
+        return [entry, *dict.fromkeys(read_index(entry).values())]
+    check_safetensors_name(entry)
+    return [entry]
+
+
 @runtime_checkable
 class TensorSource(Protocol):
     """Read-only, key-by-key access to a state dict."""
@@ -211,30 +249,11 @@ class SafetensorsSource:
             except PermissionError:
                 raise CheckpointError(f"{path}: permission denied (the directory cannot be listed by this "
                                       "user)") from None
-            candidates = [path / "model.safetensors", path / f"model.safetensors{INDEX_SUFFIX}"]
-            found = [c for c in candidates if c.exists()]
-            if not found:
-                singles = sorted(path.glob("*.safetensors"))
-                indexes = sorted(path.glob(f"*{INDEX_SUFFIX}"))
-                found = indexes or singles
-            pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-            if not found and pickles:
-                raise CheckpointError(f"{path}: holds only pickled weights ({pickles[0].name}), and pickled "
-                                      f"checkpoints are not read (unpickling can run code); {convert_hint(pickles[0])}")
-            if len(found) != 1:
-                raise CheckpointError(
-                    f"{path}: expected exactly one *.safetensors file or *{INDEX_SUFFIX} in the directory, "
-                    f"found {len(found)}"
-                )
-            path = found[0]
+            path = weights_entry(path)
         readable_file(path)
         if path.name.endswith(INDEX_SUFFIX):
             return read_index(path)
-        if path.suffix in PICKLE_SUFFIXES:
-            raise CheckpointError(f"{path}: pickled checkpoints are not read here (unpickling can run code); "
-                                  f"{convert_hint(path)}")
-        if path.suffix != ".safetensors":
-            raise CheckpointError(f"{path}: expected a .safetensors file or a *{INDEX_SUFFIX}")
+        check_safetensors_name(path)
         handle = SafetensorsSource._open_file(path)
         return {key: path for key in handle.keys()}
 

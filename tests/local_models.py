@@ -25,6 +25,15 @@ class CreatesAFile:
         return (open, (self.path, "w"))
 
 
+def write_unrelated_files(directory: Path) -> list[str]:
+    """Files a configured path may hold beside what its loader reads (a copy of a password file, notes): none
+    may be read or recorded. Their names."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "shadow").write_text("root:$6$not-a-real-hash:19000:0:99999:7:::\n")
+    (directory / "notes.txt").write_text("lab notes: nothing the benchmark reads\n")
+    return ["shadow", "notes.txt"]
+
+
 def perturbed(state: dict, seed: int, prefix: str, scale: float = 0.02) -> dict:
     """The floating-point entries of ``state`` under ``prefix``, each plus ``scale`` times seeded noise."""
     g = torch.Generator().manual_seed(seed)
@@ -78,7 +87,7 @@ def write_clip_track(root: Path, name: str) -> dict:
         finetuned[task] = str(save_state_dict(perturbed(state, 2 + i, "visual."), root / f"{task}.safetensors"))
     return {"name": name, "model": {"arch": CLIP_ARCH, "pretrained": str(root / "pretrained.safetensors")},
             "finetuned": finetuned, "datasets": {t: str(root / "data") for t in CLIP_TASKS},
-            "evaluation": {"batch_size": 16, "max_validation": 12},
+            "evaluation": {"batch_size": 16, "max_validation": 12}, "min_test": 20,  # the datasets' 20 test images
             "distac": {"steps": 3, "batch_size": 8}}  # the paper's 500 steps of 128 images: not at smoke size
 
 
@@ -98,5 +107,5 @@ def write_llm_family(root: Path, name: str) -> dict:
         kwargs = {"max_shard_bytes": shard} if shard else {}
         experts[task] = str(save_causal_lm_weights(noisy, root / task, like=base, **kwargs))
     return {"name": name, "base": str(base), "experts": experts,
-            "data": {"n_pretrain": 20, "n_train": 4, "n_validation": 4, "n_test": 4},
+            "data": {"n_pretrain": 20, "n_train": 4, "n_validation": 4, "n_test": 4}, "min_test": 4,
             "evaluation": {"max_validation": 4, "batch_size": 8}}

@@ -15,14 +15,15 @@ import pytest
 import torch
 import yaml
 
-from local_models import CLIP_ARCH, CLIP_TASKS, CreatesAFile, perturbed, write_image_datasets
+from local_models import CLIP_ARCH, CLIP_TASKS, CreatesAFile, perturbed, write_image_datasets, write_unrelated_files
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline import local_clip
+from mergecal.pipeline import local_clip, local_llm
 from mergecal.pipeline.config import load_params, parse_params
 
 ARCH, TASKS = CLIP_ARCH, CLIP_TASKS
 EVALUATION = {"batch_size": 16, "max_validation": 12}
+MIN_TEST = 20  # write_image_datasets' test images per task
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +83,14 @@ def _oc_track(name="oc", **extra):
     return {"name": name, "model": {"arch": ARCH, "pretrained": "ckpt/oc/pretrained.safetensors"},
             "finetuned": {"MNIST": "ckpt/oc/MNIST.safetensors", "EuroSAT": "ckpt/oc/EuroSAT/finetuned.pt",
                           "SVHN": "ckpt/oc/SVHN"},
-            "datasets": {t: "data" for t in TASKS}, "allow_unsafe_pickle": True, "evaluation": EVALUATION, **extra}
+            "datasets": {t: "data" for t in TASKS}, "allow_unsafe_pickle": True, "evaluation": EVALUATION,
+            "min_test": MIN_TEST, **extra}
 
 
 def _hf_track(name="hf", **extra):
     return {"name": name, "model": {"pretrained": "ckpt/hf/pretrained"},
             "finetuned": {t: f"ckpt/hf/{t}" for t in TASKS}, "datasets": {t: "data" for t in TASKS},
-            "evaluation": EVALUATION, **extra}
+            "evaluation": EVALUATION, "min_test": MIN_TEST, **extra}
 
 
 # ------------------------------------------------------------------------------------------------ params
@@ -103,6 +105,9 @@ def _hf_track(name="hf", **extra):
     ({"model": {"pretrained": "hf-dir", "arch": "ViT-B-32"}}, r"local_clip.0.model.arch: only with a weights file"),
     ({"allow_unsafe_pickle": "yes"}, r"local_clip.0.allow_unsafe_pickle: Input should be a valid boolean"),
     ({"name": "tiny-llama"}, r"local_clip.0.name: 'tiny-llama' is already the name"),
+    ({"min_test": 30, "evaluation": {"max_test": 20}}, r"local_clip.0.evaluation.max_test: 20 images, fewer than "
+                                                       r"min_test 30"),
+    ({"min_test": 0}, r"local_clip.0.min_test: "),
 ])
 def test_local_clip_params_errors_are_one_clear_line(change, message):
     with pytest.raises(ParameterError, match=message) as info:
@@ -177,6 +182,58 @@ def test_bad_checkpoints_are_one_line_and_a_pickle_is_never_unpickled_without_th
             local_clip.finetuned_visual(oc, root / "ckpt" / name, allow_unsafe_pickle=opt_in)
         assert "\n" not in str(err.value)
     assert not marker.exists()  # refused from its name: not a byte was read
+
+
+# --------------------------------------------------------------------------- what local_inputs reads and records
+
+def test_local_inputs_record_only_the_checkpoint_and_dataset_files_the_loaders_read(lab, tmp_path):
+    """An HF CLIP directory and a data location beside unrelated files (a `shadow`, notes, also inside the
+    task's own folders): inputs.json names the config, weights and each split's images and shards, none of
+    the others; a checkpoint or dataset path that holds none of what its loader reads is refused with one line
+    naming its key, the path and what was expected."""
+    root, _ = lab
+    shutil.copytree(root / "ckpt" / "hf" / "pretrained", tmp_path / "pretrained")
+    shutil.copytree(root / "data", tmp_path / "data")
+    unrelated = write_unrelated_files(tmp_path / "pretrained") + write_unrelated_files(tmp_path / "data")
+    for folder in ("mnist", "mnist/test", "EuroSAT", "EuroSAT/data"):
+        write_unrelated_files(tmp_path / "data" / folder)
+    track = _hf_track(model={"pretrained": str(tmp_path / "pretrained")},
+                      datasets={t: str(tmp_path / "data") for t in TASKS})
+    files = local_llm.record_inputs(parse_params({"local_clip": [track]}), tmp_path)["hf"]["files"]
+    assert not [name for name in files if name.rsplit("/", 1)[-1] in unrelated], sorted(files)
+    written = local_llm.inputs_path(tmp_path).read_text()
+    assert "shadow" not in written and "notes.txt" not in written
+    assert {"pretrained/config.json", "pretrained/model.safetensors", "dataset.MNIST/mnist/test/0/0.png",
+            "dataset.EuroSAT/EuroSAT/data/test-00000-of-00001.parquet"} <= set(files)
+    assert len([n for n in files if n.startswith("dataset.MNIST/")]) == 3 * 20  # train, val, test: 20 images each
+
+    cases = [("finetuned", {**track["finetuned"], "SVHN": str(tmp_path / "etc")},
+              r"local_clip.0.finetuned.SVHN: .*/etc holds no checkpoint files \(expected a .safetensors file or "
+              r"index, a pickled"),
+             ("finetuned", {**track["finetuned"], "SVHN": str(tmp_path / "etc" / "shadow")},
+              r"local_clip.0.finetuned.SVHN: .*/etc/shadow holds no checkpoint files"),
+             ("datasets", {**track["datasets"], "MNIST": str(tmp_path / "etc")},
+              r"local_clip.0.datasets.MNIST: .*/etc holds no MNIST dataset \(expected imagefolder .*/etc/"
+              r"\{mnist,MNIST\}/\{train,val,test\}/<class>/<image>; torchvision")]
+    write_unrelated_files(tmp_path / "etc")
+    for key, value, message in cases:
+        bad = parse_params({"local_clip": [{**track, key: value}]})
+        with pytest.raises(ParameterError, match="^params.yaml: " + message) as info:
+            local_llm.record_inputs(bad, tmp_path)
+        assert "\n" not in str(info.value) and local_llm.inputs_path(tmp_path).read_text() == written
+
+
+def test_a_task_with_fewer_test_images_than_min_test_is_refused(lab):
+    """20 test images per task, min_test 50 (the default): each task's one-line error names the track, the task,
+    the count and the minimum; no score is recorded (the leaderboard has no row for it)."""
+    root, _ = lab
+    track = _hf_track("small")
+    del track["min_test"]
+    report = local_clip.references(parse_params({"local_clip": [track]}).local_clip[0], root)
+    assert set(report["tasks"]) == set(TASKS) and "error" not in report
+    for task, entry in report["tasks"].items():
+        assert entry == {"error": f"ParameterError: local_clip track 'small': task {task} has 20 test images, fewer "
+                                  "than min_test 50 (a score on so few is mostly noise; lower min_test to accept it)"}
 
 
 # ---------------------------------------------------------------------------------------------- the flow

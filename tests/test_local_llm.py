@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
-from local_models import CreatesAFile
-from mergecal.errors import CheckpointError, ParameterError
+from local_models import CreatesAFile, write_unrelated_files
+from mergecal.errors import CheckpointError, MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
 from mergecal.pipeline import local_llm
 from mergecal.pipeline.config import load_params, parse_params
@@ -26,7 +26,8 @@ EVALUATION = {"max_validation": 4, "batch_size": 8}
 
 
 def _track(name, experts, **extra):
-    return {"name": name, "base": "ckpt/base", "experts": experts, "data": DATA, "evaluation": EVALUATION, **extra}
+    return {"name": name, "base": "ckpt/base", "experts": experts, "data": DATA, "evaluation": EVALUATION,
+            "min_test": DATA["n_test"], **extra}
 
 
 # ------------------------------------------------------------------------------------------------ params
@@ -42,6 +43,12 @@ def _track(name, experts, **extra):
       "tasks": {"a": {"metric": "acc"}}}, r"local_llm.0.tasks.b: missing: give the metric"),
     (_track("lab", {"maximum": "m", "sentiment": "s"}, tasks={"maximum": {"metric": "acc"}}),
      r"local_llm.0.tasks: only with task_dir"),
+    (_track("lab", {"maximum": "m", "sentiment": "s"}, trust_task_code=True),
+     r"local_llm.0.trust_task_code: only with task_dir \(the suite's YAMLs hold no code; registry tasks run "
+     r"lm-eval's own\)"),
+    (_track("lab", {"maximum": "m", "sentiment": "s"}, min_test=50),
+     r"local_llm.0.data.n_test: 4 test documents per task, fewer than min_test 50"),
+    (_track("lab", {"maximum": "m", "sentiment": "s"}, min_test=0), r"local_llm.0.min_test: "),
 ])
 def test_local_llm_params_errors_are_one_clear_line(track, message):
     with pytest.raises(ParameterError, match=message) as info:
@@ -162,6 +169,70 @@ def test_model_directory_checks_are_one_line_and_never_unpickle(checkpoints):
         local_llm.check_expert(ckpt / "base", ckpt / "sent-pickle", allow_unsafe_pickle=True)
     local_llm.check_expert(ckpt / "base", ckpt / "sent")
     assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- what local_inputs reads and records
+
+def test_local_inputs_record_only_the_files_the_loaders_read_and_refuse_a_path_holding_none(checkpoints, tmp_path,
+                                                                                              capsys):
+    """A model directory beside unrelated files (a `shadow`, notes): inputs.json names and hashes the model's
+    config, tokenizer and weights, none of the others; a directory, or a link to one, that holds no model file
+    is refused by the stage with one line naming its key and the path, and inputs.json is left as it was."""
+    from stages import local_inputs
+
+    root, _ = checkpoints
+    lab = tmp_path / "lab"
+    shutil.copytree(root / "ckpt" / "base", lab / "base")
+    unrelated = write_unrelated_files(lab / "base")
+    experts = {"maximum": str(root / "ckpt" / "max"), "sentiment": str(root / "ckpt" / "sent")}
+    params = parse_params({"local_llm": [_track("lab", experts, base=str(lab / "base"))]})
+    files = local_llm.record_inputs(params, lab)["lab"]["files"]
+    written = local_llm.inputs_path(lab).read_text()
+    base = {name.removeprefix("base/") for name in files if name.startswith("base/")}
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= base and not set(unrelated) & base, base
+    shadow_digest = cells_mod.file_digest(lab / "base" / "shadow")
+    assert not [name for name in unrelated if name in written] and shadow_digest not in written
+    assert "expert.sentiment/model.safetensors.index.json" in files  # a sharded expert: its index and shards
+
+    write_unrelated_files(lab / "etc")
+    (lab / "link").symlink_to(lab / "etc", target_is_directory=True)
+    for bad in ("etc", "link"):
+        (lab / "params-bad.yaml").write_text(yaml.safe_dump(
+            {"local_llm": [_track("lab", experts, base=str(lab / bad))]}))
+        assert local_inputs.run(local_inputs.stage, ["--root", str(lab), "--params", "params-bad.yaml"]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: params.yaml: local_llm.0.base: {lab / bad} holds no model files (expected "
+                       "config.json, tokenizer files and *.safetensors or pytorch_model*.bin); nothing of it is "
+                       "read\n"), err
+        assert local_llm.inputs_path(lab).read_text() == written
+
+
+def test_a_task_directory_records_the_yamls_of_its_tasks_alone_and_one_defining_none_is_refused(tmp_path):
+    """task_dir: the YAMLs defining the track's tasks (and the data they name) are recorded, not another YAML
+    or file of the folder; a folder whose YAMLs define none of the tasks is refused with one line."""
+    from mergecal.data.llm import LlmSuiteConfig, build_llm_suite
+    from mergecal.evaluation.lm_eval_tasks import write_task_yamls
+
+    build_llm_suite(tmp_path / "data", LlmSuiteConfig(**DATA), tasks=("maximum", "sentiment"))
+    yamls = tmp_path / "yamls"
+    write_task_yamls(tmp_path / "data", yamls, ("maximum", "sentiment"), splits=("validation", "test"))
+    write_unrelated_files(yamls)
+    (yamls / "other.yaml").write_text(yaml.safe_dump({"task": "other", "dataset_path": "json"}))
+    track = {"name": "lab-yaml", "base": "ckpt/base", "experts": {"maximum": "ckpt/max", "sentiment": "ckpt/sent"},
+             "task_dir": str(yamls), "tasks": {"maximum": {"metric": "exact_match"}, "sentiment": {"metric": "acc"}}}
+    config = parse_params({"local_llm": [track]}).local_llm[0]
+    files = local_llm.task_files(config, tmp_path)
+    assert {n for n in files if n.startswith("task_dir/")} == {f"task_dir/{t}{s}.yaml" for t in ("maximum", "sentiment")
+                                                               for s in ("", "_validation")}
+    assert len([n for n in files if n.startswith("data/")]) == 4
+    write_unrelated_files(tmp_path / "etc")
+    (tmp_path / "etc" / "netplan.yaml").write_text(yaml.safe_dump({"network": {"version": 2}}))
+    elsewhere = parse_params({"local_llm": [{**track, "task_dir": str(tmp_path / "etc")}]})
+    with pytest.raises(ParameterError, match=r"^params.yaml: local_llm.0.task_dir: .*/etc defines none of the track's "
+                                             r"lm-eval tasks \(expected \*.yaml files with task: maximum, "
+                                             r"maximum_validation, sentiment, sentiment_validation\)") as info:
+        local_llm.record_inputs(elsewhere, tmp_path)
+    assert "\n" not in str(info.value) and not local_llm.inputs_path(tmp_path).exists()
 
 
 # ---------------------------------------------------------------------------------------------- the flow
@@ -319,6 +390,101 @@ def test_a_users_task_directory_is_scored_with_its_metrics_and_hashed_with_its_d
     with pytest.raises(MergecalError, match=r"lm-eval task 'sentiment' reports acc.*, not 'f1' \(the metric "
                                             r"configured for task 'sentiment'\)"):
         local_llm.scorer(wrong, root).score(root / "ckpt" / "base", ["sentiment"], "test")
+
+
+def _task_dir_with_code(tmp_path: Path) -> tuple[Path, Path]:
+    """The suite's YAMLs of maximum and sentiment as a user's task_dir, maximum's documents processed by a
+    ``!function`` of the folder's utils.py, which creates a marker file when it is imported; (task_dir, marker)."""
+    from mergecal.data.llm import LlmSuiteConfig, build_llm_suite
+    from mergecal.evaluation.lm_eval_tasks import write_task_yamls
+
+    build_llm_suite(tmp_path / "data", LlmSuiteConfig(**DATA), tasks=("maximum", "sentiment"))
+    yamls = tmp_path / "yamls"
+    write_task_yamls(tmp_path / "data", yamls, ("maximum", "sentiment"), splits=("validation", "test"))
+    with (yamls / "maximum.yaml").open("a") as f:
+        f.write("process_docs: !function utils.process_docs\n")
+    marker = tmp_path / "IMPORTED"
+    (yamls / "utils.py").write_text(f"open({str(marker)!r}, 'w').close()\n\n\ndef process_docs(dataset):\n"
+                                    "    return dataset\n")
+    return yamls, marker
+
+
+def _yaml_track(task_dir: Path, **extra) -> dict:
+    return {"name": "lab-yaml", "base": "ckpt/base", "experts": {"maximum": "ckpt/max", "sentiment": "ckpt/sent"},
+            "task_dir": str(task_dir), "evaluation": EVALUATION, "min_test": DATA["n_test"],
+            "tasks": {"maximum": {"metric": "exact_match"}, "sentiment": {"metric": "acc"}}, **extra}
+
+
+def test_task_code_is_refused_before_it_is_imported_unless_the_track_trusts_it(checkpoints, tmp_path):
+    """A task YAML with `process_docs: !function utils.process_docs`: without trust_task_code the track is
+    refused with one line naming the YAML and the function, and utils.py is never imported (its marker is not
+    created), neither by scoring nor by local_inputs (which records utils.py with the YAMLs); with it, lm-eval
+    imports and runs it as for any lm-eval task folder."""
+    from lm_eval.tasks import TaskManager
+
+    root, _ = checkpoints
+    yamls, marker = _task_dir_with_code(tmp_path)
+    params = parse_params({"local_llm": [_yaml_track(yamls)]})
+    message = (r"maximum.yaml: process_docs: !function utils.process_docs would import and run Python code of the "
+               r"task folder; local_llm track 'lab-yaml' runs it only with trust_task_code: true")
+    with pytest.raises(MergecalError, match=message) as info:
+        local_llm.scorer(params.local_llm[0], root)
+    assert "\n" not in str(info.value) and not marker.exists()
+    report = local_llm.references(params.local_llm[0], root)
+    assert "trust_task_code" in report["error"] and "base" not in report and not marker.exists()
+    recorded = local_llm.record_inputs(params, tmp_path)["lab-yaml"]["files"]
+    assert "task_dir/utils.py" in recorded and not marker.exists()
+
+    trusted = parse_params({"local_llm": [_yaml_track(yamls, trust_task_code=True)]}).local_llm[0]
+    score = local_llm.scorer(trusted, root)
+    TaskManager(include_path=str(score.task_dir), include_defaults=False).load(["maximum"])
+    assert marker.exists()
+
+
+def test_task_code_of_an_included_yaml_is_found_without_importing_it(tmp_path):
+    """`!function` entries are found through `include:` (as lm-eval merges it), in the YAML that holds them,
+    with the Python file they name, by a safe YAML read: nothing is imported."""
+    from mergecal.evaluation.lm_eval_tasks import task_sources
+
+    (tmp_path / "common.yaml").write_text("doc_to_text: !function helpers.prompt\ndataset_path: json\n")
+    (tmp_path / "helpers.py").write_text(f"open({str(tmp_path / 'IMPORTED')!r}, 'w').close()\n")
+    (tmp_path / "README.txt").write_text("- notes, not a task\n")  # no YAML mapping: lm-eval refuses it too
+    (tmp_path / "mine.yaml").write_text("include: [common.yaml, README.txt]\ntask: mine\n")
+    found = task_sources(tmp_path, ["mine"])
+    assert found.defined == ["mine"] and found.yamls == [tmp_path / "mine.yaml", tmp_path / "common.yaml"]
+    assert found.functions == [(tmp_path / "common.yaml", "doc_to_text", "helpers.prompt")]
+    assert found.modules == [tmp_path / "helpers.py"] and not (tmp_path / "IMPORTED").exists()
+
+
+def test_a_task_yaml_a_safe_loader_cannot_read_is_refused_without_trust(tmp_path):
+    """What a YAML that does not parse safely would run cannot be checked: refused in one line naming it."""
+    (tmp_path / "maximum.yaml").write_text("task: maximum\nextra: !!python/tuple [1, 2]\n")
+    track = parse_params({"local_llm": [_yaml_track(tmp_path)]}).local_llm[0]
+    with pytest.raises(MergecalError, match=r"maximum.yaml: not readable as a safe YAML \(.*python/tuple.*\), so "
+                                            r"whether it would run Python code cannot be checked; fix it, or: "
+                                            r"local_llm track 'lab-yaml' runs it only with trust_task_code: true"
+                       ) as info:
+        local_llm.check_task_code(track, tmp_path)
+    assert "\n" not in str(info.value)
+    local_llm.check_task_code(parse_params({"local_llm": [_yaml_track(tmp_path, trust_task_code=True)]}
+                                           ).local_llm[0], tmp_path)
+
+
+def test_a_task_with_fewer_test_documents_than_min_test_is_refused(checkpoints, tmp_path):
+    """The suite's 4 test documents per task are scored, then refused below min_test (default 50): the
+    track's one-line error names the track, the task, the count and the minimum; no expert is scored."""
+    from mergecal.data.llm import LlmSuiteConfig, build_llm_suite
+    from mergecal.evaluation.lm_eval_tasks import write_task_yamls
+
+    root, _ = checkpoints
+    build_llm_suite(tmp_path / "data", LlmSuiteConfig(**DATA), tasks=("maximum", "sentiment"))
+    write_task_yamls(tmp_path / "data", tmp_path / "yamls", ("maximum", "sentiment"), splits=("validation", "test"))
+    track = _yaml_track(tmp_path / "yamls")
+    del track["min_test"]
+    report = local_llm.references(parse_params({"local_llm": [track]}).local_llm[0], root)
+    assert report["error"] == ("ParameterError: local_llm track 'lab-yaml': task maximum has 4 test documents, fewer "
+                               "than min_test 50 (a score on so few is mostly noise; lower min_test to accept it)")
+    assert report["tasks"] == {} and "base" not in report
 
 
 def test_the_readme_example_of_local_tracks_is_valid_params():

@@ -379,3 +379,48 @@ def test_unknown_names_and_bad_arguments(tmp_path):
     (folder / "b.png").write_bytes(b"not a png")
     with pytest.raises(DatasetError, match=r"cannot read image .*b\.png"):
         load_real_split(tmp_path, "DTD", "train").images([1], 4)
+
+
+# ------------------------------------------------------------------------------- the files a dataset is read from
+
+
+def test_dataset_files_are_what_the_split_readers_read_and_no_other_file(tmp_path):
+    """What an own-model track hashes of a dataset (``dataset_files``): the files each split's reader reads (a
+    .mat per split; list files and the images they name; a save_to_disk directory's JSON and arrow files), and
+    no other file of the data location, though SVHN's location is the data root itself."""
+    import datasets
+
+    def unrelated(directory):
+        (directory / "shadow").write_text("root:x:0:0\n")
+        (directory / "notes.txt").write_text("notes\n")
+
+    svhn = tmp_path / "svhn-at-root"
+    svhn.mkdir()
+    x = np.random.default_rng(1).integers(0, 256, (32, 32, 3, 2), dtype=np.uint8)
+    for split in ("train", "test"):
+        scipy.io.savemat(svhn / f"{split}_32x32.mat", {"X": x, "y": np.array([[1], [2]], np.uint8)})
+    unrelated(svhn)
+    assert rv.dataset_files(svhn, "SVHN") == [svhn / "train_32x32.mat", svhn / "test_32x32.mat"]
+
+    data = tmp_path / "tv" / "dtd" / "dtd"
+    for k, name in enumerate(("banded/a.png", "banded/b.png", "zigzagged/c.png", "zigzagged/unlisted.png")):
+        save(data / "images" / name, pixels(k))
+    (data / "labels").mkdir()
+    for split, entry in (("train", "banded/a.png"), ("val", "banded/b.png"), ("test", "zigzagged/c.png")):
+        (data / "labels" / f"{split}1.txt").write_text(entry + "\n")
+    unrelated(data)
+    unrelated(data / "images")
+    assert [p.relative_to(data).as_posix() for p in rv.dataset_files(tmp_path / "tv", "DTD")] == [
+        "labels/train1.txt", "images/banded/a.png", "labels/val1.txt", "images/banded/b.png", "labels/test1.txt",
+        "images/zigzagged/c.png"]
+
+    names = [CLASSNAMES["Cars"][5], CLASSNAMES["Cars"][0]]
+    ims = [pixels(i) for i in range(3)]
+    dd = datasets.DatasetDict(train=hf_dataset(ims[:2], [0, 1], names), test=hf_dataset(ims[2:], [1], names))
+    dd.save_to_disk(str(tmp_path / "hf" / "stanford_cars"))
+    unrelated(tmp_path / "hf" / "stanford_cars")
+    unrelated(tmp_path / "hf" / "stanford_cars" / "train")
+    files = {p.resolve().relative_to((tmp_path / "hf" / "stanford_cars").resolve()).as_posix()
+             for p in rv.dataset_files(tmp_path / "hf", "Cars")}
+    assert files == {"dataset_dict.json", *(f"{s}/{n}" for s in ("train", "test") for n in (
+        "dataset_info.json", "state.json", "data-00000-of-00001.arrow"))}

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import (INDEX_SUFFIX, SafetensorsSource, ShardedCheckpointWriter, load_state_dict, read_index,
-                          shard_file)
+                          safetensors_files, shard_file)
 from ..device import resolve_device
 from ..errors import CheckpointError, ParameterError
 from .loading import load_weights_file
@@ -48,12 +48,38 @@ def weight_format(model_dir: str | os.PathLike) -> str:
                               "give a local directory with config.json and *.safetensors)")
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: not a Hugging Face model directory (no config.json)")
+    found = stored_format(path)
+    if found is not None:
+        return found
+    raise CheckpointError(f"{path}: no weights found (expected model.safetensors, model.safetensors.index.json "
+                          "or, with allow_unsafe_pickle=True, pytorch_model.bin)")
+
+
+def stored_format(path: Path) -> str | None:
+    """``"safetensors"``, ``"pickle"`` or None: how a directory stores its weights, from file names alone."""
     if any(path.glob("*.safetensors")) or any(path.glob(f"*.safetensors{INDEX_SUFFIX}")):
         return "safetensors"
     if any((path / name).exists() for name in PICKLE_WEIGHTS) or any(path.glob("pytorch_model-*.bin")):
         return "pickle"
-    raise CheckpointError(f"{path}: no weights found (expected model.safetensors, model.safetensors.index.json "
-                          "or, with allow_unsafe_pickle=True, pytorch_model.bin)")
+    return None
+
+
+def model_dir_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The files a model directory is loaded from (``load_causal_lm``, ``load_tokenizer``, the streaming merge):
+    the ``AUX_FILES`` it holds and its weights, the safetensors ``SafetensorsSource`` reads or else the pickled
+    files ``_pickle_state_dict`` reads (with their index). Empty when it holds none of them (nothing else of the
+    directory is ever listed); a CheckpointError when its weights cannot be resolved (a shard missing, ...)."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        return []
+    files = [path / name for name in AUX_FILES if (path / name).is_file()]
+    found = stored_format(path)
+    if found == "safetensors":
+        files += safetensors_files(path)
+    elif found == "pickle":
+        index = path / "pytorch_model.bin.index.json"
+        files += ([index] if index.exists() else []) + pickle_weight_files(path)
+    return files
 
 
 def _refuse_pickle(path: Path) -> CheckpointError:
@@ -63,7 +89,9 @@ def _refuse_pickle(path: Path) -> CheckpointError:
         "torch.load(weights_only=True), which accepts tensors only) or convert it to safetensors")
 
 
-def _pickle_state_dict(path: Path, allow_unsafe_pickle: bool) -> dict[str, torch.Tensor]:
+def pickle_weight_files(path: Path) -> list[Path]:
+    """The pickled weight files of a directory: those its ``pytorch_model.bin.index.json`` lists, else
+    ``pytorch_model.bin``, else every ``pytorch_model-*.bin``."""
     index = path / "pytorch_model.bin.index.json"
     if index.exists():
         try:
@@ -78,8 +106,12 @@ def _pickle_state_dict(path: Path, allow_unsafe_pickle: bool) -> dict[str, torch
         files = [path / "pytorch_model.bin"]
     else:
         files = sorted(path.glob("pytorch_model-*.bin"))
+    return files
+
+
+def _pickle_state_dict(path: Path, allow_unsafe_pickle: bool) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in pickle_weight_files(path):
         state.update(load_weights_file(file, allow_unsafe_pickle=allow_unsafe_pickle))
     return state
 

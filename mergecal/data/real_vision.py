@@ -185,22 +185,27 @@ def _to_pil(value, base: Path, task: str) -> Image.Image:
 
 @dataclass(frozen=True)
 class _Source:
-    """One split as stored: standard labels per row and a loader of row i's image."""
+    """One split as stored: standard labels per row, a loader of row i's image and the files it reads (label
+    files and images: what ``dataset_files`` hashes)."""
 
     labels: np.ndarray
     load: Callable[[int], Image.Image]
     location: str
+    files: tuple[Path, ...] = ()
 
     def subset(self, rows: np.ndarray) -> _Source:
         rows = np.asarray(rows, dtype=np.int64)
-        return _Source(self.labels[rows], lambda i: self.load(int(rows[i])), self.location)
+        return _Source(self.labels[rows], lambda i: self.load(int(rows[i])), self.location, self.files)
 
 
-def _file_source(task: str, files: Sequence[Path], labels: Sequence[int], location: Path | str) -> _Source:
+def _file_source(task: str, files: Sequence[Path], labels: Sequence[int], location: Path | str,
+                 read: Sequence[Path] = ()) -> _Source:
+    """Images read from ``files``, after the label files ``read`` (a list or annotation file)."""
     if len(files) == 0:
         raise DatasetError(f"{task}: no images found in {location}")
     files = list(files)
-    return _Source(np.asarray(labels, dtype=np.int64), lambda i: _open_image(files[i], task), str(location))
+    return _Source(np.asarray(labels, dtype=np.int64), lambda i: _open_image(files[i], task), str(location),
+                   (*read, *files))
 
 
 @dataclass(frozen=True)
@@ -329,18 +334,19 @@ def _tv_mnist(root: Path, task: str, split: str) -> _Source | None:
         return None
     raw = root / "MNIST" / "raw"
     prefix = "train" if split == "train" else "t10k"
-    arrays = []
+    arrays, paths = [], []
     for kind in ("images-idx3", "labels-idx1"):
         name = f"{prefix}-{kind}-ubyte"
         path = _first_existing(raw / name, raw / f"{name}.gz")
         if path is None:
             raise DatasetError(f"{task}: {raw / name} (or .gz) is missing (torchvision MNIST layout)")
         arrays.append(_read_idx(path, task))
+        paths.append(path)
     images, labels = arrays
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise DatasetError(f"{task}: {raw} holds images {images.shape} and labels {labels.shape}, expected "
                            "[N, H, W] and [N]")
-    return _Source(labels.astype(np.int64), lambda i: Image.fromarray(np.asarray(images[i])), str(raw))
+    return _Source(labels.astype(np.int64), lambda i: Image.fromarray(np.asarray(images[i])), str(raw), tuple(paths))
 
 
 def _svhn_dir(root: Path) -> Path | None:
@@ -370,7 +376,7 @@ def _tv_svhn(root: Path, task: str, split: str) -> _Source | None:
     if images.ndim != 4 or images.shape[2] != 3 or images.shape[3] != len(labels):
         raise DatasetError(f"{task}: {path} holds X {images.shape} and y of length {len(labels)}, expected "
                            "[H, W, 3, N] and N")
-    return _Source(labels, lambda i: Image.fromarray(np.ascontiguousarray(images[:, :, :, i])), str(path))
+    return _Source(labels, lambda i: Image.fromarray(np.ascontiguousarray(images[:, :, :, i])), str(path), (path,))
 
 
 def _eurosat_dir(root: Path) -> Path | None:
@@ -428,7 +434,7 @@ def _tv_gtsrb(root: Path, task: str, split: str) -> _Source | None:
     labels = [int(r["ClassId"]) for r in rows]
     if any(not 0 <= lab < len(CLASSNAMES[task]) for lab in labels):
         raise DatasetError(f"{task}: {csv_path} has a ClassId outside [0, {len(CLASSNAMES[task])})")
-    return _file_source(task, [images / r["Filename"] for r in rows], labels, csv_path)
+    return _file_source(task, [images / r["Filename"] for r in rows], labels, csv_path, [csv_path])
 
 
 def _dtd_dir(root: Path) -> Path | None:
@@ -443,7 +449,7 @@ def _tv_dtd(root: Path, task: str, split: str) -> _Source:
         raise DatasetError(f"{task}: {list_file} is missing (torchvision DTD layout, partition 1)")
     entries = [line.strip() for line in list_file.read_text().splitlines() if line.strip()]
     labels = [resolve_label(task, e.split("/")[0], str(list_file)) for e in entries]
-    return _file_source(task, [data / "images" / e for e in entries], labels, list_file)
+    return _file_source(task, [data / "images" / e for e in entries], labels, list_file, [list_file])
 
 
 def _load_mat(path: Path, task: str) -> dict:
@@ -474,6 +480,7 @@ def _tv_cars(root: Path, task: str, split: str) -> _Source | None:
         raise DatasetError(f"{task}: {annotations} lacks an 'annotations' struct with fields fname and class")
     classes = [int(r["class"]) - 1 for r in records]  # 1-based in the .mat files
     meta = devkit / "cars_meta.mat"
+    read = [annotations, *([meta] if meta.is_file() else [])]
     if meta.is_file():  # map the file's class order onto the standard one by name
         names = [str(n) for n in np.atleast_1d(_load_mat(meta, task).get("class_names", np.empty(0)))]
         if any(not 0 <= c < len(names) for c in classes):
@@ -482,7 +489,7 @@ def _tv_cars(root: Path, task: str, split: str) -> _Source | None:
         classes = [order[c] for c in classes]
     elif any(not 0 <= c < len(CLASSNAMES[task]) for c in classes):
         raise DatasetError(f"{task}: {annotations} has a class outside [1, {len(CLASSNAMES[task])}]")
-    return _file_source(task, [images / str(r["fname"]) for r in records], classes, annotations)
+    return _file_source(task, [images / str(r["fname"]) for r in records], classes, annotations, read)
 
 
 def _sun397_dir(root: Path) -> Path | None:
@@ -499,7 +506,7 @@ def _tv_sun397(root: Path, task: str, split: str) -> _Source | None:
         raise DatasetError(f"{task}: {list_file} is missing (SUN397 layout with Partitions.zip, partition 1)")
     entries = [line.strip().lstrip("/") for line in list_file.read_text().splitlines() if line.strip()]
     labels = [resolve_label(task, "/".join(e.split("/")[:-1]), str(list_file)) for e in entries]
-    return _file_source(task, [data / e for e in entries], labels, list_file)
+    return _file_source(task, [data / e for e in entries], labels, list_file, [list_file])
 
 
 def _tv_resisc45(root: Path, task: str, split: str) -> _Source:
@@ -517,7 +524,7 @@ def _tv_resisc45(root: Path, task: str, split: str) -> _Source:
         if found:
             files += found
             labels += [resolve_label(task, class_dir.name, str(class_dir))] * len(found)
-    return _file_source(task, files, labels, list_file)
+    return _file_source(task, files, labels, list_file, [list_file])
 
 
 # task -> (where the layout lives, reader, expected layout for messages)
@@ -636,7 +643,10 @@ def _hf_disk(location: Path, task: str, split: str) -> _Source | None:
     ds = ds.select_columns([image, label])
     names = getattr(ds.features[label], "names", None)
     labels = _hf_labels(task, np.asarray(ds.with_format("numpy")[label]), names, where)
-    return _Source(labels, lambda i: _to_pil(ds[int(i)][image], location / key, task), where)
+    read = [location / "dataset_dict.json", *(location / key / name for name in ("dataset_info.json", "state.json")
+                                               if (location / key / name).is_file()),
+            *(Path(f["filename"]) for f in ds.cache_files)]
+    return _Source(labels, lambda i: _to_pil(ds[int(i)][image], location / key, task), where, tuple(read))
 
 
 def _hf_parquet(location: Path, task: str, split: str) -> _Source | None:
@@ -675,7 +685,7 @@ def _hf_parquet(location: Path, task: str, split: str) -> _Source | None:
             cache.update(group=g, rows=handle.read_row_group(group, columns=[image]).column(0).to_pylist())
         return _to_pil(cache["rows"][i - starts[g]], location, task)
 
-    return _Source(labels, load, where)
+    return _Source(labels, load, where, tuple(files))
 
 
 def _hf_read(location: Path, task: str, split: str, root: Path) -> _Source | None:
@@ -695,6 +705,12 @@ _LAYOUT_FUNCS = {
 }
 
 
+def expected_layouts(root: str | os.PathLike, name: str, layout: str = "auto") -> str:
+    """Where each layout tried would find the task under ``root`` (for messages)."""
+    task, root = canonical_task(name), Path(root).expanduser()
+    return "; ".join(_LAYOUT_FUNCS[lay][1](root, task) for lay in (LAYOUTS if layout == "auto" else (layout,)))
+
+
 def find_layout(root: str | os.PathLike, name: str, layout: str = "auto") -> tuple[str, Path]:
     """(layout, location) of a task under ``root``; a DatasetError naming the paths tried when absent."""
     task = canonical_task(name)
@@ -702,7 +718,7 @@ def find_layout(root: str | os.PathLike, name: str, layout: str = "auto") -> tup
         raise UnknownNameError(f"unknown dataset layout {layout!r}; expected auto, {', '.join(LAYOUTS)}")
     root = Path(root).expanduser()
     tried = LAYOUTS if layout == "auto" else (layout,)
-    expected = "; ".join(_LAYOUT_FUNCS[lay][1](root, task) for lay in tried)
+    expected = expected_layouts(root, task, layout)
     if not root.is_dir():
         raise DatasetError(f"{task}: data root {root} does not exist or is not a directory (expected {expected})")
     for lay in tried:
@@ -710,6 +726,23 @@ def find_layout(root: str | os.PathLike, name: str, layout: str = "auto") -> tup
         if location is not None:
             return lay, location
     raise DatasetError(f"{task}: no {task} data under {root} (expected {expected})")
+
+
+def dataset_files(root: str | os.PathLike, name: str, layout: str = "auto") -> list[Path]:
+    """The files a task's splits are read from, as each split's reader names them (label and list files,
+    images, shards; a validation split taken from train reads train's): no other file under ``root``. A split
+    that cannot be read adds nothing (reading it names what is wrong); no layout found is a DatasetError."""
+    task = canonical_task(name)
+    found, location = find_layout(root, task, layout)
+    read = _LAYOUT_FUNCS[found][2]
+    files: dict[Path, None] = {}
+    for split in SPLITS:
+        try:
+            source = read(location, task, split, Path(root).expanduser())
+        except MergecalError:
+            continue
+        files.update(dict.fromkeys(source.files if source is not None else ()))
+    return list(files)
 
 
 def load_real_split(root: str | os.PathLike, name: str, split: str, *, layout: str = "auto",

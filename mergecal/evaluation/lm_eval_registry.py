@@ -15,6 +15,11 @@ task ``lm_eval --tasks <task>`` scores (a ``test_split`` set where lm-eval's has
 examples lm-eval leaves out). Scoring therefore indexes only that directory (``evaluate_lm``), not the
 registry. Indexing lm-eval's registry, to look the tasks up, parses thousands of YAMLs (about 30 s on a busy
 2-core machine): it is done once per process (``registry_index``).
+
+Task code. A registry YAML's ``!function`` entries (Python files shipped with lm-eval) run only for the tasks a
+track names: the index and ``task_config`` read YAMLs without resolving them (``resolve_func=False``), and
+scoring loads only the variants of the named tasks. So registry tracks need no ``trust_task_code`` (a
+``task_dir`` track's own YAMLs do: ``mergecal.pipeline.local_llm.check_task_code``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ with ``bootstrap_iters=0`` and a task manager that sees only these YAMLs. ``simp
 then, unconditionally, attaches an environment report (torch's ``collect_env`` runs pip and ten other
 subprocesses): about half of each call on the tiny LLM, for nothing the benchmark reads.
 
+A user's task YAMLs are read with a safe YAML loader that records lm-eval's ``!function`` tag without
+importing anything (``task_sources``): which YAMLs, Python files and data files a track's tasks load.
+
 Response caches: lm-eval keys cached answers by request, not by model, so merged models written to the same
 path would share stale answers. ``evaluate_lm`` therefore names each model's cache file by a sha256 of its
 config and weights.
@@ -18,8 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 from ..backbones.hf_causal_lm import weight_format, weights_digest
 from ..device import resolve_device
@@ -73,8 +79,6 @@ def task_config(task: str, data_file: str | os.PathLike, split: str = "test") ->
 def write_task_yamls(data_root: str | os.PathLike, task_dir: str | os.PathLike,
                      tasks: Sequence[str] = tuple(TASKS), splits: Sequence[str] = ("test",)) -> dict[str, Path]:
     """Write one YAML per (task, split) into ``task_dir``; returns {lm-eval task name: YAML path}."""
-    import yaml
-
     written = {}
     for task in tasks:
         for split in splits:
@@ -83,6 +87,136 @@ def write_task_yamls(data_root: str | os.PathLike, task_dir: str | os.PathLike,
             atomic_write_text(path, yaml.safe_dump(config, sort_keys=False))
             written[config["task"]] = path
     return written
+
+
+# --------------------------------------------------------------------------- a user's task YAMLs, read safely
+
+class TaskFunction(str):
+    """A ``!function`` entry of a task YAML: the name of the Python function lm-eval would import and run
+    (``utils.process_docs``: ``utils.py`` beside the YAML), read as text; nothing is imported."""
+
+
+# the YAML parser lm-eval's own loader builds on (_yaml_loader._Base), without its !function constructor
+class _SafeTaskLoader(yaml.CSafeLoader if getattr(yaml, "__with_libyaml__", False) else yaml.SafeLoader):
+    """A safe YAML loader that reads lm-eval's ``!function`` tag as a ``TaskFunction``."""
+
+
+_SafeTaskLoader.add_constructor("!function", lambda loader, node: TaskFunction(loader.construct_scalar(node)))
+
+IGNORED_DIRS = ("__pycache__", ".ipynb_checkpoints")  # lm-eval's TaskIndex skips YAMLs under these
+
+
+@dataclass
+class TaskYaml:
+    """A task YAML as lm-eval resolves it, read safely: its configuration (includes merged), the YAML and
+    those it includes, its ``!function`` entries as (YAML, dotted key, function), and the files that did not
+    parse (as (file, reason): what they would run cannot be checked)."""
+
+    config: dict = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+    functions: list[tuple[Path, str, str]] = field(default_factory=list)
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)
+
+
+@dataclass
+class TaskSources:
+    """What lm-eval reads to load some tasks of a YAML directory: the YAMLs that define them (a group's
+    member tasks too) and every YAML they include; their ``!function`` entries and the Python files those
+    name; the ``dataset_kwargs.data_files`` they name (as written); which of the asked names some YAML
+    defines; and the YAMLs of the directory (or included) that do not parse."""
+
+    yamls: list[Path] = field(default_factory=list)
+    functions: list[tuple[Path, str, str]] = field(default_factory=list)
+    modules: list[Path] = field(default_factory=list)
+    data_files: list[str] = field(default_factory=list)
+    defined: list[str] = field(default_factory=list)
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def _functions(value, key: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted key, function name) of every ``!function`` entry in a parsed YAML value."""
+    if isinstance(value, TaskFunction):
+        yield key, str(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _functions(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _functions(v, f"{key}.{i}")
+
+
+def read_task_yaml(path: Path, _seen: frozenset = frozenset()) -> TaskYaml:
+    """A task YAML as lm-eval's ``load_yaml`` resolves it (``include:`` relative to the YAML or absolute, its
+    own keys winning), read with a safe loader: nothing is imported. A file that cannot be read or is no
+    mapping (lm-eval refuses it too) gives no configuration and is not listed."""
+    path = path.expanduser()
+    try:
+        config = yaml.load(path.read_text(), Loader=_SafeTaskLoader)  # noqa: S506 - a safe loader
+    except OSError:
+        return TaskYaml()
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        return TaskYaml(unreadable=[(path, str(err).splitlines()[0] if str(err) else type(err).__name__)])
+    if not isinstance(config, dict) or path.resolve() in _seen:
+        return TaskYaml()
+    out = TaskYaml(files=[path], functions=[(path, key, name) for key, name in _functions(config)])
+    includes = config.pop("include", None)
+    for include in includes if isinstance(includes, list) else [includes] if includes else []:
+        if isinstance(include, str):
+            target = Path(include) if Path(include).is_absolute() else path.parent / include
+            included = read_task_yaml(target, _seen | {path.resolve()})
+            included.config.pop("task_list", None)
+            out.config.update(included.config)
+            out.files += included.files
+            out.functions += included.functions
+            out.unreadable += included.unreadable
+    out.config.update(config)
+    return out
+
+
+def _data_files(config: dict) -> list[str]:
+    """The local files a task configuration names in ``dataset_kwargs.data_files`` (a name, list or mapping)."""
+    kwargs = config.get("dataset_kwargs")
+    data = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+    named = data.values() if isinstance(data, dict) else [data] if isinstance(data, str) else data or []
+    return [one for item in named for one in ([item] if isinstance(item, str) else item if isinstance(item, list)
+                                              else []) if isinstance(one, str)]
+
+
+def task_sources(task_dir: str | os.PathLike, names: Sequence[str]) -> TaskSources:
+    """The ``TaskSources`` of lm-eval tasks ``names`` in ``task_dir``, found as lm-eval's index finds them
+    (every ``**/*.yaml``, by its ``group`` or else ``task`` name), read safely (``read_task_yaml``)."""
+    task_dir = Path(task_dir)
+    out, index = TaskSources(), {}
+    for path in sorted(task_dir.glob("**/*.yaml")) if task_dir.is_dir() else []:
+        if any(part in IGNORED_DIRS for part in path.relative_to(task_dir).parts):
+            continue
+        parsed = read_task_yaml(path)
+        out.unreadable += [u for u in parsed.unreadable if u[0] == path]  # its includes: when a task loads it
+        name = parsed.config.get("group") or parsed.config.get("task")
+        if isinstance(name, str):
+            index.setdefault(name, []).append(parsed)
+    wanted, seen = list(names), set()
+    while wanted:
+        name = wanted.pop(0)
+        if name in seen or name not in index:
+            continue
+        seen.add(name)
+        out.defined.append(name)
+        for parsed in index[name]:
+            out.yamls += [f for f in parsed.files if f not in out.yamls]
+            out.functions += parsed.functions
+            out.unreadable += [u for u in parsed.unreadable if u not in out.unreadable]
+            out.data_files += [f for f in _data_files(parsed.config) if f not in out.data_files]
+            members = parsed.config.get("task") if "group" in parsed.config else None
+            for member in members if isinstance(members, list) else []:
+                member = member.get("task") if isinstance(member, dict) else member
+                if isinstance(member, str):
+                    wanted.append(member)
+    for yaml_path, _, function in out.functions:  # lm-eval's _import_func_in_yml: <module>.py beside the YAML
+        module = yaml_path.parent / f"{function.rpartition('.')[0].replace('.', '/')}.py"
+        if module.is_file() and module not in out.modules:
+            out.modules.append(module)
+    return out
 
 
 def _metrics(raw: dict) -> dict[str, float]:

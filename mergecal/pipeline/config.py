@@ -255,6 +255,12 @@ def _library_default_llm_tasks() -> tuple[str, ...]:
     return tuple(TASKS)
 
 
+# Fewest test examples (images, documents) per task an own-model track is scored on (`min_test`): at 50 an
+# accuracy near 0.5 has a binomial standard error of sqrt(0.25 / 50) = 0.07 (a 95% interval of +-14 points);
+# below it a score says little (one image scores 0 or 1).
+MIN_TEST_EXAMPLES = 50
+
+
 class LocalLmTask(Strict):
     """A task of a user's lm-eval YAML directory: the metric the leaderboard reads (as lm-eval names it, e.g.
     ``acc`` or ``exact_match``) and the lm-eval task scoring the validation split (the scaling is chosen on
@@ -275,7 +281,9 @@ class LocalLlmTrack(Strict):
     are relative to the repository root. Nothing is downloaded and nothing is copied: the stages record each
     file's size and sha256. Pickled weights (pytorch_model*.bin) are never unpickled: without
     ``allow_unsafe_pickle`` such an expert is refused; with it, the error names the file and how to convert it
-    to safetensors."""
+    to safetensors. A task YAML with ``!function`` entries (lm-eval imports and runs the Python file beside it)
+    is refused unless ``trust_task_code`` (as ``trust_remote_code``: for a folder you trust). A task with fewer
+    than ``min_test`` test documents is refused (``MIN_TEST_EXAMPLES``)."""
 
     enabled: bool = True
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the backbone label of the leaderboard
@@ -288,6 +296,8 @@ class LocalLlmTrack(Strict):
     data: dict[str, Any] = Field(default_factory=dict)  # without task_dir: mergecal.data.llm.LlmSuiteConfig
     evaluation: LlmEvaluation = Field(default_factory=LlmEvaluation)
     allow_unsafe_pickle: bool = False
+    trust_task_code: bool = False  # task_dir only: let lm-eval run the `!function` code of the task YAMLs
+    min_test: Count = MIN_TEST_EXAMPLES
 
     @field_validator("experts")
     @classmethod
@@ -309,6 +319,9 @@ class LocalLlmTrack(Strict):
             raise ConfigValueError("task_dir", "missing: task_source: task_dir names a directory of lm-eval YAMLs")
         if self.task_source == "suite" and self.task_dir is not None:
             raise ConfigValueError("task_dir", "not with task_source: suite (the suite's own YAMLs)")
+        if self.trust_task_code and self.source != "task_dir":
+            raise ConfigValueError("trust_task_code", "only with task_dir (the suite's YAMLs hold no code; registry "
+                                                      "tasks run lm-eval's own)")
         if self.source == "registry":
             return self._check_registry()
         if self.task_dir is None:
@@ -319,6 +332,10 @@ class LocalLlmTrack(Strict):
             if self.tasks:
                 raise ConfigValueError("tasks", "only with task_dir (the suite's tasks have their own metric)")
             self.data = _check_dataclass(LlmSuiteConfig, self.data, "data")
+            n_test = LlmSuiteConfig(**self.data).n_test
+            if n_test < self.min_test:
+                raise ConfigValueError("data.n_test", f"{n_test} test documents per task, fewer than min_test "
+                                                      f"{self.min_test}")
             return self
         if self.data:
             raise ConfigValueError("data", "only without task_dir (data of the suite's tasks)")
@@ -399,7 +416,8 @@ class LocalClipTrack(Strict):
     (the data location holding it in any layout ``mergecal.data.real_vision`` reads). Tasks are the eight
     standard vision tasks (their names as ``real_vision`` spells them, case ignored); ``class_names`` and
     ``templates`` replace a task's standard ones in its zero-shot head (as many names as the task's classes).
-    Relative paths are relative to the repository root. Nothing is copied or downloaded."""
+    Relative paths are relative to the repository root. Nothing is copied or downloaded. A task with fewer
+    than ``min_test`` test images is refused (``MIN_TEST_EXAMPLES``)."""
 
     enabled: bool = True
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the backbone label of the leaderboard
@@ -414,6 +432,7 @@ class LocalClipTrack(Strict):
     # these values overriding it (not the shared `distac:` section, which is the embedded testbed's)
     distac: dict[str, Any] = Field(default_factory=dict)
     allow_unsafe_pickle: bool = False
+    min_test: Count = MIN_TEST_EXAMPLES
 
     @field_validator("distac")
     @classmethod
@@ -468,6 +487,9 @@ class LocalClipTrack(Strict):
         canonical = [canonical_task(t) for t in self.finetuned]
         if len(set(canonical)) != len(canonical):
             raise ConfigValueError("finetuned", "two entries name the same task")
+        if self.evaluation.max_test is not None and self.evaluation.max_test < self.min_test:
+            raise ConfigValueError("evaluation.max_test", f"{self.evaluation.max_test} images, fewer than min_test "
+                                                          f"{self.min_test}")
         for task, names in self.class_names.items():
             expected = len(CLASSNAMES[canonical_task(task)])
             if len(names) != expected or not all(names):

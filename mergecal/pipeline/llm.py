@@ -118,6 +118,12 @@ class LmEval:
         model scored once and deleted (a cell's merges): lm-eval's cache (sqlitedict) commits every request
         and records a stack trace per statement, about half of an LLM cell's time, for answers nothing reads
         again (the cell's own result is cached by the flow)."""
+        return self.score_and_count(model_dir, tasks, split, device=device, cache=cache)[0]
+
+    def score_and_count(self, model_dir: str | Path, tasks, split: str, *, device: str = "cpu",
+                        cache: bool = True) -> tuple[dict[str, float], dict[str, int]]:
+        """``score``'s {task: metric} and {task: documents scored} (lm-eval's effective count; a task for which
+        lm-eval reports none is left out)."""
         from ..errors import MergecalError
         from ..evaluation.lm_eval_tasks import evaluate_lm
 
@@ -125,14 +131,16 @@ class LmEval:
         scores = evaluate_lm(model_dir, names, self.task_dir, cache_path=self.cache if cache else None,
                              limit=self.max_validation if split == "validation" else None, device=device,
                              batch_size=self.batch_size)
-        out = {}
+        out, counts = {}, {}
         for task, name in zip(tasks, names):
             if self.metrics[task] not in scores[name]:
                 raise MergecalError(f"{self.task_dir}: lm-eval task {name!r} reports "
                                     f"{', '.join(k for k in scores[name] if k != 'n') or 'no metric'}, not "
                                     f"{self.metrics[task]!r} (the metric configured for task {task!r})")
             out[task] = scores[name][self.metrics[task]]
-        return out
+            if "n" in scores[name]:
+                counts[task] = int(scores[name]["n"])
+        return out, counts
 
 
 def suite_lm_eval(data: Path, tasks, out: Path, cache: Path, evaluation, n_validation: int) -> LmEval:

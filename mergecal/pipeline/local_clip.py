@@ -2,8 +2,9 @@
 checkpoints and datasets, benchmarked as the embedded vision track is, without copying a checkpoint or an image.
 
     models/local/inputs.json                       stage ``local_inputs`` (shared with ``local_llm``): size and
-                                                   sha256 of every checkpoint file and every file of each
-                                                   task's dataset
+                                                   sha256 of each file read of the checkpoints
+                                                   (``checkpoint_files``) and of each task's dataset
+                                                   (``real_vision.dataset_files``), and of no other file
     models/local/tracks/<name>/heads.safetensors   stage ``local_tracks``: the zero-shot heads (class names and
                                                    templates of each task, encoded by the pretrained text tower)
     models/local/tracks/<name>/references.json     zero-shot and fine-tuned accuracy (validation, test), entropy
@@ -277,17 +278,18 @@ def check_labels(task: str, data, rows: np.ndarray, head: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------------------- stages
 
 def dataset_files(track: LocalClipTrack, task: str, root: str | Path) -> dict[str, Path]:
-    """{dataset.<task>/<relative path>: file} of the task's dataset as ``real_vision`` finds it (nothing when it
-    is not found: the references then hold that error)."""
-    from ..data.real_vision import find_layout
+    """{dataset.<task>/<relative path>: file} of the files the task's splits are read from
+    (``real_vision.dataset_files``); nothing when the dataset is not found (the references then hold that
+    error)."""
+    from ..data.real_vision import dataset_files as split_files
+    from .local_llm import name_under
 
     base = dataset_root(track, task, root)
     try:
-        _, location = find_layout(base, task)
+        files = split_files(base, task)
     except MergecalError:
         return {}
-    files = sorted(p for p in location.rglob("*") if p.is_file()) if location.is_dir() else [location]
-    return {f"dataset.{task}/{p.relative_to(base).as_posix()}": p for p in files}
+    return {f"dataset.{task}/{name_under(p, base) or p.as_posix()}": p for p in files}
 
 
 def model_paths(track: LocalClipTrack, root: str | Path) -> dict[str, Path]:
@@ -295,19 +297,60 @@ def model_paths(track: LocalClipTrack, root: str | Path) -> dict[str, Path]:
             **{f"finetuned.{t}": finetuned_path(track, t, root) for t in track.finetuned}}
 
 
-def input_files(track: LocalClipTrack, root: str | Path) -> dict[str, Path | None]:
-    """Every file the track reads, by role; a missing checkpoint as ``None``."""
-    from .tracks.llm import model_files
+def model_keys(track: LocalClipTrack) -> dict[str, str]:
+    """{role in inputs.json: the params key of its path}."""
+    return {"pretrained": "model.pretrained", **{f"finetuned.{t}": f"finetuned.{t}" for t in track.finetuned}}
 
-    files: dict[str, Path | None] = {}
+
+CHECKPOINT_FILES = ("checkpoint files (expected a .safetensors file or index, a pickled .pt/.pth/.bin/.ckpt file, "
+                    "or a directory with config.json and model.safetensors or *.safetensors.index.json)")
+
+
+def checkpoint_files(path: Path, *, with_config: bool = False) -> list[Path]:
+    """The files ``open_checkpoint`` reads for ``path`` (and ``register_hf_arch``: config.json, when
+    ``with_config``): a pickled file; a safetensors file, or an index and its shards (``safetensors_files``);
+    a directory's safetensors. Empty when the path holds none of them."""
+    from ..checkpoint import INDEX_SUFFIX, safetensors_files, weights_candidates
+
+    if path.is_file():
+        if path.suffix in PICKLE_SUFFIXES:
+            return [path]
+        return safetensors_files(path) if path.suffix == ".safetensors" or path.name.endswith(INDEX_SUFFIX) else []
+    if not path.is_dir():
+        return []
+    config = [path / "config.json"] if with_config and (path / "config.json").is_file() else []
+    return config + (safetensors_files(path) if weights_candidates(path) else [])
+
+
+def input_files(track: LocalClipTrack, root: str | Path, where: str = "") -> dict[str, Path | dict]:
+    """Every file the track reads, by role, and no other (``local_llm.loaded_files``): its checkpoints'
+    files and each task's dataset files. ``where``: the params prefix of the keys named in errors."""
+    from ..data.real_vision import expected_layouts
+    from .local_llm import loaded_files
+
+    keys = model_keys(track)
+    files: dict[str, Path | dict] = {}
     for role, path in model_paths(track, root).items():
-        if path.exists():
-            files.update(model_files({role: path}))
-        else:
-            files[role] = None
+        with_config = role == "pretrained" and track.model.arch is None
+        files.update(loaded_files(role, path, where + keys[role],
+                                  lambda p, c=with_config: checkpoint_files(p, with_config=c), CHECKPOINT_FILES))
     for task in track.finetuned:
-        files.update(dataset_files(track, task, root))
+        base = dataset_root(track, task, root)
+        files.update(loaded_files(f"dataset.{task}", base, f"{where}datasets.{task}",
+                                  lambda p, t=task: task_dataset_files(p, t),
+                                  f"{task} dataset (expected {expected_layouts(base, task)})"))
     return files
+
+
+def task_dataset_files(base: Path, task: str) -> list[Path]:
+    """The files of the task's dataset under ``base`` (``real_vision.dataset_files``); none when no layout
+    holds the task there."""
+    from ..data.real_vision import DatasetError, dataset_files as split_files
+
+    try:
+        return split_files(base, task)
+    except DatasetError:
+        return []
 
 
 def data_digest(track: LocalClipTrack, task: str, root: str | Path) -> str:
@@ -318,6 +361,14 @@ def data_digest(track: LocalClipTrack, task: str, root: str | Path) -> str:
     for name, path in dataset_files(track, task, root).items():
         h.update(f"{name}\0{file_digest(path, Path(root) / HASH_CACHE)}\n".encode())
     return h.hexdigest()
+
+
+def check_test_size(track: LocalClipTrack, task: str, data: TaskData) -> None:
+    """Refuse a task whose test images (those scored) are fewer than the track's ``min_test``."""
+    from .local_llm import check_test_counts
+
+    check_test_counts(f"local_clip track {track.name!r}", {task: len(data.split(task, "test")[1])}, track.min_test,
+                      "test images")
 
 
 def _norms(pre_visual: VisualView, ft: VisualView) -> tuple[float, float]:
@@ -359,6 +410,7 @@ def references(track: LocalClipTrack, root: str | Path = ".", *, seed: int = 0, 
     data = TaskData(track, root, image_size(model), seed)
     for task in track.finetuned:
         try:
+            check_test_size(track, task, data)
             entry: dict = {"data_digest": data_digest(track, task, root), "zeroshot": {}}
             load_visual(model, ((k, pre_visual.get(k)) for k in pre_visual.keys()))
             for split in ("validation", "test"):

@@ -1,8 +1,9 @@
 """LLM families from local directories (``local_llm:`` in params.yaml): a lab's own base model and experts,
 benchmarked as the embedded LLM track is, without copying a checkpoint.
 
-    models/local/inputs.json                     stage ``local_inputs``: size and sha256 of every file of
-                                                 every configured model directory (and user task YAML)
+    models/local/inputs.json                     stage ``local_inputs``: size and sha256 of each file the
+                                                 loaders read of every configured model directory and
+                                                 task_dir (``record_inputs``), and of no other file
     models/local/tracks/<name>/references.json   stage ``local_tracks``: lm-eval scores of the base and each
                                                  expert (validation, test), task-vector norms, or the error
                                                  that makes the model unusable
@@ -17,7 +18,9 @@ A model directory is checked before anything reads its weights (``check_model_di
 config.json, its weights are safetensors (pickled ``pytorch_model*.bin`` are never unpickled here) and every
 shard its index lists is present; an expert also shares the base's config and tokenizer. A failure is recorded
 in references.json as one line; the stage goes on with the other models and tracks, and the cells that need
-that model fail with the same line.
+that model fail with the same line. A ``task_dir`` YAML whose ``!function`` entries would run the folder's
+Python code is refused before lm-eval imports anything unless the track sets ``trust_task_code``; a task
+with fewer than ``min_test`` test documents refuses the track (``check_test_counts``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import json
 from pathlib import Path
 
 from ..checkpoint import atomic_write_text
-from ..errors import CheckpointError, MergecalError
+from ..errors import CheckpointError, MergecalError, ParameterError
 from .config import LocalLlmTrack, Params
 
 WORK = Path(".mergecal") / "local"
@@ -126,34 +129,75 @@ def scorer(track: LocalLlmTrack, root: str | Path):
     task_dir = resolve(track.task_dir, root)
     if not task_dir.is_dir():
         raise CheckpointError(f"{task_dir}: task_dir of local_llm track {track.name!r} not found")
+    check_task_code(track, root)
     names = {t: {"test": t, "validation": spec.validation} for t, spec in track.tasks.items()}
     return LmEval(task_dir, names, {t: spec.metric for t, spec in track.tasks.items()}, cache,
                   track.evaluation.max_validation, track.evaluation.batch_size)
 
 
-def task_files(track: LocalLlmTrack, root: str | Path) -> dict[str, Path]:
-    """The files that define the track's lm-eval tasks: the user's YAMLs and the local data files they name
-    (``dataset_kwargs.data_files``); for the suite's tasks, the generated data's manifest."""
-    import yaml
+def lm_eval_names(track: LocalLlmTrack) -> list[str]:
+    """The lm-eval tasks a ``task_dir`` track loads: each task and its validation task."""
+    return [name for task, spec in track.tasks.items() for name in (task, spec.validation)]
 
+
+def task_sources(track: LocalLlmTrack, root: str | Path):
+    """What lm-eval reads of the track's ``task_dir`` (``mergecal.evaluation.lm_eval_tasks.TaskSources``)."""
+    from ..evaluation.lm_eval_tasks import task_sources as sources
+
+    return sources(resolve(track.task_dir, root), lm_eval_names(track))
+
+
+def check_task_code(track: LocalLlmTrack, root: str | Path) -> None:
+    """Refuse, before lm-eval imports anything, task YAMLs whose ``!function`` entries would run the task
+    folder's Python code, unless the track trusts it (``trust_task_code``)."""
+    if track.trust_task_code:
+        return
+    sources = task_sources(track, root)
+    allow = f"local_llm track {track.name!r} runs it only with trust_task_code: true (for a folder you trust)"
+    if sources.functions:
+        path, key, function = sources.functions[0]
+        raise MergecalError(f"{path}: {key}: !function {function} would import and run Python code of the task "
+                            f"folder; {allow}")
+    if sources.unreadable:  # lm-eval's own parser may read it, and run what it names
+        path, reason = sources.unreadable[0]
+        raise MergecalError(f"{path}: not readable as a safe YAML ({reason}), so whether it would run Python code "
+                            f"cannot be checked; fix it, or: {allow}")
+
+
+def name_under(path: Path, directory: Path) -> str | None:
+    """``path`` relative to ``directory`` (POSIX; also to its real path), or None when it lies elsewhere."""
+    for parent in (directory, directory.resolve()):
+        try:
+            return path.relative_to(parent).as_posix()
+        except ValueError:
+            continue
+    return None
+
+
+def role_files(role: str, path: Path, files: list[Path]) -> dict[str, Path]:
+    """{<role>/<name relative to the path's directory, else absolute>: file} (the names inputs.json records)."""
+    directory = path if path.is_dir() else path.parent
+    return {f"{role}/{name_under(file, directory) or file.as_posix()}": file for file in files}
+
+
+def task_files(track: LocalLlmTrack, root: str | Path) -> dict[str, Path]:
+    """The files that define the track's lm-eval tasks, as lm-eval loads them (``task_sources``): the YAMLs
+    of its tasks and those they include, the Python files their ``!function`` entries name and the local data
+    files they name (``dataset_kwargs.data_files``); for the suite's tasks, the generated data's manifest. No
+    other file of ``task_dir``."""
     if track.source == "registry":
         return {}  # lm-eval's own files: task_config_digests (in references.json) hash them with lm-eval's version
     if track.task_dir is None:
         return {"data_manifest": data_dir(track, root) / "manifest.json"}
     task_dir = resolve(track.task_dir, root)
+    sources = task_sources(track, root)
     files: dict[str, Path] = {}
-    for path in sorted(task_dir.rglob("*.y*ml")) if task_dir.is_dir() else []:
-        files[f"task_dir/{path.relative_to(task_dir).as_posix()}"] = path
-        try:
-            config = yaml.safe_load(path.read_text())
-        except yaml.YAMLError:
-            continue  # lm-eval says what is wrong with it when the track is scored
-        data = (config or {}).get("dataset_kwargs", {}).get("data_files") if isinstance(config, dict) else None
-        named = data.values() if isinstance(data, dict) else [data] if isinstance(data, str) else data or []
-        for item in named:
-            for one in [item] if isinstance(item, str) else item if isinstance(item, list) else []:
-                if isinstance(one, str) and resolve(one, task_dir).is_file():
-                    files[f"data/{one}"] = resolve(one, task_dir)
+    for path in [*sources.yamls, *sources.modules]:
+        under = name_under(path, task_dir)
+        files[f"task_dir/{under}" if under is not None else f"task_file/{path.as_posix()}"] = path
+    for one in sources.data_files:
+        if resolve(one, task_dir).is_file():
+            files[f"data/{one}"] = resolve(one, task_dir)
     return files
 
 
@@ -177,42 +221,94 @@ def model_dirs(track: LocalLlmTrack, root: str | Path) -> dict[str, Path]:
     return {"base": base_path(track, root), **{f"expert.{t}": expert_path(track, t, root) for t in track.experts}}
 
 
+def model_keys(track: LocalLlmTrack) -> dict[str, str]:
+    """{role in inputs.json: the params key of its path}."""
+    return {"base": "base", **{f"expert.{t}": f"experts.{t}" for t in track.experts}}
+
+
+MODEL_FILES = "model files (expected config.json, tokenizer files and *.safetensors or pytorch_model*.bin)"
+
+
+def loaded_files(role: str, path: Path, key: str, list_files, expected: str) -> dict[str, Path | dict]:
+    """{<role>/<name>: file} of the files ``list_files(path)`` says its loader reads, and nothing else of
+    ``path``: {role: {"missing": path}} when it does not exist, {role: {"error": line}} when its files cannot be
+    resolved (``local_tracks`` then records the same error for the cells). A path that holds none of them is
+    refused: one ParameterError naming ``key`` (the params key), the path and the ``expected`` files."""
+    from .results import one_line
+
+    if not path.exists():
+        return {role: {"missing": str(path)}}
+    try:
+        files = list_files(path)
+    except MergecalError as err:
+        return {role: {"error": one_line(err)}}
+    if not files:
+        raise ParameterError(f"{key}: {path} holds no {expected}; nothing of it is read")
+    return role_files(role, path, files)
+
+
+def model_inputs(track: LocalLlmTrack, root: str | Path, where: str = "") -> dict[str, Path | dict]:
+    """The files of the track's model directories that the loaders read (``model_dir_files``), by role."""
+    from ..backbones.hf_causal_lm import model_dir_files
+
+    keys = model_keys(track)
+    files: dict[str, Path | dict] = {}
+    for role, directory in model_dirs(track, root).items():
+        files.update(loaded_files(role, directory, where + keys[role], model_dir_files, MODEL_FILES))
+    return files
+
+
+def _record(found: dict[str, Path | dict], cache: Path) -> dict[str, dict]:
+    """inputs.json's entry of each file: its size and sha256, or why it has none (missing, error)."""
+    from .cells import content_record
+
+    return {name: item if isinstance(item, dict) else content_record(item, cache) if item.is_file()
+            else {"missing": str(item)} for name, item in found.items()}
+
+
 def record_inputs(params: Params, root: str | Path = ".") -> dict:
     """The stage ``local_inputs`` (run every time: it stats files and reads only those whose size or mtime
-    changed): size and sha256 of every file of the configured model directories and task files (and of the
-    CLIP tracks' checkpoints and datasets), so that DVC
-    reruns ``local_tracks`` exactly when a byte changed. A missing directory is recorded as missing."""
-    from .cells import HASH_CACHE, content_record
-    from .tracks.llm import model_files
+    changed): size and sha256 of each file the tracks' loaders read (model directories, task files, the CLIP
+    tracks' checkpoints and datasets) and of no other file, so that DVC reruns ``local_tracks`` exactly when a
+    byte changed. A missing path is recorded as missing; a path that holds none of the files its loader reads
+    (a wrong path) is refused, one line naming its params key."""
+    from .cells import HASH_CACHE
 
     cache = Path(root) / HASH_CACHE
     out = {}
-    for track in params.local_llm:
-        files: dict[str, dict] = {}
-        for role, directory in model_dirs(track, root).items():
-            if not directory.is_dir():
-                files[role] = {"missing": str(directory)}
-                continue
-            for name, path in model_files({role: directory}).items():
-                files[name] = content_record(path, cache)
+    for index, track in enumerate(params.local_llm):
+        where = f"params.yaml: local_llm.{index}."
+        found = model_inputs(track, root, where)
         if track.task_dir is not None:
-            for name, path in task_files(track, root).items():
-                files[name] = content_record(path, cache)
-        out[track.name] = {"settings": track.model_dump(mode="json"), "files": files}
+            task_dir = resolve(track.task_dir, root)
+            if not task_dir.is_dir():
+                found["task_dir"] = {"missing": str(task_dir)}
+            elif not task_sources(track, root).defined:
+                raise ParameterError(f"{where}task_dir: {task_dir} defines none of the track's lm-eval tasks "
+                                     f"(expected *.yaml files with task: {', '.join(lm_eval_names(track))}); "
+                                     "nothing of it is read")
+            found.update(task_files(track, root))
+        out[track.name] = {"settings": track.model_dump(mode="json"), "files": _record(found, cache)}
         if track.source == "registry":  # lm-eval's version and task definitions: local_tracks reruns on a change
             try:
                 out[track.name]["registry"] = task_config_digests(track, root)
             except MergecalError as err:  # an unknown task: local_tracks records the error for the track's cells
                 out[track.name]["registry"] = {"error": str(err)}
-    for track in params.local_clip:  # CLIP tracks (mergecal.pipeline.local_clip): checkpoints and datasets
-        from .local_clip import input_files, model_paths
+    for index, track in enumerate(params.local_clip):  # CLIP tracks (mergecal.pipeline.local_clip)
+        from .local_clip import input_files
 
-        paths = model_paths(track, root)
-        out[track.name] = {"settings": track.model_dump(mode="json"),
-                           "files": {role: {"missing": str(paths[role])} if path is None else
-                                     content_record(path, cache) for role, path in input_files(track, root).items()}}
+        found = input_files(track, root, f"params.yaml: local_clip.{index}.")
+        out[track.name] = {"settings": track.model_dump(mode="json"), "files": _record(found, cache)}
     atomic_write_text(inputs_path(root), json.dumps(out, indent=2, sort_keys=True))
     return out
+
+
+def check_test_counts(what: str, counts: dict[str, int], minimum: int, unit: str) -> None:
+    """Refuse a task scored on fewer than ``minimum`` test examples (``min_test``: its score would be noise)."""
+    for task, n in counts.items():
+        if n < minimum:
+            raise ParameterError(f"{what}: task {task} has {n} {unit}, fewer than min_test {minimum} (a score on so "
+                                 "few is mostly noise; lower min_test to accept it)")
 
 
 def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, device: str = "cpu") -> dict:
@@ -220,7 +316,7 @@ def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, d
     each expert with lm-eval (validation and test) and measure the task vectors; a model that fails its
     checks or its scoring is recorded with its error (one line), the others go on."""
     from ..data.llm import LlmSuiteConfig, build_llm_suite
-    from .llm import base_reference, expert_reference
+    from .llm import expert_reference
     from .results import one_line
 
     tasks = track.task_names
@@ -232,7 +328,10 @@ def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, d
         score = scorer(track, root)
         report["task_configs"] = task_config_digests(track, root)
         check_model_dir(base, allow_unsafe_pickle=track.allow_unsafe_pickle)
-        report["base"] = base_reference(score, base, tasks, device=device)
+        # test first: a task too small to mean anything refuses the track before more is scored
+        test, counts = score.score_and_count(base, tasks, "test", device=device)
+        check_test_counts(f"local_llm track {track.name!r}", counts, track.min_test, "test documents")
+        report["base"] = {"validation": score.score(base, tasks, "validation", device=device), "test": test}
     except Exception as err:  # noqa: BLE001 - recorded: the track's cells fail with it, the others go on
         report["error"] = one_line(err)
     else:

@@ -25,7 +25,7 @@ from ..cells import Cell, CellResult, base_params, cell_grid, finetuned_referenc
     recipe_cell, select_scaling, summaries, uses_sensitivity, validation_averages
 from ...errors import CheckpointError
 from ..config import LocalClipTrack, Params
-from . import cell_track, configured_track, configured_tracks, llm
+from . import cell_track, configured_track, configured_tracks
 
 NAME = "local_clip"
 
@@ -57,15 +57,24 @@ def skipped(params: Params) -> list[tuple[Cell, str]]:
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
-    """references.json, the heads and every file of the checkpoints the cell reads (a missing one contributes
-    nothing: references.json then holds its error, and the cell fails with it)."""
-    from ..local_clip import heads_path, model_paths, references_path
+    """references.json, the heads and the files ``open_checkpoint`` reads of the checkpoints the cell reads (a
+    missing or unusable one contributes nothing: references.json then holds its error, and the cell fails
+    with it)."""
+    from ...errors import MergecalError
+    from ..local_clip import checkpoint_files, heads_path, model_paths, references_path
+    from ..local_llm import role_files
     from ..local_clip_calibration import distac_dir, sensitivity_path
 
     track = configured_track(cell, params)
-    models = {role: path for role, path in model_paths(track, root).items()
-              if path.exists() and (role == "pretrained" or cell.merge != "zeroshot")}
-    files = {"reference": references_path(track, root), **llm.model_files(models)}
+    files = {"reference": references_path(track, root)}
+    for role, path in model_paths(track, root).items():
+        if role != "pretrained" and cell.merge == "zeroshot":
+            continue
+        try:
+            found = checkpoint_files(path, with_config=role == "pretrained" and track.model.arch is None)
+        except MergecalError:
+            continue
+        files.update(role_files(role, path, found))
     if heads_path(track, root).is_file():
         files["heads"] = heads_path(track, root)
     steps = {}  # what the data chains' stages wrote (a missing file contributes nothing: the cell fails on it)

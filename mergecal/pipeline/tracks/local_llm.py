@@ -37,16 +37,24 @@ def skipped(params: Params) -> list[tuple[Cell, str]]:
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
-    """references.json, the task files and every file of the model directories the cell reads; a missing
-    directory contributes nothing (references.json then holds its error, and the cell fails with it)."""
-    from ..local_llm import base_path, expert_path, references_path, task_files
+    """references.json, the task files and the files the loaders read of the model directories the cell
+    reads; a directory that is missing or unusable contributes nothing (references.json then holds its error,
+    and the cell fails with it)."""
+    from ...errors import MergecalError
+    from ...backbones.hf_causal_lm import model_dir_files
+    from ..local_llm import base_path, expert_path, references_path, role_files, task_files
 
     track = configured_track(cell, params)
     models = {"base": base_path(track, root)}
     if cell.merge != "zeroshot":
         models.update({f"expert.{t}": expert_path(track, t, root) for t in cell.tasks})
-    present = {role: path for role, path in models.items() if path.is_dir()}
-    return {"reference": references_path(track, root), **task_files(track, root), **llm.model_files(present)}
+    files = {"reference": references_path(track, root), **task_files(track, root)}
+    for role, directory in models.items():
+        try:
+            files.update(role_files(role, directory, model_dir_files(directory)))
+        except MergecalError:
+            continue
+    return files
 
 
 def fingerprint(params: Params):
