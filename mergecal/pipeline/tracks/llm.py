@@ -126,7 +126,7 @@ def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path]
     """Merge the experts checkpoint to checkpoint (weight-space chain) for each scaling of the grid, score them
     on validation with lm-eval (``scorer``: a ``mergecal.pipeline.llm.LmEval``), keep the best and score it on
     test. ``reference``: the family's references (base and experts' scores, norms, task configurations)."""
-    from ...backbones.hf_causal_lm import merge_causal_lms
+    from ...backbones.hf_causal_lm_merge import merge_causal_lms
     from ...recipe import Recipe
 
     tasks = list(cell.tasks)
