@@ -36,11 +36,13 @@ UnitInterval = Annotated[Real, Field(ge=0, le=1)]  # a rate that may be 0 or 1
 MAX_COUNT = 10**8  # samples, documents and images per task or split; batch sizes, token lengths, model dimensions
 MAX_STEPS = 10**7  # optimizer steps of one training or DisTaC run
 MAX_WORKERS = 256  # cells computed at once (runner.max_workers)
+MAX_THREADS = 1024  # torch threads of a stage (params.yaml's threads)
 MAX_INDEX = 2**32 - 1  # seeds (numpy's legacy seed range), warmup steps, shifts, retries, a top-k or task index
 
 Count = Annotated[int, Strict(), Field(ge=1, le=MAX_COUNT)]  # batch sizes, sample counts, lengths, model shapes
 Steps = Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)]  # optimizer steps
 WorkerCount = Annotated[int, Strict(), Field(ge=1, le=MAX_WORKERS)]
+ThreadCount = Annotated[int, Strict(), Field(ge=1, le=MAX_THREADS)]
 NonNegativeInt = Annotated[int, Strict(), Field(ge=0, le=MAX_INDEX)]  # warmup steps, shifts, seeds
 Flag = Annotated[bool, Strict()]  # true or false, not "yes" or 1
 

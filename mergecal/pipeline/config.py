@@ -18,8 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..config_types import ConfigValueError, Count, NonNegativeInt, NonNegativeReal, PositiveReal, WorkerCount, \
-    check_config
+from ..config_types import (ConfigValueError, Count, NonNegativeInt, NonNegativeReal, PositiveReal, ThreadCount,
+                            WorkerCount, check_config)
 from ..errors import MergecalError, ParameterError
 from ..regimes import OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime
 
@@ -639,7 +639,7 @@ class Params(Strict):
     seed: NonNegativeInt = 0
     device: str = "auto"
     # torch's threads in every stage that trains or evaluates (a model's bits depend on it; mergecal.pipeline.threads)
-    threads: Count = Field(2, le=1024)
+    threads: ThreadCount = 2
     vision: VisionTrack = Field(default_factory=VisionTrack)
     text: TextTrack = Field(default_factory=TextTrack)
     llm: LlmTrack = Field(default_factory=LlmTrack)
