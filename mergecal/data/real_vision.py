@@ -731,17 +731,23 @@ def find_layout(root: str | os.PathLike, name: str, layout: str = "auto") -> tup
 def dataset_files(root: str | os.PathLike, name: str, layout: str = "auto") -> list[Path]:
     """The files a task's splits are read from, as each split's reader names them (label and list files,
     images, shards; a validation split taken from train reads train's): no other file under ``root``. A split
-    that cannot be read adds nothing (reading it names what is wrong); no layout found is a DatasetError."""
+    that cannot be read adds nothing (reading it names what is wrong), and when none can, the first split's
+    error is raised (a layout that holds the task but does not fit it: 12 classes for a 10-class head); no layout
+    found is a DatasetError."""
     task = canonical_task(name)
     found, location = find_layout(root, task, layout)
     read = _LAYOUT_FUNCS[found][2]
     files: dict[Path, None] = {}
+    errors: list[MergecalError] = []
     for split in SPLITS:
         try:
             source = read(location, task, split, Path(root).expanduser())
-        except MergecalError:
+        except MergecalError as err:
+            errors.append(err)
             continue
         files.update(dict.fromkeys(source.files if source is not None else ()))
+    if not files and errors:
+        raise errors[0]
     return list(files)
 
 

@@ -344,13 +344,14 @@ def input_files(track: LocalClipTrack, root: str | Path, where: str = "") -> dic
 
 def task_dataset_files(base: Path, task: str) -> list[Path]:
     """The files of the task's dataset under ``base`` (``real_vision.dataset_files``); none when no layout
-    holds the task there."""
-    from ..data.real_vision import DatasetError, dataset_files as split_files
+    holds the task there. A layout that holds it but cannot be read raises (the track records the error)."""
+    from ..data.real_vision import DatasetError, canonical_task, dataset_files as split_files, find_layout
 
     try:
-        return split_files(base, task)
+        find_layout(base, canonical_task(task), "auto")
     except DatasetError:
         return []
+    return split_files(base, task)
 
 
 def data_digest(track: LocalClipTrack, task: str, root: str | Path) -> str:
