@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-# Offline and quiet (../shared/notes/stack.md): only 127.0.0.1 connections remain.
+# Offline and quiet (mergecal/offline.py holds the same variables): only 127.0.0.1 connections remain.
 export DO_NOT_TRACK := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true

@@ -1,6 +1,6 @@
 from mergecal import offline
 
-offline.apply()  # offline and quiet, as in ../shared/notes/stack.md; tests never need a network
+offline.apply()  # offline and quiet (mergecal/offline.py); tests never need a network
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
