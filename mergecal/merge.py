@@ -2,8 +2,10 @@
 
     merged_tau[key] = method.params.scaling * method.combine(key, taus[key])      # (*)
 
-(*) is the one place where lambda / alpha is applied. ``iter_merge`` streams ``(key, merged_tau)``
-pairs and holds only one key's K slices at a time (plus whatever ``fit`` keeps: a few numbers for
+(*) is the one place where lambda / alpha is applied: in ``iter_merge``, or, for a recipe whose first weight-space
+calibrations read the merge at scaling 1 (SVC, ``calibrate_at: unit_scaling``), in ``iter_scaled`` after them
+(``mergecal.recipe.iter_weight_space``). ``iter_merge`` streams ``(key, merged_tau)`` pairs and holds only one
+key's K slices at a time (plus whatever ``fit`` keeps: a few numbers for
 TIES), so ``merge_checkpoints`` can merge sharded checkpoints larger than memory.
 """
 
@@ -28,12 +30,14 @@ from .task_vectors import COMPUTE_DTYPE, SourceLike, TaskVectorSet, check_finite
 
 
 def iter_merge(task_vectors: TaskVectorSet, method: MergeMethod, keys: Sequence[str] | None = None,
-               progress: bool = False, skip_zero_keys: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+               progress: bool = False, skip_zero_keys: bool = True,
+               scaled: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, merged task vector)`` in float32 for every float key (or the given ``keys``). A key whose
     task vectors are all exactly zero merges to zero without calling the method (``skip_zero_keys``); the
     method's ``fit`` still sees every key, so global statistics (TIES's top-k threshold) are unchanged.
     A zero-size key (shape 0 x 6, say) merges to an empty tensor for every method, which neither ``fit`` nor
-    ``combine`` sees: it has no element to count, no row to trim and no singular value."""
+    ``combine`` sees: it has no element to count, no row to trim and no singular value. ``scaled=False``: the
+    merge at scaling 1, for calibrations that read it before ``iter_scaled`` applies the method's scaling."""
     keys = list(task_vectors.keys if keys is None else keys)
     unknown = [k for k in keys if k not in set(task_vectors.keys)]
     if unknown:
@@ -50,7 +54,14 @@ def iter_merge(task_vectors: TaskVectorSet, method: MergeMethod, keys: Sequence[
         merged = method.combine(key, taus)
         if any(merged.data_ptr() == tau.data_ptr() for tau in taus):  # never scale an input in place
             merged = merged.clone()
-        yield key, merged.mul_(method.params.scaling)  # (*)
+        yield key, merged.mul_(method.params.scaling) if scaled else merged  # (*)
+
+
+def iter_scaled(merged: Iterator[tuple[str, torch.Tensor]], method: MergeMethod) -> Iterator[tuple[str, torch.Tensor]]:
+    """``method``'s scaling applied to a stream of updates merged at scaling 1 (``iter_merge(scaled=False)``)
+    and calibrated there: every update comes from the stream, never an input, so it is scaled in place (*)."""
+    for key, update in merged:
+        yield key, update.mul_(method.params.scaling)
 
 
 def merge_task_vectors(task_vectors: Sequence[SourceLike] | TaskVectorSet, method: str | MergeMethod,
@@ -149,5 +160,6 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     return table[name]
 
 
-__all__ = ["iter_merge", "merge_task_vectors", "merge_models", "merge_checkpoints", "parse_dtype", "COMPUTE_DTYPE"]
+__all__ = ["iter_merge", "iter_scaled", "merge_task_vectors", "merge_models", "merge_checkpoints", "parse_dtype",
+           "COMPUTE_DTYPE"]
 

@@ -157,6 +157,12 @@ class Recipe:
             if rank < PHASES.index(previous.phase):
                 raise ParameterError(f"recipe: step {step.name!r} ({step.phase}) cannot follow {previous.name!r} "
                                      f"({previous.phase}); order: pre-merge, merge, weight space, feature space")
+        weight = [s for s in self.steps if s.phase == "weight"]
+        at_unit = [getattr(s.params, "calibrate_at", None) == "unit_scaling" for s in weight]
+        if any(later and not earlier for earlier, later in zip(at_unit, at_unit[1:])):
+            first = next(s for s, unit in zip(weight, at_unit) if not unit)
+            raise ParameterError(f"recipe: a step with calibrate_at=unit_scaling reads the merge before its scaling, "
+                                 f"so it cannot follow {first.name!r}, which calibrates the scaled merge")
         if sum(s.phase == "feature" for s in self.steps) > 1:
             raise ParameterError("recipe: at most one feature-space step (fsc / dsc) is allowed")
 
@@ -217,11 +223,17 @@ def iter_weight_space(recipe: Recipe, task_vectors, *, sensitive: Sequence[str] 
     """Stream ``(key, update)``: the recipe's merge method followed by its weight-space calibrations.
 
     Pre-merge (DisTaC) and feature-space (FSC) steps need models and data; they are run by the caller
-    around this (``task_vectors`` should already hold the conditioned task vectors).
+    around this (``task_vectors`` should already hold the conditioned task vectors). The leading calibrations
+    that read the merge at scaling 1 (SVC's paper protocol, ``calibrate_at: unit_scaling``) run on the unscaled
+    merge and the merge method's scaling follows them; the others calibrate the scaled merge.
     """
     from .calibrations.base import iter_calibrated
-    from .merge import iter_merge
+    from .merge import iter_merge, iter_scaled
 
     method = MERGE_METHODS[recipe.merge.name](recipe.merge.params)
-    merged = iter_merge(task_vectors, method, progress=progress)
-    return iter_calibrated(merged, task_vectors, weight_calibrations(recipe, sensitive), diagnostics)
+    calibrations = weight_calibrations(recipe, sensitive)
+    at_unit = [c for c in calibrations if c.at_unit_scaling]  # leading ones: Recipe checks the order
+    merged = iter_merge(task_vectors, method, progress=progress, scaled=not at_unit)
+    if at_unit:
+        merged = iter_scaled(iter_calibrated(merged, task_vectors, at_unit, diagnostics), method)
+    return iter_calibrated(merged, task_vectors, calibrations[len(at_unit):], diagnostics)

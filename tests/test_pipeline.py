@@ -417,7 +417,7 @@ def test_a_failed_source_cell_fails_the_cells_that_take_its_scaling(built, prefe
     failed = {r["label"]: r["error"] for r in result["rows"] if "error" in r}
     dependents = {c.label for c in cells_mod.enumerate_cells(parse_params(data)) if c.scaling_from
                   and c.merge == "task_arithmetic"}
-    assert set(failed) == {"task_arithmetic"} | dependents and len(dependents) == 3
+    assert set(failed) == {"task_arithmetic"} | dependents and len(dependents) == 2  # dsc, distac>svc>dsc
     assert "injected failure" in failed["task_arithmetic"]
     assert all("not run: the cell it takes its scaling from (task_arithmetic, standard) failed" in failed[label]
                for label in dependents)
@@ -525,46 +525,52 @@ def test_svc_takes_the_authors_alpha_per_merge_method():
 @pytest.mark.parametrize("chain, chains, source", [
     ("{merge}", ["{merge}", "{merge}>svc"], ""),
     ("distac>{merge}", ["{merge}", "distac>{merge}"], ""),
-    ("{merge}>svc", ["{merge}", "{merge}>svc"], "{merge}"),
+    ("{merge}>svc", ["{merge}", "{merge}>svc"], ""),  # SVC reads the unit merge: it searches with itself in place
+    ("{merge}>svc(calibrate_at=chosen_scaling)", ["{merge}", "{merge}>svc(calibrate_at=chosen_scaling)"], "{merge}"),
     ("{merge}>dsc", ["{merge}>dsc", "{merge}"], "{merge}"),
     ("distac>{merge}>svc>dsc", ["{merge}", "distac>{merge}>svc>dsc"], "{merge}"),
     ("distac>{merge}>svc>dsc", ["{merge}", "distac->{merge}", "distac>{merge}>svc>dsc"], "distac->{merge}"),
-    ("{merge}>svc", ["{merge}>svc"], None),
+    ("{merge}>wsc", ["{merge}>wsc"], None),
 ])
 def test_scaling_source_of_a_chain(chain, chains, source):
     assert cells_mod.scaling_source(chain, chains) == source
 
 
 def test_selected_scaling_needs_the_uncalibrated_chain():
-    with pytest.raises(ParameterError, match=r"benchmark: .*chain '\{merge\}>svc': calibrated_scaling 'selected' takes "
+    with pytest.raises(ParameterError, match=r"benchmark: .*chain '\{merge\}>wsc': calibrated_scaling 'selected' takes "
                                              r"the scaling chosen by the uncalibrated chain '\{merge\}'"):
-        parse_params({"benchmark": {"chains": ["{merge}>svc"]}})
-    parse_params({"benchmark": {"chains": ["{merge}>svc"], "calibrated_scaling": "grid"}})
-    parse_params({"benchmark": {"chains": ["{merge}>svc"], "merges": {"ties": {"scaling": 0.5}}}})  # nothing to select
+        parse_params({"benchmark": {"chains": ["{merge}>wsc"]}})
+    parse_params({"benchmark": {"chains": ["{merge}>wsc"], "calibrated_scaling": "grid"}})
+    parse_params({"benchmark": {"chains": ["{merge}>wsc"], "merges": {"ties": {"scaling": 0.5}}}})  # nothing to select
+    parse_params({"benchmark": {"chains": ["{merge}>svc"]}})  # SVC searches its own grid
 
 
 def test_calibrated_cells_take_their_scaling_from_the_uncalibrated_cell():
     data = {"benchmark": {"merges": {"task_arithmetic": {"scaling": [0.1, 0.3]}, "ties": {}},
-                          "chains": ["{merge}", "{merge}>svc", "distac>{merge}>svc"]}}
+                          "chains": ["{merge}", "{merge}>wsc", "distac>{merge}>wsc"]}}
     cells = [c for c in cells_mod.enumerate_cells(parse_params(data)) if c.regime == "standard" and c.track == "vision"]
     source = {c.label: c.scaling_from for c in cells}
-    assert source["task_arithmetic"] == "" and source["task_arithmetic>svc"] == "{merge}"
-    assert source["distac>task_arithmetic>svc"] == "{merge}"
-    assert source["ties>svc"] == ""  # a fixed scaling: nothing to select
+    assert source["task_arithmetic"] == "" and source["task_arithmetic>wsc"] == "{merge}"
+    assert source["distac>task_arithmetic>wsc"] == "{merge}"
+    assert source["ties>wsc"] == ""  # a fixed scaling: nothing to select
     data["benchmark"]["calibrated_scaling"] = "grid"
     assert not any(c.scaling_from for c in cells_mod.enumerate_cells(parse_params(data)))
     sources = cells_mod.source_index(cells)
     by_label = {c.label: i for i, c in enumerate(cells)}
-    assert sources[by_label["task_arithmetic>svc"]] == by_label["task_arithmetic"]
-    assert sources[by_label["distac>task_arithmetic>svc"]] == by_label["task_arithmetic"]
-    assert sources[by_label["ties>svc"]] is None
+    assert sources[by_label["task_arithmetic>wsc"]] == by_label["task_arithmetic"]
+    assert sources[by_label["distac>task_arithmetic>wsc"]] == by_label["task_arithmetic"]
+    assert sources[by_label["ties>wsc"]] is None
 
 
 def test_a_calibrated_cell_calibrates_the_merge_at_the_given_scaling(built):
-    """Given its source's choice s, a calibrated cell equals the same chain run with the merge fixed at s."""
+    """Given its source's choice s, a calibrated cell equals the same chain run with the merge fixed at s (SVC in
+    the old order, on the scaled merge: a chain whose scaling its source chooses)."""
     root, params = built
+    data = params.model_dump(mode="json")
+    data["benchmark"]["chains"] = ["{merge}", "{merge}>svc(calibrate_at=chosen_scaling)"]
+    params = parse_params(data)
     cells = {(c.track, c.label): c for c in cells_mod.enumerate_cells(params) if c.regime == "standard"}
-    cell = cells[("vision", "task_arithmetic>svc")]
+    cell = cells[("vision", "task_arithmetic>svc(calibrate_at=chosen_scaling)")]
     assert cell.scaling_from == "{merge}" and len(cell.grid) == 2
     with pytest.raises(MergecalError, match="needs the scaling chosen by its source cell"):
         cells_mod.run_cell(cell, params, root)
@@ -573,7 +579,8 @@ def test_a_calibrated_cell_calibrates_the_merge_at_the_given_scaling(built):
     data["benchmark"]["merges"]["task_arithmetic"]["scaling"] = 1.0
     fixed_params = parse_params(data)
     fixed = next(c for c in cells_mod.enumerate_cells(fixed_params)
-                 if c.regime == "standard" and c.track == "vision" and c.label == "task_arithmetic>svc")
+                 if c.regime == "standard" and c.track == "vision"
+                 and c.label == "task_arithmetic>svc(calibrate_at=chosen_scaling)")
     assert fixed.grid == () and fixed.scaling_from == ""
     assert cells_mod.run_cell(fixed, fixed_params, root).metrics == given
     assert given["selected_scaling"] == 1.0

@@ -1,12 +1,18 @@
 """SVC, Singular Value Calibration (data-free), after ../shared/papers/svc-singular-value-calibration.txt
 (Algorithm 1) and the authors' code (../shared/notes/reference-details.md).
 
-Per calibrated 2-D key, with dW_m the merged update (lambda already applied) and dW_i the task matrices:
+Per calibrated 2-D key, with dW_m the merged update and dW_i the task matrices:
   1. thin SVD dW_m = U S V^T;
   2. a_i^r = u_r^T dW_i and a_m^r = u_r^T dW_m, both with the MERGED left singular vectors;
   3. s_i^r = <a_m^r, a_i^r> / max(||a_i^r||^2, 1e-12);
   4. gamma_r = K / sum_i max(alpha, s_i^r);   sigma~_r = gamma_r sigma_r;   dW~ = U diag(sigma~) V^T.
 alpha defaults to 1/K; alpha = 1 (suppression only: gamma <= 1) is the authors' setting after TSV-M.
+
+``calibrate_at`` (the protocol): ``"unit_scaling"`` (default, the paper: "we keep lambda = 1 throughout") computes
+the coefficients on the merge at scaling 1; the merge method's scaling multiplies the calibrated update after SVC
+(``mergecal.recipe.iter_weight_space``), so a validation search over the scaling runs with SVC in place.
+``"chosen_scaling"`` calibrates lambda * dW_m instead: every s_i^r is multiplied by lambda, and at a small lambda
+(0.1) no s exceeds 1, the alpha floor binds in every direction and SVC amplifies (gamma ~ K) instead of shrinking.
 
 Solvers (step 1): ``"gram"`` (default since 2026-11-25) takes U, sigma, V from the float64 eigendecomposition of
 the merged update's smaller Gram matrix (mergecal.linalg.svd_gram: exact, no randomized step; on ViT-B/32-shaped
@@ -57,6 +63,8 @@ class SvcParams(CalibrationParams):
     float64: bool = False  # the projections' precision, and the "svd" solver's ("gram" always works in float64)
     roundoff_guard: bool = True
     solver: Literal["gram", "svd"] = "gram"
+    # the merge SVC reads: at scaling 1 (the paper), or after the merge method's scaling (module docstring)
+    calibrate_at: Literal["unit_scaling", "chosen_scaling"] = "unit_scaling"
 
 
 def svc_coefficients(merged: torch.Tensor, taus: list[torch.Tensor], alpha: float, *, targeted_task: int | None = None,

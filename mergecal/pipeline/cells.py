@@ -27,7 +27,7 @@ import torch
 
 from .. import __version__
 from ..errors import CheckpointError, MergecalError
-from .chains import calibration_name, scaling_source
+from .chains import calibration_name, fixed_chain, scaling_source
 from .config import Params
 from .imports import import_closure, import_graph, module_files
 
@@ -75,6 +75,21 @@ def merge_values(values: dict[str, Any] | None) -> tuple[dict[str, Any], tuple[f
     if grid:
         values["scaling"] = grid[0]
     return values, grid
+
+
+def matrix_chains(params: Params):
+    """``(merge, chain, merge values, grid)`` of every calibrated or plain merge of a track's matrix: each chain
+    around each merge with the merge's grid, then the fixed-scaling protocols (``benchmark.fixed_scaling``) at
+    their scaling, without a search (grid ``()``)."""
+    for merge, values in params.benchmark.merges.items():
+        values, grid = merge_values(values)
+        for chain in params.benchmark.chains:
+            yield merge, chain, values, grid
+        for protocol in params.benchmark.fixed_scaling:
+            if protocol.merges and merge not in protocol.merges:
+                continue
+            for chain in protocol.chains:
+                yield merge, fixed_chain(chain, protocol.scaling), {**values, "scaling": protocol.scaling}, ()
 
 
 def enumerate_cells(params: Params) -> list[Cell]:
@@ -336,9 +351,10 @@ def select_scaling(grid: tuple[float, ...], trial, validate) -> tuple[float, Any
 
 
 def recipe_trials(steps: list[tuple[str, dict]], merge_index: int, pretrained, states, inputs, grid):
-    """``value -> RecipeResult`` of the recipe with its merge at that scaling. A recipe that is only a merge and
-    is tried at several values is merged once, at scaling 1, then rescaled: the scaling multiplies the merged
-    task vector (``mergecal/merge.py``), so every state equals the merge at that value bit for bit."""
+    """``value -> RecipeResult`` of the recipe with its merge at that scaling. A recipe whose every step after the
+    merge reads it at scaling 1 (none, or SVC's protocol) and is tried at several values is merged and calibrated
+    once, at scaling 1, then rescaled: the scaling multiplies the calibrated update (``mergecal/merge.py``), so
+    every state equals the recipe at that value bit for bit."""
     from ..recipe import Recipe, iter_weight_space
     from ..run_recipe import RecipeResult, run_recipe
     from ..task_vectors import COMPUTE_DTYPE, TaskVectorSet
@@ -348,10 +364,14 @@ def recipe_trials(steps: list[tuple[str, dict]], merge_index: int, pretrained, s
         chosen[merge_index] = (chosen[merge_index][0], {**chosen[merge_index][1], "scaling": value})
         return Recipe(chosen)
 
-    if len(steps) > 1 or len(grid) == 1:
+    unit_recipe = at(1.0)
+    rescalable = all(s.phase == "merge" or (s.phase == "weight" and getattr(s.params, "calibrate_at", None)
+                                            == "unit_scaling") for s in unit_recipe.steps)
+    if not rescalable or len(grid) == 1:
         return lambda value: run_recipe(at(value), pretrained, states, inputs)
     tvs = TaskVectorSet.from_models(pretrained, states, device=inputs.device)
-    unit = dict(iter_weight_space(at(1.0), tvs))
+    diagnostics: dict[str, Any] = {}
+    unit = dict(iter_weight_space(unit_recipe, tvs, sensitive=inputs.sensitive, diagnostics=diagnostics))
 
     def rescaled(value: float):
         state = {}
@@ -361,7 +381,7 @@ def recipe_trials(steps: list[tuple[str, dict]], merge_index: int, pretrained, s
                 state[key] = merged.to(tensor.dtype).cpu()
             else:
                 state[key] = tensor.clone()
-        return RecipeResult(recipe=at(value), state_dict=state)
+        return RecipeResult(recipe=at(value), state_dict=state, diagnostics=diagnostics)
 
     return rescaled
 

@@ -534,6 +534,37 @@ class Evaluation(Strict):
     distac_samples: Count = 512  # unlabeled train samples per task for DisTaC
 
 
+def _check_chain(chain: str) -> None:
+    """A chain template: ``{merge}`` exactly once, a valid recipe around it."""
+    from ..recipe import Recipe
+
+    if chain.count("{merge}") != 1:
+        raise ValueError(f"chain {chain!r} must contain '{{merge}}' exactly once")
+    try:
+        Recipe.parse(chain.replace("{merge}", "task_arithmetic"))
+    except MergecalError as err:
+        raise ValueError(f"chain {chain!r}: {err}") from None
+
+
+class FixedScaling(Strict):
+    """A paper's protocol that fixes the merge's scaling instead of searching it on validation: ``chains`` at
+    ``scaling`` for ``merges`` (empty: every merge of the matrix). Its rows are named ``<calibration>@λ=<scaling>``
+    and compared with ``none@λ=<scaling>``, the merge at that scaling (list ``{merge}`` among the chains)."""
+
+    scaling: PositiveReal
+    chains: list[str] = Field(min_length=1)
+    merges: list[str] = Field(default_factory=list)
+
+    @field_validator("chains")
+    @classmethod
+    def _chains(cls, chains: list[str]) -> list[str]:
+        for chain in chains:
+            _check_chain(chain)
+        if len(set(chains)) != len(chains):
+            raise ValueError("chains must be distinct")
+        return chains
+
+
 class Benchmark(Strict):
     """The merge × calibration part of the matrix. ``merges`` maps a method to its parameters; a list value
     for ``scaling`` is a grid searched on the validation split (by average normalized accuracy).
@@ -541,12 +572,15 @@ class Benchmark(Strict):
     ``calibrated_scaling`` says where a calibrated chain (one with svc/wsc/fsc/dsc steps) gets the merge's
     scaling from: ``selected`` (default) takes the value its uncalibrated cell chose on validation (tune the
     merge, then correct it: one merge per cell); ``grid`` searches the grid again with the calibration
-    applied (joint search, |grid| merges and calibrations per cell)."""
+    applied (joint search, |grid| merges and calibrations per cell). A chain whose calibrations all read the
+    merge at scaling 1 (SVC's protocol) always searches the grid with the calibration in place.
+    ``fixed_scaling``: the papers' fixed-scaling protocols beside the searched rows (``FixedScaling``)."""
 
     merges: dict[str, dict[str, Any] | None] = Field(
         default_factory=lambda: {"task_arithmetic": {"scaling": [0.1, 0.3, 0.5]}})
     chains: list[str] = Field(default_factory=lambda: ["{merge}"])
     calibrated_scaling: Literal["selected", "grid"] = "selected"
+    fixed_scaling: list[FixedScaling] = Field(default_factory=list)
     evaluation: Evaluation = Field(default_factory=Evaluation)
 
     @field_validator("merges")
@@ -581,20 +615,22 @@ class Benchmark(Strict):
     @field_validator("chains")
     @classmethod
     def _chains(cls, chains: list[str]) -> list[str]:
-        from ..recipe import Recipe
-
         if not chains:
             raise ValueError("at least one chain is required (\"{merge}\" alone is the uncalibrated merge)")
         for chain in chains:
-            if chain.count("{merge}") != 1:
-                raise ValueError(f"chain {chain!r} must contain '{{merge}}' exactly once")
-            try:
-                Recipe.parse(chain.replace("{merge}", "task_arithmetic"))
-            except MergecalError as err:
-                raise ValueError(f"chain {chain!r}: {err}") from None
+            _check_chain(chain)
         if len(set(chains)) != len(chains):
             raise ValueError("chains must be distinct")
         return chains
+
+    @model_validator(mode="after")
+    def _fixed_scaling_merges_are_in_the_matrix(self) -> "Benchmark":
+        for i, protocol in enumerate(self.fixed_scaling):
+            unknown = [m for m in protocol.merges if m not in self.merges]
+            if unknown:
+                raise ConfigValueError(f"fixed_scaling[{i}].merges", f"{unknown[0]!r} is not among benchmark.merges "
+                                                                     f"({', '.join(self.merges)})")
+        return self
 
     @model_validator(mode="after")
     def _selected_needs_an_uncalibrated_chain(self) -> "Benchmark":

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
-                     jsonable_diagnostics, merge_values, recipe_cell, recipe_trials, select_scaling, summaries,
+                     jsonable_diagnostics, matrix_chains, recipe_cell, recipe_trials, select_scaling, summaries,
                      uses_sensitivity, validation_averages)
 from ..config import Params
 
@@ -26,19 +26,17 @@ def cells(params: Params) -> list[Cell]:
     track, out = params.vision, []
     for regime in track.regimes:
         out += [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), regime, ref, "") for ref in REFERENCES]
-        for merge, values in params.benchmark.merges.items():
-            values, grid = merge_values(values)
-            for chain in params.benchmark.chains:
-                steps = []
-                for step in Recipe.parse(chain.replace("{merge}", merge)).steps:
-                    if step.phase == "merge":
-                        steps.append((step.name, values))
-                    elif step.name == "distac":
-                        steps.append(("distac", distac_params(params, regime).model_dump()))
-                    else:
-                        steps.append((step.name, step.params.model_dump()))
-                out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, regime, merge, chain,
-                                       steps, grid))
+        for merge, chain, values, grid in matrix_chains(params):
+            steps = []
+            for step in Recipe.parse(chain.replace("{merge}", merge)).steps:
+                if step.phase == "merge":
+                    steps.append((step.name, values))
+                elif step.name == "distac":
+                    steps.append(("distac", distac_params(params, regime).model_dump()))
+                else:
+                    steps.append((step.name, step.params.model_dump()))
+            out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, regime, merge, chain,
+                                   steps, grid))
     return out
 
 

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from ..cells import REFERENCES, Cell, CellResult, base_params, cell_grid, flat_params, jsonable_diagnostics, \
-    merge_values, recipe_cell, select_scaling
+    matrix_chains, recipe_cell, select_scaling
 from ..config import Params
 
 NAME = "llm"
@@ -28,10 +28,8 @@ def _chains(params: Params):
     """(merge, chain, values, grid, recipe) of every chain around every merge method."""
     from ...recipe import Recipe
 
-    for merge, values in params.benchmark.merges.items():
-        values, grid = merge_values(values)
-        for chain in params.benchmark.chains:
-            yield merge, chain, values, grid, Recipe.parse(chain.replace("{merge}", merge))
+    for merge, chain, values, grid in matrix_chains(params):
+        yield merge, chain, values, grid, Recipe.parse(chain.replace("{merge}", merge))
 
 
 def family_cells(params: Params, track: str, backbone: str, task_set: str, tasks) -> list[Cell]:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
-                     jsonable_diagnostics, merge_values, recipe_cell, recipe_trials, select_scaling, summaries,
+                     jsonable_diagnostics, matrix_chains, recipe_cell, recipe_trials, select_scaling, summaries,
                      validation_averages)
 from ..config import Params
 
@@ -26,15 +26,13 @@ def cells(params: Params) -> list[Cell]:
 
     track = params.text
     out = [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", ref, "") for ref in REFERENCES]
-    for merge, values in params.benchmark.merges.items():
-        values, grid = merge_values(values)
-        for chain in params.benchmark.chains:
-            recipe = Recipe.parse(chain.replace("{merge}", merge))
-            if any(s.needs_data for s in recipe.steps):
-                continue
-            steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
-            out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, "standard", merge, chain,
-                                   steps, grid))
+    for merge, chain, values, grid in matrix_chains(params):
+        recipe = Recipe.parse(chain.replace("{merge}", merge))
+        if any(s.needs_data for s in recipe.steps):
+            continue
+        steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
+        out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, "standard", merge, chain,
+                               steps, grid))
     return out
 
 
@@ -43,12 +41,11 @@ def skipped(params: Params) -> list[tuple[Cell, str]]:
     from ...recipe import Recipe
 
     track, out = params.text, []
-    for merge in params.benchmark.merges:
-        for chain in params.benchmark.chains:
-            recipe = Recipe.parse(chain.replace("{merge}", merge))
-            if any(s.needs_data for s in recipe.steps):
-                out.append((Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
-                                 recipe.label), SKIP_REASON))
+    for merge, chain, _, _ in matrix_chains(params):
+        recipe = Recipe.parse(chain.replace("{merge}", merge))
+        if any(s.needs_data for s in recipe.steps):
+            out.append((Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
+                             recipe.label), SKIP_REASON))
     return out
 
 
