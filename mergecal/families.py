@@ -5,7 +5,7 @@ reuse): the qualified names of the hooked modules, the layout of each module's o
 the batch, which the token position), how to run the model on a batch, and which module types are affine
 in their parameters (so that a scalar or per-output-channel feature rescaling can be folded into weights).
 
-Registered families (see ../shared/notes/reference-details.md, MAGIC, **FSC**):
+Registered families (see docs/references.md, MAGIC, **FSC**):
 
 - ``open_clip_vit``: the VISUAL tower of an open_clip ``VisionTransformer`` (standalone, inside ``CLIP``,
   or inside any wrapper): ``visual.conv1``, ``visual.ln_pre``, per resblock ``ln_1``, ``attn`` (the

@@ -1,6 +1,6 @@
 """Named key-selection rules: each method states exactly which state-dict keys it touches.
 
-The rules follow ../shared/notes/reference-details.md ("Which parameters each method touches").
+The rules follow the authors' code (docs/references.md, "Which parameters each method touches").
 A rule sees a key's name, shape and dtype only, so it can be applied to checkpoint metadata
 without loading tensors. The authors wrote their rules for open_clip names; ``key_role`` lets a rule pick the
 same parameters (by role) under HF CLIP, BERT-family and Llama names too.

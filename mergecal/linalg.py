@@ -29,10 +29,6 @@ def polar_factor(matrix: torch.Tensor, *, float64: bool = False) -> torch.Tensor
     return U @ Vh
 
 
-def is_matrix(shape: tuple[int, ...] | torch.Size) -> bool:
-    return len(shape) == 2
-
-
 # --------------------------------------------------------------------------------------------------
 # Gram-matrix route (the default for TSV-M, Iso-C and Iso-CTS): exact, no truncated or randomized step.
 #

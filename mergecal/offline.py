@@ -1,4 +1,4 @@
-"""The environment that keeps the stack offline and quiet (../shared/notes/stack.md), its OpenMP threads
+"""The environment that keeps the stack offline and quiet (docs/references.md), its OpenMP threads
 passive and its CPU kernels pinned, defined once. The stage scripts and the tests apply all of it; the model
 loaders apply the hub part before importing transformers or lm-eval. The Makefile exports the same variables
 for dvc and the servers it starts (a test keeps them equal)."""

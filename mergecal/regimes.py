@@ -1,5 +1,5 @@
 """The benchmark's regimes, defined once: the conditions of the fine-tuned models that a merge starts from
-(DisTaC's failure modes, ../shared/papers/distac-task-vector-conditioning.txt).
+(DisTaC's failure modes, Yoshida et al., arXiv:2508.01148).
 
 * ``standard``: every task fine-tuned with the base learning rate and plain cross-entropy;
 * ``norm_mismatch``: as standard, except one task fine-tuned at a multiple of the learning rate, so that its task

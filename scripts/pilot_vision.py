@@ -9,7 +9,7 @@ Stages, each timed with the machine's load average beside it (the machine is sha
 (``build_vision_suite``, written to disk and read back as the pipeline does), contrastive pretraining,
 zero-shot accuracy, the fine-tunes (8 standard, 8 low_confidence, 1 norm_mismatch by default), individual
 accuracy, task arithmetic theta_0 + lambda * sum_t tau_t over a lambda grid chosen by average normalized
-VALIDATION accuracy (reference-details.md), test accuracies reported. Prints one table.
+VALIDATION accuracy (docs/references.md), test accuracies reported. Prints one table.
 
 Testbed diagnostics beside it: each task vector's norm relative to the pretrained image encoder's
 (||tau_t|| / ||theta_0||), the task vectors' pairwise cosines, the MAGIC probe set (``letters``) scored zero-shot

@@ -405,7 +405,7 @@ def test_iso_c_matches_reference(tvs, scaling):
 
 
 def test_iso_c_decomposes_the_sum_not_the_mean():
-    """iso-merging / FusionBench and reference-details decompose sum_t tau_t; task_singular_vectors'
+    """iso-merging / FusionBench and docs/references.md decompose sum_t tau_t; task_singular_vectors'
     src/utils/iso.py decomposes the mean (1/K the scale). The library follows the sum."""
     models = make_task_vectors(3)
     lib = run_library(models, "iso_c")
@@ -440,7 +440,7 @@ def test_iso_cts_uses_task_specific_directions(tvs):
 
 
 def test_iso_cts_residual_is_against_common_left_space_only():
-    """reference-details: each task contributes the top triplets of tau_t - U_c U_c^T tau_t. A two-sided
+    """docs/references.md: each task contributes the top triplets of tau_t - U_c U_c^T tau_t. A two-sided
     projection (also removing V_c) would give a different merge; the library must match the one-sided one."""
     models = make_task_vectors(3)
     key = "blocks.0.attn.out_proj.weight"
@@ -469,7 +469,7 @@ def test_iso_cts_residual_is_against_common_left_space_only():
 @pytest.mark.parametrize("K", [2, 3, 5, 8, 14, 20])
 @pytest.mark.parametrize("fraction", [0.8, 0.5])
 def test_iso_cts_rank_split_follows_spec(r, K, fraction):
-    """reference-details: k_c from the fraction, rounded so that the rest divides by K; the library uses the
+    """docs/references.md: k_c from the fraction, rounded so that the rest divides by K; the library uses the
     original's rounding (iso-merging / FusionBench): common = int(r f), task total = round((r - common)/K)*K."""
     common, per_task = lib_iso_cts_ranks(r, K, fraction)
     assert (common, per_task) == ref.iso_cts_ranks(r, K, fraction, "original")

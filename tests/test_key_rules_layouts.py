@@ -1,7 +1,7 @@
 """Key rules by role, whatever the naming layout: open_clip, HF CLIP, BERT family and Llama (issue #13, item 8).
 
 Every state dict is a real tiny model's (nothing downloaded), cut to its first layer, and each test lists the
-exact keys a rule covers. The decisions per role (reference-details.md, "Which parameters each method touches"):
+exact keys a rule covers. The decisions per role (docs/references.md, "Which parameters each method touches"):
 - patch embedding (4-D conv): WSC only;
 - position / class / token embeddings (Llama's ``lm_head`` too: the output embedding, one tensor with
   ``embed_tokens`` when tied): TSV-M/Iso only; never SVC (authors: no 'embedding') nor WSC (authors: left alone);

@@ -392,10 +392,9 @@ def test_bad_inputs_fail_their_tracks_cells_with_one_line_and_other_tracks_go_on
     assert not marker.exists()
 
 
-def test_the_readme_example_of_local_clip_tracks_is_valid_params():
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text.split("## Your own models", 1)[1].split("\n## ", 1)[0]
-    blocks = [block.split("```", 1)[0] for block in section.split("```yaml\n")[1:]]
+def test_the_manual_example_of_local_clip_tracks_is_valid_params():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "own-models.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in text.split("```yaml\n")[1:]]
     example = next(block for block in blocks if block.startswith("local_clip:"))
     params = parse_params(yaml.safe_load(example))
     assert [t.name for t in params.local_clip] == ["vitb32-fusionbench", "vitb32-task-vectors"]

@@ -487,9 +487,9 @@ def test_a_task_with_fewer_test_documents_than_min_test_is_refused(checkpoints, 
     assert report["tasks"] == {} and "base" not in report
 
 
-def test_the_readme_example_of_local_tracks_is_valid_params():
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    example = text.split("## Your own models", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+def test_the_manual_example_of_local_tracks_is_valid_params():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "own-models.md").read_text()
+    example = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     params = parse_params(yaml.safe_load(example))
     assert [t.name for t in params.local_llm] == ["lab-llama-1b", "lab-mistral-7b", "lab-llama-1b-registry"]
     assert params.local_llm[1].tasks["gsm8k_local"].validation == "gsm8k_local_validation"

@@ -36,6 +36,19 @@ def test_every_run_time_import_of_the_project_is_in_lazy_imports():
         assert found and found <= files.keys(), (module, found)
 
 
+def test_benchmark_stage_reruns_when_any_built_in_track_is_switched_on_or_off():
+    """`<track>.enabled` decides which cells the benchmark stage runs: each built-in track's switch is among
+    its params deps (vision's was missing, so turning the vision track off left DVC's benchmark up to date)."""
+    from mergecal.pipeline.config import Params
+
+    sections = [name for name, field in Params.model_fields.items()
+                if "enabled" in getattr(field.annotation, "model_fields", {})]
+    assert sections == ["vision", "text", "llm"]
+    params = stage_deps.load_stages((REPO / "dvc.yaml").read_text())["benchmark"]["params"]
+    missing = [f"{name}.enabled" for name in sections if f"{name}.enabled" not in params and name not in params]
+    assert not missing, f"dvc.yaml: benchmark's params lack {missing}"
+
+
 def write(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,9 @@ The custom architectures are registered with ``open_clip.add_model_config`` (a J
 temporary file) and built by ``open_clip.create_model_and_transforms(name, pretrained=None)``, so their
 parameter names are those of ViT-B/32 (``visual.conv1.weight``, ``visual.transformer.resblocks.0.attn.in_proj_weight``,
 ``token_embedding.weight``, ``logit_scale``, ...) and merging code written for CLIP ViT-B/32 runs on them unchanged
-(../shared/notes/stack.md, open_clip section).
+(docs/references.md, "Offline materials and stack").
 
-Zero-shot heads follow the evaluation protocol of Ilharco et al. / task_vectors (reference-details.md): per class,
+Zero-shot heads follow the evaluation protocol of Ilharco et al. / task_vectors (docs/references.md): per class,
 encode every template, L2-normalise, average, renormalise; logits = logit_scale * normalize(encode_image(x)) @ W.
 """
 

@@ -1,6 +1,6 @@
 """Confidence of a classifier's predictions: entropy, expected calibration error and temperature scaling.
 
-DisTaC (../shared/papers/distac-task-vector-conditioning.txt, Sec. 3.2, 4.2 and 6.2) makes low-confidence
+DisTaC (Yoshida et al., arXiv:2508.01148, Sec. 3.2, 4.2 and 6.2) makes low-confidence
 source models over-confident before merging, measured by the mean prediction entropy, and advises restoring
 reliable confidence afterwards with post-hoc temperature scaling of the merged model (Guo et al., 2017).
 All functions take logits [N, C] (and integer labels [N]) and compute in float64.

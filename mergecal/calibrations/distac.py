@@ -1,5 +1,5 @@
-"""DisTaC, Distillation for Task-vector Conditioning, after ../shared/papers/distac-task-vector-conditioning.txt
-(Algorithm 1, Sec. 4-5, Appendix B) and the authors' code (../shared/notes/reference-details.md, "DisTaC").
+"""DisTaC, Distillation for Task-vector Conditioning, after Yoshida et al., arXiv:2508.01148
+(Algorithm 1, Sec. 4-5, Appendix B) and the authors' code (docs/references.md, "DisTaC").
 
 DisTaC pre-conditions ONE task vector tau_t = theta_t - theta_pre before merging (Algorithm 1):
 

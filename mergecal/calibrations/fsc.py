@@ -1,5 +1,5 @@
-"""MAGIC's FSC, Feature Space Calibration, after ../shared/papers/magic-magnitude-calibration.txt (Sec. II-D,
-III-B, Algorithm 1, Eq. 18-19) and the **FSC** paragraph of ../shared/notes/reference-details.md (authoritative).
+"""MAGIC's FSC, Feature Space Calibration, after MAGIC, Li et al., arXiv:2512.19320 (Sec. II-D,
+III-B, Algorithm 1, Eq. 18-19) and the authors' code (docs/references.md, MAGIC, **FSC**; authoritative).
 
 Measurement, for each hooked module m (see ``mergecal.families``) and each task t with its own unlabeled
 batch x_t (``n_samples_per_task`` samples, default 1):
@@ -66,7 +66,7 @@ RAW_RATIOS_FILE = "raw_ratios.safetensors"
 
 
 class FscParams(CalibrationParams):
-    """FSC hyperparameters (defaults: the paper's and reference-details')."""
+    """FSC hyperparameters (defaults: the paper's and the authors' code's, docs/references.md)."""
 
     n_samples_per_task: Count = 1  # unlabeled samples per task (paper: 1)
     norm: Literal["l1", "l2"] = "l1"  # norm over the feature dimension
@@ -407,7 +407,7 @@ class _Site(nn.Module):
 
 
 class FeatureCalibratedModel(nn.Module):
-    """The merged model with FSC applied (reference-details, MAGIC **FSC**).
+    """The merged model with FSC applied (docs/references.md, MAGIC **FSC**).
 
     ``model`` is the merged model whose ``folded`` modules already hold p0 + r (pm - p0) and whose
     ``hooked`` modules carry a forward hook computing f0(x) + r (fm(x) - f0(x)) with a pretrained copy

@@ -1,5 +1,5 @@
-"""SVC, Singular Value Calibration (data-free), after ../shared/papers/svc-singular-value-calibration.txt
-(Algorithm 1) and the authors' code (../shared/notes/reference-details.md).
+"""SVC, Singular Value Calibration (data-free), after Li et al., arXiv:2602.05536
+(Algorithm 1) and the authors' code (docs/references.md).
 
 Per calibrated 2-D key, with dW_m the merged update and dW_i the task matrices:
   1. thin SVD dW_m = U S V^T;
@@ -49,7 +49,7 @@ from .base import CalibrationParams, WeightCalibration
 from .registry import register_calibration
 
 
-#: the authors' alpha per merge method it follows, where it is not 1/K (reference-details.md): suppression only
+#: the authors' alpha per merge method it follows, where it is not 1/K (docs/references.md): suppression only
 #: after TSV-M. ``Recipe`` fills it in for an svc step without an explicit alpha, so the API and the pipeline agree.
 AUTHORS_ALPHA = {"tsv_m": 1.0}
 

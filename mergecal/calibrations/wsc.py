@@ -1,5 +1,5 @@
-"""MAGIC's WSC, Weight Space Calibration (data-free), after ../shared/papers/magic-magnitude-calibration.txt
-(Algorithm 2, Eq. 20-22) and the authors' code (../shared/notes/reference-details.md).
+"""MAGIC's WSC, Weight Space Calibration (data-free), after MAGIC, Li et al., arXiv:2512.19320
+(Algorithm 2, Eq. 20-22) and the authors' code (docs/references.md).
 
 For every covered key (rule ``wsc_weights``: keys containing 'weight' with >= 2 dimensions, reshaped to
 [out, -1], so conv1 is included; 1-D keys, LayerNorms, embeddings and final projections are left alone, in

@@ -1,1 +1,1 @@
-"""Task suites built offline from what ships in packages (see ../shared/notes/offline-materials.md)."""
+"""Task suites built offline from what ships in packages (see docs/references.md, "Offline materials and stack")."""

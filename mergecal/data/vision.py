@@ -1,7 +1,7 @@
 """The default vision task suite: procedurally rendered, captioned images, generated offline and deterministically.
 
 Datasets (each image carries every attribute; tasks read different attributes of the SAME images, so their
-task vectors conflict when merged, as the pilot in ../shared/notes/offline-materials.md showed):
+task vectors conflict when merged, as an early pilot showed: docs/references.md):
 
 * ``scenes``: 1-4 identical objects on a textured background -> tasks ``shapes`` (6), ``colors`` (8),
   ``counts`` (4), ``textures`` (6);
@@ -477,7 +477,7 @@ def handwritten_splits(*, seed: int = 0, n_test: int = 597, image_size: int = 32
 
 
 def validation_indices(n_train: int, seed: int = 0, fraction: float = 0.1, cap: int = 5000) -> np.ndarray:
-    """The validation split: 10% of train (at most 5000), a fixed seeded choice (reference-details)."""
+    """The validation split: 10% of train (at most 5000), a fixed seeded choice (docs/references.md)."""
     n_val = min(cap, int(round(fraction * n_train)))
     return np.sort(np.random.default_rng(seed).permutation(n_train)[:n_val])
 

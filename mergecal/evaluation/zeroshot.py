@@ -1,6 +1,6 @@
 """Accuracy, mean prediction entropy and ECE of a CLIP model with a zero-shot (or any linear) head on a split.
 
-Logits follow the evaluation protocol (reference-details.md): logit_scale * normalize(encode_image(x)) @ W, with
+Logits follow the evaluation protocol (docs/references.md): logit_scale * normalize(encode_image(x)) @ W, with
 W from ``zero_shot_head``. Entropy and ECE are ``mergecal.calibrations.confidence``'s (float64, 15 bins).
 """
 

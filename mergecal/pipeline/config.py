@@ -718,9 +718,6 @@ class Params(Strict):
                 seen.add(track.name)
         return self
 
-    def tracks(self) -> list[VisionTrack | TextTrack | LlmTrack]:
-        return [t for t in (self.vision, self.text, self.llm) if t.enabled]
-
 
 def _one_line(err: ValidationError, source: str) -> str:
     first = err.errors()[0]

@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import MergecalError
-
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
 
 # Every tag the pipeline writes, named once here; the reports read them by these names (mergecal.reports.runs).
@@ -159,9 +157,3 @@ class Tracker:
             for name, content in files.items():
                 (Path(tmp) / f"{name}.json").write_text(json.dumps(content, indent=1, sort_keys=True))
             self.client.log_artifacts(run_id, tmp, artifact_path)
-
-
-def check_store(root: str | Path, store: str) -> None:
-    directory = store_dir(root, store)
-    if directory.exists() and not directory.is_dir():
-        raise MergecalError(f"{directory}: tracking.store must be a directory")

@@ -1,7 +1,7 @@
 """Fine-tuning a CLIP image encoder on one task, following Ilharco et al. (task_vectors, ICLR 2023).
 
 Only the image encoder (``visual.*``) is trained; the classifier is the task's zero-shot head, frozen, so the
-logits are logit_scale * normalize(encode_image(x)) @ W (reference-details.md, "Evaluation protocol").
+logits are logit_scale * normalize(encode_image(x)) @ W (docs/references.md, "Evaluation protocol").
 Cross-entropy, AdamW with weight decay 0.1, linear warmup then cosine decay, seeded batches.
 
 Objectives (``regime``; the benchmark's regimes are built from them, ``mergecal.regimes``):
