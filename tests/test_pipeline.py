@@ -122,16 +122,20 @@ def test_cells_cover_the_matrix_with_distinct_ids(built):
     cells = cells_mod.enumerate_cells(params)
     n_regimes, n_merges, n_chains = (len(params.vision.regimes), len(params.benchmark.merges),
                                      len(params.benchmark.chains))
+    # plus the smoke matrix's one fixed-scaling protocol: task arithmetic at 0.3, alone and with WSC
+    (fixed,) = params.benchmark.fixed_scaling
+    n_fixed = len(fixed.merges) * len(fixed.chains)
     vision_cells = [c for c in cells if c.track == "vision"]
-    assert len(vision_cells) == n_regimes * (2 + n_merges * n_chains)
+    assert len(vision_cells) == n_regimes * (2 + n_merges * n_chains + n_fixed)
+    assert {c.calibration for c in vision_cells if "@" in c.calibration} == {"none@λ=0.3", "wsc@λ=0.3"}
     # the text track runs the weight-space chains only ("{merge}" and "{merge}>svc" in the smoke matrix)
     text_cells = [c for c in cells if c.track == "text"]
     assert sorted(c.chain for c in text_cells if c.merge == "ties") == ["{merge}", "{merge}>svc"]
-    assert len(text_cells) == 2 + n_merges * 2
+    assert len(text_cells) == 2 + n_merges * 2 + n_fixed
     # so does the LLM track; the chains with DisTaC or DSC are listed as skipped, with the reason
     llm_cells = [c for c in cells if c.track == "llm"]
     assert sorted(c.chain for c in llm_cells if c.merge == "ties") == ["{merge}", "{merge}>svc"]
-    assert len(llm_cells) == 2 + n_merges * 2
+    assert len(llm_cells) == 2 + n_merges * 2 + n_fixed
     from mergecal.pipeline.tracks import skipped_cells
 
     skipped = skipped_cells(params)
