@@ -57,13 +57,19 @@ def lab(tmp_path_factory):
 
 def test_the_probe_ranks_image_encoder_keys_once_per_track_deterministically(lab):
     from mergecal.calibrations.probing import SensitivityRanking
+    from mergecal.keys import get_key_rule
 
     root, params, track = lab
     path = calibration.sensitivity_path(track, root)
     ranking = SensitivityRanking.load(path)
     assert len(ranking.sensitive) == 3 and all(k.startswith("visual.") for k, _ in ranking.scores)
-    assert len(ranking.scores) == len(local_clip.visual_keys(local_clip.open_checkpoint(
-        local_clip.pretrained_path(track, root))))
+    # the candidates are MAGIC's layers (probing.candidates: the weight matrices WSC calibrates), each with its interval
+    checkpoint = local_clip.open_checkpoint(local_clip.pretrained_path(track, root))
+    layers = get_key_rule("wsc_weights")
+    expected = [k for k in local_clip.visual_keys(checkpoint)
+                if layers.matches(k, tuple(checkpoint.get(k).shape), checkpoint.get(k).dtype)]
+    assert sorted(k for k, _ in ranking.scores) == sorted(expected) and set(ranking.drops) == set(expected)
+    assert ranking.metadata["metric"] == "nll" and ranking.top_separated is not None
     again = calibration.probe(params, track, root)
     assert again["sensitive"] == ranking.sensitive and SensitivityRanking.load(path).scores == ranking.scores
 

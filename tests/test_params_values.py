@@ -85,6 +85,8 @@ MUTATIONS = [
     ("probing.scale", "-1.1", "probing.scale", "greater than 0"),
     ("probing.top", "-3", "probing.top", "greater than or equal to 0"),
     ("probing.max_samples", '"256"', "probing.max_samples", "valid integer"),
+    ("probing.metric", "loss", "probing.metric", "Input should be 'accuracy' or 'nll'"),
+    ("probing.candidates", "weights", "probing.candidates", "Input should be 'layers' or 'all'"),
     ("runner.max_workers", "0", "runner.max_workers", "greater than or equal to 1"),
     ("runner.retries", "-1", "runner.retries", "greater than or equal to 0"),
     ("runner.retry_delay_seconds", ".nan", "runner.retry_delay_seconds", "finite number"),
