@@ -26,7 +26,7 @@ def _params(root, track: dict, **evaluation):
     data = {"vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
             "probing": {"max_samples": 12, "top": 3},
             "benchmark": {"merges": {"task_arithmetic": {"scaling": [0.3, 1.0]}}, "chains": CHAINS,
-                          "evaluation": {"fsc_samples_per_task": 2, "distac_samples": 16, **evaluation}},
+                          "evaluation": {"distac_samples": 16, **evaluation}},
             "local_clip": [track]}
     (root / "params.yaml").write_text(yaml.safe_dump(data))
     return load_params(root / "params.yaml")
@@ -234,3 +234,16 @@ def test_a_tracks_distac_is_the_papers_preset_unless_it_overrides_it():
             step.apply_to) == (500, 128, 1e-5, 0.5, 10.0, 10.0, None, "largest_norm")
     assert parse_params({"local_clip": [{**track, "distac": {"preset": "low_confidence"}}]}).local_clip[0] \
         .distac_step().apply_to == "all"
+
+
+def test_fsc_reads_exactly_the_fsc_steps_sample_count(lab):
+    """The count the recipe id states (``fsc(n_samples_per_task=...)``) is the count loaded: no other setting."""
+    from mergecal.calibrations.fsc import FscParams
+    from mergecal.pipeline.tracks.local_clip import _fsc_data
+
+    root, params, track = lab
+    tasks = list(track.finetuned)
+    data = _fsc_data(params, track, root, tasks, 32, FscParams(n_samples_per_task=3))
+    assert [len(batch) for batch in data] == [3] * len(tasks)
+    shared = _fsc_data(params, track, root, tasks, 32, FscParams(n_samples_per_task=1, data="task_agnostic"))
+    assert [len(batch) for batch in shared] == [len(tasks)]

@@ -539,7 +539,6 @@ class Probing(Strict):
 class Evaluation(Strict):
     batch_size: Count = 256
     max_validation: Count = 200  # validation examples per task for choosing the scaling
-    fsc_samples_per_task: Count = 8  # samples per task that FSC measures its ratios on
     distac_samples: Count = 512  # unlabeled train samples per task for DisTaC
 
 
