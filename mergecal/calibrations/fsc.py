@@ -1,5 +1,5 @@
-"""MAGIC's FSC, Feature Space Calibration, after ../shared/papers/magic-magnitude-calibration.txt (Sec. II-D,
-III-B, Algorithm 1, Eq. 18-19) and the **FSC** paragraph of ../shared/notes/reference-details.md (authoritative).
+"""MAGIC's FSC, Feature Space Calibration, after the MAGIC paper (Sec. II-D, III-B, Algorithm 1, Eq. 18-19) and
+its authors' code (docs/library.md, "MAGIC's protocol").
 
 Measurement, for each hooked module m (see ``mergecal.families``) and each task t with its own unlabeled
 batch x_t (``n_samples_per_task`` samples, default 1):
