@@ -75,30 +75,31 @@ def test_importing_the_recipe_module_loads_no_calibration_module():
 #: (default 'gram', #17) is written into their ids, and
 #: so is SVC's (default 'gram' too, #17, 2026-11-25); SVC's protocol `calibrate_at` (default 'unit_scaling': the merge
 #: at scaling 1, #29, 2026-11-26) is written into every svc id, so cells of the two protocols never share a cache
-#: entry. (recipe text, label, id, digest)
+#: entry; WSC's `granularity` (default 'row', the authors' code, #29) is written into every WSC/DSC id.
+#: (recipe text, label, id, digest)
 RECIPE_IDS = [
     ('distac(preset=norm_mismatch)->tsv_m->svc(alpha=1.0)->dsc',
      'distac→tsv_m→svc→dsc',
-     "distac(apply_to='largest_norm',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',seed=0,steps=500,t_student=10.0,t_teacher=10.0)→tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0,solver='gram')→svc(alpha=1.0,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
-     '9b34e68277bf7cf9'),
+     "distac(apply_to='largest_norm',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',seed=0,steps=500,t_student=10.0,t_teacher=10.0)→tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0,solver='gram')→svc(alpha=1.0,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
+     '2e0db950b641c031'),
     ('distac(preset=low_confidence, steps=50)->ties(top_k=0.3)->svc->wsc(projection=least_squares)->dsc_a',
      'distac→ties→svc→wsc→dsc_a',
-     "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=1.0,lr=1e-05,optimizer='adam',seed=0,steps=50,t_student=10.0,t_teacher=1.0)→ties(disjoint='mean',scaling=1.0,sign_vote='mass',top_k=0.3,trim_scope='global')→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(key_rule='wsc_weights',projection='least_squares',sensitive=None)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
-     '5ed1a929e493ad1e'),
+     "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=1.0,lr=1e-05,optimizer='adam',seed=0,steps=50,t_student=10.0,t_teacher=1.0)→ties(disjoint='mean',scaling=1.0,sign_vote='mass',top_k=0.3,trim_scope='global')→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(granularity='row',key_rule='wsc_weights',projection='least_squares',sensitive=None)→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
+     '0edd6d221b23d3a9'),
     ('task_arithmetic(scaling=0.3)->svc(targeted_task=1, space=row)->dsc(wsc={projection: least_squares, '
      'sensitive: [a.weight]}, fsc={n_samples_per_task: 4, norm: l2})',
      'task_arithmetic→svc→dsc',
-     "task_arithmetic(scaling=0.3)→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='row',targeted_task=1)→wsc(key_rule='wsc_weights',projection='least_squares',sensitive=['a.weight'])→fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=4,norm='l2',sensitive=None,token_ratios='per_token')",
-     'a31a79b3aee9236e'),
+     "task_arithmetic(scaling=0.3)→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='row',targeted_task=1)→wsc(granularity='row',key_rule='wsc_weights',projection='least_squares',sensitive=['a.weight'])→fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=4,norm='l2',sensitive=None,token_ratios='per_token')",
+     'fad6832679abef5b'),
     ('consensus(mask_lambda=[0.2, 0.3])->wsc->svc(calibrate_at=chosen_scaling)'
      '->fsc(data=task_agnostic, token_ratios=mean)',
      'consensus→wsc→svc→fsc',
-     "consensus(mask_lambda=[0.2,0.3],min_agreement=2,scaling=0.3)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→svc(alpha=None,calibrate_at='chosen_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='mean')",
-     '4943f95c4f49f1fe'),
+     "consensus(mask_lambda=[0.2,0.3],min_agreement=2,scaling=0.3)→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→svc(alpha=None,calibrate_at='chosen_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='mean')",
+     'c88fc23b58cb3732'),
     ('tsv_m->dsc_a(fsc={n_samples_per_task: 2})',
      'tsv_m→dsc_a',
-     "tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0,solver='gram')→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=2,norm='l1',sensitive=None,token_ratios='per_token')",
-     'e56817ce08ddfc6f'),
+     "tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0,solver='gram')→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=2,norm='l1',sensitive=None,token_ratios='per_token')",
+     '339f3ea10a88dfee'),
     ('iso_cts>svc(calibrate_vectors=true, float64=true)',
      'iso_cts→svc',
      "iso_cts(common_space_fraction=0.8,float64=False,key_rule='matrices_except_text_projection',scaling=1.0,solver='gram')→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=True,float64=True,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)",
@@ -106,7 +107,7 @@ RECIPE_IDS = [
 ]
 
 CONFIG = ('distac→dare→svc→dsc',
-          "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',seed=0,steps=500,t_student=10.0,t_teacher=10.0)→dare(base='task_arithmetic',disjoint='mean',drop_rate=0.5,rescale='inverse_keep',scaling=0.3,seed=0,sign_vote='mass',top_k=0.2,trim_scope='global')→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')")
+          "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',seed=0,steps=500,t_student=10.0,t_teacher=10.0)→dare(base='task_arithmetic',disjoint='mean',drop_rate=0.5,rescale='inverse_keep',scaling=0.3,seed=0,sign_vote='mass',top_k=0.2,trim_scope='global')→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')")
 
 
 @pytest.mark.parametrize("text,label,recipe_id,digest", RECIPE_IDS)
@@ -128,7 +129,7 @@ def test_recipe_ids_from_a_config_list_are_unchanged():
     ("ties->dsc(wcs={})", ParameterError, "recipe: dsc takes 'wsc' and 'fsc' parameter groups, not 'wcs'"),
     ("ties->dsc(fsc=3)", ParameterError, "recipe: dsc: 'fsc' must be a mapping of parameters"),
     ("ties->dsc_a(wsc={alpha: 1})", ParameterError,
-     "wsc: unknown parameter 'alpha'; allowed: sensitive, projection, key_rule"),
+     "wsc: unknown parameter 'alpha'; allowed: sensitive, projection, key_rule, granularity"),
     ("ties->dsc->fsc", ParameterError, "recipe: at most one feature-space step (fsc / dsc) is allowed"),
 ])
 def test_error_messages_are_unchanged(text, error, message):

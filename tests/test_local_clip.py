@@ -250,7 +250,7 @@ def _write_params(root: Path, tracks: list[dict], name: str,
                   chains=("{merge}", "{merge}>svc", "{merge}>wsc", "{merge}>dsc"), scaling=(0.3, 1.0)) -> str:
     data = {"vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
             "benchmark": {"merges": {"task_arithmetic": {"scaling": list(scaling)}}, "chains": list(chains),
-                          "evaluation": {"fsc_samples_per_task": 2, "distac_samples": 16}},
+                          "evaluation": {"distac_samples": 16}},
             "probing": {"max_samples": 30, "top": 3},  # 20 train images a task
             "local_clip": [{"distac": {"steps": 2, "batch_size": 8}, **t} for t in tracks]}
     (root / name).write_text(yaml.safe_dump(data))

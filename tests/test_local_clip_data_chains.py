@@ -26,7 +26,7 @@ def _params(root, track: dict, **evaluation):
     data = {"vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
             "probing": {"max_samples": 12, "top": 3},
             "benchmark": {"merges": {"task_arithmetic": {"scaling": [0.3, 1.0]}}, "chains": CHAINS,
-                          "evaluation": {"fsc_samples_per_task": 2, "distac_samples": 16, **evaluation}},
+                          "evaluation": {"distac_samples": 16, **evaluation}},
             "local_clip": [track]}
     (root / "params.yaml").write_text(yaml.safe_dump(data))
     return load_params(root / "params.yaml")
@@ -57,13 +57,19 @@ def lab(tmp_path_factory):
 
 def test_the_probe_ranks_image_encoder_keys_once_per_track_deterministically(lab):
     from mergecal.calibrations.probing import SensitivityRanking
+    from mergecal.keys import get_key_rule
 
     root, params, track = lab
     path = calibration.sensitivity_path(track, root)
     ranking = SensitivityRanking.load(path)
     assert len(ranking.sensitive) == 3 and all(k.startswith("visual.") for k, _ in ranking.scores)
-    assert len(ranking.scores) == len(local_clip.visual_keys(local_clip.open_checkpoint(
-        local_clip.pretrained_path(track, root))))
+    # the candidates are MAGIC's layers (probing.candidates: the weight matrices WSC calibrates), each with its interval
+    checkpoint = local_clip.open_checkpoint(local_clip.pretrained_path(track, root))
+    layers = get_key_rule("wsc_weights")
+    expected = [k for k in local_clip.visual_keys(checkpoint)
+                if layers.matches(k, tuple(checkpoint.get(k).shape), checkpoint.get(k).dtype)]
+    assert sorted(k for k, _ in ranking.scores) == sorted(expected) and set(ranking.drops) == set(expected)
+    assert ranking.metadata["metric"] == "nll" and ranking.top_separated is not None
     again = calibration.probe(params, track, root)
     assert again["sensitive"] == ranking.sensitive and SensitivityRanking.load(path).scores == ranking.scores
 
@@ -228,3 +234,16 @@ def test_a_tracks_distac_is_the_papers_preset_unless_it_overrides_it():
             step.apply_to) == (500, 128, 1e-5, 0.5, 10.0, 10.0, None, "largest_norm")
     assert parse_params({"local_clip": [{**track, "distac": {"preset": "low_confidence"}}]}).local_clip[0] \
         .distac_step().apply_to == "all"
+
+
+def test_fsc_reads_exactly_the_fsc_steps_sample_count(lab):
+    """The count the recipe id states (``fsc(n_samples_per_task=...)``) is the count loaded: no other setting."""
+    from mergecal.calibrations.fsc import FscParams
+    from mergecal.pipeline.tracks.local_clip import _fsc_data
+
+    root, params, track = lab
+    tasks = list(track.finetuned)
+    data = _fsc_data(params, track, root, tasks, 32, FscParams(n_samples_per_task=3))
+    assert [len(batch) for batch in data] == [3] * len(tasks)
+    shared = _fsc_data(params, track, root, tasks, 32, FscParams(n_samples_per_task=1, data="task_agnostic"))
+    assert [len(batch) for batch in shared] == [len(tasks)]

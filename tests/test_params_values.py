@@ -85,6 +85,11 @@ MUTATIONS = [
     ("probing.scale", "-1.1", "probing.scale", "greater than 0"),
     ("probing.top", "-3", "probing.top", "greater than or equal to 0"),
     ("probing.max_samples", '"256"', "probing.max_samples", "valid integer"),
+    # FSC's sample count is the FSC step's n_samples_per_task (in its recipe id); the old setting was never used
+    ("benchmark.evaluation.fsc_samples_per_task", "8", "benchmark.evaluation.fsc_samples_per_task",
+     "unknown key; allowed: batch_size, max_validation, distac_samples"),
+    ("probing.metric", "loss", "probing.metric", "Input should be 'accuracy' or 'nll'"),
+    ("probing.candidates", "weights", "probing.candidates", "Input should be 'layers' or 'all'"),
     ("runner.max_workers", "0", "runner.max_workers", "greater than or equal to 1"),
     ("runner.retries", "-1", "runner.retries", "greater than or equal to 0"),
     ("runner.retry_delay_seconds", ".nan", "runner.retry_delay_seconds", "finite number"),

@@ -635,8 +635,9 @@ def test_testbed_health_reports_each_criterion_from_the_built_files(built):
                                                                 / (sum(others) / len(others)))
     grid = params.benchmark.merges["task_arithmetic"]["scaling"]
     assert health["merges"]["task_arithmetic"]["interior"] == (min(grid) < 0.3 < max(grid))
-    baseline = json.loads(paths.sensitivity("standard").read_text())["baseline"]
-    assert measured["probe_over_chance"] == pytest.approx(baseline / 0.05)
+    ranking = json.loads(paths.sensitivity("standard").read_text())
+    assert ranking["metadata"]["metric"] == params.probing.metric  # nll: the baseline is a log-likelihood
+    assert measured["probe_over_chance"] == pytest.approx(ranking["metadata"]["baseline_accuracy"] / 0.05)
     for check in health["criteria"]:
         if check["value"] is not None:
             assert check["holds"] == (check["value"] >= check["threshold"] if check["direction"] == ">="

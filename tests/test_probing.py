@@ -2,11 +2,13 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from mergecal.calibrations.probing import SensitivityRanking, make_accuracy_probe, probe_sensitivity
+from mergecal.calibrations.probing import (SensitivityRanking, drop_interval, make_accuracy_probe, make_probe,
+                                           probe_sensitivity)
 from mergecal.errors import CheckpointError, ParameterError
 
 
@@ -119,3 +121,67 @@ def test_load_or_compute_probes_once_per_cache_file(tmp_path):
     first = SensitivityRanking.load_or_compute(tmp_path / "toy-t3.json", compute)
     second = SensitivityRanking.load_or_compute(tmp_path / "toy-t3.json", compute)
     assert len(calls) == 1 and first == second and second.metadata["task_set"] == "t3"
+
+
+def test_drops_and_intervals_equal_an_independent_paired_bootstrap():
+    from scipy import stats
+
+    model, pretrained, batches = toy_setup(6)
+    evaluate = make_probe(batches, "nll")
+    ranking = probe_sensitivity(model, pretrained, evaluate, scale=2.0, top=3, progress=False, seed=7)
+    base = evaluate(model).numpy()
+    for key, score in ranking.scores:
+        clone = copy.deepcopy(model)
+        sd = clone.state_dict()
+        sd[key] = pretrained[key] + 2.0 * (sd[key] - pretrained[key])
+        clone.load_state_dict(sd)
+        diff = base - evaluate(clone).numpy()
+        ci = stats.bootstrap((diff,), np.mean, n_resamples=2000, method="percentile",
+                             random_state=7).confidence_interval
+        assert ranking.drops[key] == pytest.approx([diff.mean(), ci.low, ci.high], rel=1e-12, abs=1e-15), key
+        assert score == pytest.approx(base.mean() - diff.mean(), abs=1e-12)
+    separated = sum(1 for k in ranking.sensitive if ranking.drops[k][1] > 0 or ranking.drops[k][2] < 0)
+    assert ranking.top_separated == separated and separated > 0
+
+
+def test_nll_separates_where_accuracy_cannot():
+    """A model far from its decision boundaries: amplifying a key lowers the true-class probability of every
+    example but flips no prediction, so accuracy's drops are all exactly 0 and NLL's exclude 0."""
+    model, pretrained, batches = toy_setup(8)
+    with torch.no_grad():
+        model[4].bias.zero_()
+        model[4].weight.mul_(30.0)  # confident logits, labelled by the model itself
+        batches = [(x, model(x).argmax(-1)) for x, _ in batches]
+    pretrained = {k: v.clone() for k, v in model.state_dict().items()}
+    pretrained["4.weight"] = model[4].weight * 1.5  # tau = -w/2: amplifying it scales the logits by 0.95
+    accuracy = probe_sensitivity(model, pretrained, make_probe(batches, "accuracy"), top=1, progress=False)
+    nll = probe_sensitivity(model, pretrained, make_probe(batches, "nll"), top=1, progress=False)
+    assert accuracy.baseline == 1.0 and all(d == [0.0, 0.0, 0.0] for d in accuracy.drops.values())
+    assert accuracy.top_separated == 0
+    assert nll.sensitive == ["4.weight"] and nll.top_separated == 1 and nll.drops["4.weight"][1] > 0
+
+
+def test_layers_are_the_weight_matrices_wsc_calibrates():
+    model = nn.Module()
+    model.token_embedding, model.fc, model.ln = nn.Embedding(5, 4), nn.Linear(4, 4), nn.LayerNorm(4)
+    model.proj = nn.Parameter(torch.ones(4, 2))
+    pretrained = {k: v - 0.1 for k, v in model.state_dict().items()}
+    ranking = probe_sensitivity(model, pretrained, lambda m: 0.5, key_rule="wsc_weights", progress=False)
+    assert [k for k, _ in ranking.scores] == ["fc.weight"]  # no embedding, bias, LayerNorm, final projection
+    everything = probe_sensitivity(model, pretrained, lambda m: 0.5, progress=False)
+    assert len(everything.scores) == 6
+    assert ranking.drops == {} and ranking.top_separated is None  # a mean-only probe gives no intervals
+
+
+def test_ranking_with_intervals_round_trips_and_a_bad_metric_is_one_line(tmp_path):
+    ranking = SensitivityRanking(baseline=-0.5, scores=[("a", -0.7), ("b", -0.5)], top=1,
+                                 drops={"a": [0.2, 0.1, 0.3], "b": [0.0, -0.1, 0.1]})
+    loaded = SensitivityRanking.load(ranking.save(tmp_path / "ranking.json"))
+    assert loaded == ranking and loaded.top_separated == 1
+    with pytest.raises(ParameterError, match="^probing: parameter 'metric' must be one of accuracy, nll, got 'loss'$"):
+        make_probe([], "loss")
+
+
+def test_drop_interval_of_constant_differences_has_zero_width():
+    assert drop_interval(np.ones(5), np.ones(5)) == [0.0, 0.0, 0.0]
+    assert drop_interval(np.ones(4), np.zeros(4)) == [1.0, 1.0, 1.0]

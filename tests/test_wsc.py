@@ -1,5 +1,6 @@
 """MAGIC WSC: hand-checkable rows, the XOR rule in each branch, untouched keys."""
 
+import pytest
 import torch
 
 from mergecal.calibrations.wsc import Wsc, conservative, wsc_row_coefficients
@@ -83,3 +84,26 @@ def test_conv_weights_are_calibrated_per_output_channel():
     out, info = Wsc().calibrate("visual.conv1.weight", merged, taus)
     flat = wsc_row_coefficients(merged.reshape(4, -1), [t.reshape(4, -1) for t in taus])
     torch.testing.assert_close(out, merged * flat.view(4, 1, 1, 1))
+
+
+def test_layer_granularity_is_one_xi_per_layer_as_in_algorithm_2():
+    """granularity='layer' scales the whole merged matrix by the one xi of Eq. 22 over the flattened layer (an
+    independent numpy computation); 'row' (the authors' code) gives each row its own and so a different result."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    taus = [torch.randn(4, 6, generator=g) * s for s in (1.0, 0.2)]
+    merged = 0.3 * (taus[0] + taus[1])
+    d, a = merged.double().numpy().ravel(), [t.double().numpy().ravel() for t in taus]
+    alpha = [d @ ak / (ak @ ak + 1e-8) for ak in a]
+    perp = d - sum(al * ak for al, ak in zip(alpha, a))
+    mean_norm = np.mean([np.linalg.norm(ak) for ak in a])
+    xi = 1 / np.sqrt(sum(al**2 for al in alpha) + perp @ perp / (mean_norm**2 + 1e-8) + 1e-8)
+    layer, info = Wsc(granularity="layer").calibrate("w", merged, taus)
+    assert info["xi"].shape == (1,) and float(info["xi"][0]) == pytest.approx(xi, rel=1e-6)
+    assert torch.allclose(layer, merged * float(xi), rtol=1e-6)
+    row, row_info = Wsc(granularity="row").calibrate("w", merged, taus)
+    assert row_info["xi"].shape == (4,) and not torch.allclose(row, layer, rtol=1e-3)
+    # the conservative rule acts on the one xi: a sensitive layer with xi > 1 is left alone
+    assert xi > 1 and torch.equal(Wsc(granularity="layer", sensitive=["w"]).calibrate("w", merged, taus)[0], merged)
+    assert "granularity='layer'" in Wsc(granularity="layer").id

@@ -13,6 +13,10 @@ Conservative (XOR) rule per row: in a magnitude-sensitive key apply xi only wher
 only where xi > 1; with no sensitive set (None) apply xi both ways. MAGIC applies WSC to the merged
 update of the base method with lambda = 1.
 
+``granularity="row"`` (default) is the authors' code: one xi per output row. ``"layer"`` is the paper's
+Algorithm 2: one xi per layer (key), the same formula with d and a_k the whole flattened matrices, and the
+conservative rule applied to that one xi.
+
 ``projection="authors"`` (default) uses the independent projections above, exact only for orthogonal
 task rows; ``"least_squares"`` solves for the orthogonal projection onto span{a_k} instead.
 """
@@ -35,6 +39,7 @@ class WscParams(CalibrationParams):
     sensitive: list[str] | None = None  # magnitude-sensitive keys (from probing); None: no conservative rule
     projection: Literal["authors", "least_squares"] = "authors"
     key_rule: str = "wsc_weights"
+    granularity: Literal["row", "layer"] = "row"  # authors' code / the paper's Algorithm 2 (one xi per layer)
 
 
 def wsc_row_coefficients(merged: torch.Tensor, taus: Sequence[torch.Tensor],
@@ -53,6 +58,12 @@ def wsc_row_coefficients(merged: torch.Tensor, taus: Sequence[torch.Tensor],
     mean_norm = sq_norms.sqrt().mean(dim=1)
     xi = 1.0 / torch.sqrt((alpha * alpha).sum(1) + (d_perp * d_perp).sum(1) / (mean_norm**2 + EPS) + EPS)
     return torch.nan_to_num(xi, nan=1.0).float()
+
+
+def wsc_layer_coefficient(merged: torch.Tensor, taus: Sequence[torch.Tensor],
+                          projection: str = "authors") -> torch.Tensor:
+    """The paper's one xi for a whole layer: ``wsc_row_coefficients`` of the flattened matrices; shape [1]."""
+    return wsc_row_coefficients(merged.reshape(1, -1), [t.reshape(1, -1) for t in taus], projection)
 
 
 def conservative(xi: torch.Tensor, sensitive: bool | None) -> torch.Tensor:
@@ -84,8 +95,9 @@ class Wsc(WeightCalibration):
         return self._rule.matches(key, shape, dtype)
 
     def calibrate(self, key, merged, taus):
-        raw = wsc_row_coefficients(merged, taus, self.params.projection)
+        coefficients = wsc_layer_coefficient if self.params.granularity == "layer" else wsc_row_coefficients
+        raw = coefficients(merged, taus, self.params.projection)
         is_sensitive = None if self._sensitive is None else key in self._sensitive
         xi = conservative(raw, is_sensitive)
-        shape = (-1,) + (1,) * (merged.dim() - 1)
+        shape = (-1,) + (1,) * (merged.dim() - 1) if self.params.granularity == "row" else (1,) * merged.dim()
         return merged * xi.to(merged.dtype).view(shape), {"xi_raw": raw, "xi": xi, "sensitive": is_sensitive}

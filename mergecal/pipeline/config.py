@@ -509,12 +509,21 @@ class LocalClipTrack(Strict):
 
 class Probing(Strict):
     """MAGIC's magnitude-sensitivity probe: scale each key's slice of the weight-averaged task vector by
-    ``scale`` and rank keys by the accuracy drop on the probe set (which is none of the tasks)."""
+    ``scale`` and rank keys by the score drop on the probe set (which is none of the tasks). ``metric``:
+    ``accuracy`` (MAGIC's) or ``nll`` (true-class log-likelihood); ``candidates``: ``layers`` (the weight
+    matrices WSC calibrates, rule ``wsc_weights``) or ``all`` float keys (``mergecal.calibrations.probing``)."""
 
     scale: PositiveReal = 1.1
     top: NonNegativeInt = 10
-    max_samples: Count = 256
+    max_samples: Count = 500
+    metric: Literal["accuracy", "nll"] = "nll"
+    candidates: Literal["layers", "all"] = "layers"
     key_pattern: str | None = None
+
+    @property
+    def key_rule(self) -> str | None:
+        """The ``mergecal.keys`` rule the candidates follow (None: every float key)."""
+        return "wsc_weights" if self.candidates == "layers" else None
 
     @field_validator("key_pattern")
     @classmethod
@@ -530,7 +539,6 @@ class Probing(Strict):
 class Evaluation(Strict):
     batch_size: Count = 256
     max_validation: Count = 200  # validation examples per task for choosing the scaling
-    fsc_samples_per_task: Count = 8  # samples per task that FSC measures its ratios on
     distac_samples: Count = 512  # unlabeled train samples per task for DisTaC
 
 

@@ -7,10 +7,11 @@
 
 Either JSON holds ``{"error": ...}`` when the track cannot be calibrated (its cells fail with that line).
 
-The probe (MAGIC Sec. III-A) ranks image-encoder keys on the weight-averaged model by the accuracy lost when the
-key's task-vector slice is scaled by ``probing.scale``. The paper probes on CIFAR-100, a dataset that is none
-of the tasks; a local track has no such dataset, so it probes on a seeded sample of the tasks' own train splits
-(``probing.max_samples`` in all, each task scored with its zero-shot head, accuracy averaged over the tasks).
+The probe (MAGIC Sec. III-A) ranks image-encoder keys (``probing.candidates``) on the weight-averaged model by the
+``probing.metric`` score lost when the key's task-vector slice is scaled by ``probing.scale``. The paper probes
+on CIFAR-100, a dataset that is none of the tasks; a local track has no such dataset, so it probes on a seeded
+sample of the tasks' own train splits (``probing.max_samples`` in all, each task scored with its zero-shot head,
+the score averaged over the tasks).
 
 DisTaC (the paper's preset for fine-tuned models without a known failure mode, ``norm_mismatch``, with the
 track's own ``distac`` overrides: ``LocalClipTrack.distac_step``) takes its kappas from the
@@ -79,7 +80,7 @@ def probe(params: Params, track: LocalClipTrack, root: str | Path = ".", *, devi
           progress: bool = False) -> dict:
     """The track's sensitivity ranking (module docstring), written to ``sensitivity_path``."""
     from ..backbones.open_clip_vit import image_size, preprocess
-    from ..calibrations.probing import make_accuracy_probe, probe_sensitivity
+    from ..calibrations.probing import make_probe, probe_sensitivity
     from .vision import TaskHeadModel
 
     root, probing = Path(root), params.probing
@@ -98,16 +99,20 @@ def probe(params: Params, track: LocalClipTrack, root: str | Path = ".", *, devi
                                       params.seed + 1, heads[task])
         x, y = preprocess(images, size), torch.as_tensor(labels, dtype=torch.long)
         batches = [(x[i:i + 256], y[i:i + 256]) for i in range(0, len(y), 256)]
-        scorers.append((make_accuracy_probe(batches, device=device), TaskHeadModel(model, heads[task]).to(device)))
+        scorers.append((make_probe(batches, probing.metric, device=device),
+                        TaskHeadModel(model, heads[task]).to(device)))
 
-    def evaluate(_model) -> float:  # the wrappers share ``model``'s modules, which the probe scales in place
-        return float(np.mean([score(wrapped) for score, wrapped in scorers]))
+    def evaluate(_model) -> torch.Tensor:  # the wrappers share ``model``'s modules, which the probe scales in place
+        # every task's examples, each task weighted by its share (per_task each: the mean over the tasks' means)
+        return torch.cat([score(wrapped) for score, wrapped in scorers])
 
     pretrained = {k: pre_visual.get(k) for k in pre_visual.keys()}
     ranking = probe_sensitivity(model, pretrained, evaluate, scale=probing.scale, top=probing.top,
-                                key_pattern=probing.key_pattern or r"^visual\.", progress=progress,
+                                key_rule=probing.key_rule, key_pattern=probing.key_pattern or r"^visual\.",
+                                progress=progress, seed=params.seed,
                                 metadata={"track": track.name, "probe": "train splits of the tasks",
-                                          "samples_per_task": per_task})
+                                          "samples_per_task": per_task, "metric": probing.metric,
+                                          "candidates": probing.candidates})
     ranking.save(sensitivity_path(track, root))
     return {"sensitive": ranking.sensitive, "baseline": ranking.baseline}
 

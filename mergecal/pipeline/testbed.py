@@ -134,9 +134,12 @@ def vision_health(params: Params, root: str | Path = ".", results: dict | None =
         ranking = _load(sensitivity)
         chance = 1.0 / 20  # the `letters` probe set has 20 classes (mergecal.data.vision.LETTERS)
         scores = [v for _, v in ranking["scores"]]
-        probe = {"accuracy": ranking["baseline"], "chance": chance,
-                 "scaled_key_accuracy": {"min": min(scores), "median": float(np.median(scores)), "max": max(scores)}}
-        measured["probe_over_chance"] = ranking["baseline"] / chance
+        metadata = ranking.get("metadata", {})
+        metric = metadata.get("metric", "accuracy")
+        accuracy = ranking["baseline"] if metric == "accuracy" else metadata["baseline_accuracy"]
+        probe = {"accuracy": accuracy, "chance": chance,
+                 f"scaled_key_{metric}": {"min": min(scores), "median": float(np.median(scores)), "max": max(scores)}}
+        measured["probe_over_chance"] = accuracy / chance
     checks = [{"key": c.key, "description": c.description, "threshold": c.threshold,
                "direction": ">=" if c.higher_is_better else "<=", "value": measured.get(c.key),
                "holds": c.holds(measured.get(c.key))} for c in CRITERIA]

@@ -369,9 +369,10 @@ def check_distac_file(path: Path, expected: dict, against: str) -> None:
 
 
 def probe(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
-    """MAGIC's magnitude-sensitivity probe, per regime: on the weight-averaged model, scale each image-encoder
-    key's slice of the averaged task vector and rank keys by accuracy on the probe task (none of the tasks)."""
-    from ..calibrations.probing import make_accuracy_probe, probe_sensitivity
+    """MAGIC's magnitude-sensitivity probe, per regime: on the weight-averaged model, scale each candidate
+    image-encoder key's slice of the averaged task vector and rank keys by ``probing.metric`` on the probe task
+    (none of the tasks), each drop with its bootstrap interval over the probe images."""
+    from ..calibrations.probing import make_accuracy_probe, make_probe, probe_sensitivity
 
     track, models, probing = params.vision, VisionModels(params, root), params.probing
     images, labels = task_split(models.paths.data, "letters", "test", max_items=probing.max_samples)
@@ -383,11 +384,14 @@ def probe(params: Params, root: str | Path = ".", *, device: str = "cpu", progre
         states = models.finetuned(regime)
         averaged = {k: torch.stack([s[k].float() for s in states]).mean(0) for k in states[0]}
         model = TaskHeadModel(models.model(averaged), head)
-        ranking = probe_sensitivity(model, models.pretrained, make_accuracy_probe(batches, device=device),
-                                    scale=probing.scale, top=probing.top,
-                                    key_pattern=probing.key_pattern or r"^visual\.",
+        accuracy = make_accuracy_probe(batches, device=device)(model)  # the testbed's probe-signal criterion
+        ranking = probe_sensitivity(model, models.pretrained, make_probe(batches, probing.metric, device=device),
+                                    scale=probing.scale, top=probing.top, key_rule=probing.key_rule,
+                                    key_pattern=probing.key_pattern or r"^visual\.", seed=params.seed,
                                     progress=progress, metadata={"regime": regime, "probe": "letters",
-                                                                 "samples": len(y)})
+                                                                 "samples": len(y), "metric": probing.metric,
+                                                                 "candidates": probing.candidates,
+                                                                 "baseline_accuracy": accuracy})
         ranking.save(models.paths.sensitivity(regime))
         report[regime] = ranking.sensitive
     return report

@@ -106,7 +106,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     pre_visual = models.visual_pretrained()
     fsc_data, agnostic = None, None
     if recipe.phase("feature"):
-        n = evaluation.fsc_samples_per_task
+        n = recipe.phase("feature")[0].params.n_samples_per_task  # the FSC step's own count (its recipe id's)
         fsc_data = [preprocessed(task_split(paths.data, t, "train", max_items=n)[0], params.vision.arch) for t in tasks]
         from ...data.vision import load_split
 

@@ -153,18 +153,19 @@ def _distac_views(track: LocalClipTrack, root: Path, pre, step, tasks: list[str]
     return views
 
 
-def _fsc_data(params: Params, track: LocalClipTrack, root: Path, tasks: list[str], size: int, agnostic: bool):
-    """FSC's unlabeled samples: ``fsc_samples_per_task`` seeded train images per task; for task-agnostic FSC
-    (DSC-A) one shared batch, the same images shuffled across tasks, so no chunk is its task's own data."""
+def _fsc_data(params: Params, track: LocalClipTrack, root: Path, tasks: list[str], size: int, fsc_params):
+    """FSC's unlabeled samples: the FSC step's ``n_samples_per_task`` seeded train images per task; for
+    task-agnostic FSC (DSC-A) one shared batch, the same images shuffled across tasks, so no chunk is its task's
+    own data."""
     import torch
 
     from ...backbones.open_clip_vit import preprocess
     from ..local_clip_calibration import train_sample
 
-    n = params.benchmark.evaluation.fsc_samples_per_task
-    data = [preprocess(train_sample(params, track, t, root, n, "benchmark.evaluation.fsc_samples_per_task", size,
+    n = fsc_params.n_samples_per_task
+    data = [preprocess(train_sample(params, track, t, root, n, "the FSC step's n_samples_per_task", size,
                                     params.seed + 3)[0], size) for t in tasks]
-    if not agnostic:
+    if fsc_params.data != "task_agnostic":
         return data
     mixed = torch.cat(data)
     return [mixed[torch.randperm(len(mixed), generator=torch.Generator().manual_seed(params.seed))]]
@@ -223,7 +224,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         model = model.to(device)
         pre_model = build_model(arch, pre).to(device)
         task_models = _ReloadedModels(build_model(arch, pre).to(device), finetuned)
-        fsc_data = _fsc_data(params, track, root, tasks, image_size(model), fsc_params.data == "task_agnostic")
+        fsc_data = _fsc_data(params, track, root, tasks, image_size(model), fsc_params)
 
     steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
     index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
