@@ -131,3 +131,37 @@ def test_cells_keep_per_example_results():
     assert finetuned_reference(["a", "b"], reference, {}).examples == {"a": [1, 0], "b": [1, 0]}
     del reference["b"]["test_correct"]  # references written before: no interval for the row
     assert finetuned_reference(["a", "b"], reference, {}).examples == {}
+
+
+def test_write_reports_reads_the_examples_artifact_of_the_run_that_computed_each_cell(tmp_path):
+    pytest.importorskip("mlflow")
+    from mergecal.pipeline.tracking import EXAMPLES, Tracker
+    from mergecal.reports import write_reports
+
+    tracker = Tracker(tmp_path, "mergecal", "mlruns")
+    cells, examples = _cells()
+    subset = cells[cells["recipe"].isin(["finetuned", "task_arithmetic", "task_arithmetic>svc"])]
+    manifests = {}
+    for inv in ("inv-1", "inv-2"):  # inv-2 reuses inv-1's runs: log_cell returns the existing run
+        parent = tracker.start_invocation(inv, {}, {})
+        manifest = {}
+        for _, row in subset.iterrows():
+            tags = {f"mergecal.{k}": row[k] for k in ("backbone", "task_set", "regime", "merge", "calibration",
+                                                      "recipe")}
+            tags["mergecal.tasks"] = ",".join(TASKS)
+            metrics = {k[len("metrics."):]: v for k, v in row.items() if k.startswith("metrics.")}
+            run_id = tracker.log_cell(parent_run_id=parent, invocation_id=inv, cell_id=row["cell_id"], tags=tags,
+                                      params={}, metrics=metrics, artifacts={}, examples=examples[row["run_id"]])
+            manifest[row["cell_id"]] = {"status": "ok", "run_id": run_id, "label": row["recipe"],
+                                        "regime": "standard"}
+        tracker.finish_invocation(parent, manifest, {})
+        manifests[inv] = manifest
+    assert manifests["inv-1"] == manifests["inv-2"]
+    logged = [json.loads(p.read_text()) for p in (tmp_path / "mlruns" / "artifacts").rglob(EXAMPLES.split("/")[-1])]
+    assert len(logged) == 3 and FT in logged  # one per computed cell, none for the reused ones
+    write_reports(tracker.uri, "mergecal", tmp_path / "reports", "inv-2")
+    data = json.loads((tmp_path / "reports" / "leaderboard.json").read_text())
+    svc = data["leaderboard"]["vit"]["v2"]["standard"]["task_arithmetic>svc"]
+    assert svc["significant"]["acc.a"] == "gain" and "avg_acc" in svc["ci95"]
+    assert "(+20.0▲)" in (tmp_path / "reports" / "leaderboard.md").read_text()
+    assert '<span class="delta pos"' in (tmp_path / "reports" / "leaderboard.html").read_text()
