@@ -77,7 +77,7 @@ def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: s
             metrics["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     run_id = tracker.log_cell(parent_run_id=parent_run_id, invocation_id=invocation_id, cell_id=key,
                               tags={**cell_tags(cell_obj), tag("device"): device}, params=result.params,
-                              metrics=metrics, artifacts=result.diagnostics)
+                              metrics=metrics, artifacts=result.diagnostics, examples=result.examples)
     return {"cell_id": key, "run_id": run_id, "status": "ok", "label": cell_obj.label, "regime": cell_obj.regime,
             "metrics": metrics}
 

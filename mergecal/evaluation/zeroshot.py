@@ -36,16 +36,23 @@ def predict_logits(model: torch.nn.Module, head: torch.Tensor, images: np.ndarra
 
 
 def evaluate(model: torch.nn.Module, head: torch.Tensor, images: np.ndarray, labels: np.ndarray, *,
-             batch_size: int = 256, device: str | None = None) -> dict[str, float]:
-    """``{"accuracy", "entropy", "ece", "n"}`` of the model on (``images``, ``labels``)."""
+             batch_size: int = 256, device: str | None = None, per_example: bool = False) -> dict[str, float]:
+    """``{"accuracy", "entropy", "ece", "n"}`` of the model on (``images``, ``labels``); with ``per_example``
+    also ``"correct"``: 1 or 0 per image, in the split's order."""
     if len(images) != len(labels) or len(images) == 0:
         raise ParameterError(f"evaluate: need a non-empty split with one label per image, got {len(images)} "
                              f"images and {len(labels)} labels")
-    return logit_scores(predict_logits(model, head, images, batch_size=batch_size, device=device), labels)
+    return logit_scores(predict_logits(model, head, images, batch_size=batch_size, device=device), labels,
+                        per_example=per_example)
 
 
-def logit_scores(z: torch.Tensor, labels: np.ndarray) -> dict[str, float]:
-    """``{"accuracy", "entropy", "ece", "n"}`` of logits [N, C] against their labels."""
+def logit_scores(z: torch.Tensor, labels: np.ndarray, *, per_example: bool = False) -> dict[str, float]:
+    """``{"accuracy", "entropy", "ece", "n"}`` of logits [N, C] against their labels; with ``per_example`` also
+    ``"correct"``, each example's 0/1 outcome (the leaderboard's confidence intervals resample them)."""
     y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
-    return {"accuracy": float((z.argmax(-1) == y).float().mean()), "entropy": prediction_entropy(z),
-            "ece": expected_calibration_error(z, y), "n": int(len(y))}
+    hits = z.argmax(-1) == y
+    scores = {"accuracy": float(hits.float().mean()), "entropy": prediction_entropy(z),
+              "ece": expected_calibration_error(z, y), "n": int(len(y))}
+    if per_example:
+        scores["correct"] = hits.int().tolist()
+    return scores

@@ -286,6 +286,13 @@ class CellResult:
     metrics: dict[str, float]
     params: dict[str, str]
     diagnostics: dict[str, Any] = field(default_factory=dict)
+    # {task: each test example's score (0/1 for accuracy), in the split's order}: the leaderboard's intervals
+    examples: dict[str, list] = field(default_factory=dict)
+
+
+def per_example_results(tasks, test: dict[str, dict[str, Any]]) -> dict[str, list]:
+    """The per-example test outcomes of an evaluation run with ``per_example`` (``{}`` where it was not)."""
+    return {t: test[t]["correct"] for t in tasks} if all("correct" in test[t] for t in tasks) else {}
 
 
 def summaries(tasks, test: dict[str, dict[str, float]], reference: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -304,7 +311,10 @@ def finetuned_reference(tasks, reference: dict, logged: dict[str, str]) -> CellR
     """The ``finetuned`` row: each task scored by its own fine-tuned model (from the references file)."""
     test = {t: {"accuracy": r["test_accuracy"], "entropy": r["entropy"], "ece": r["ece"]} for t, r in reference.items()}
     diagnostics = {"task_vectors": {t: {"norm": r["norm"], "entropy": r["entropy"]} for t, r in reference.items()}}
-    return CellResult(summaries(tasks, test, reference), logged, diagnostics)
+    # a references file written before it kept per-example results gives the row no interval
+    examples = {t: reference[t]["test_correct"] for t in tasks} if all(
+        "test_correct" in reference[t] for t in tasks) else {}
+    return CellResult(summaries(tasks, test, reference), logged, diagnostics, examples)
 
 
 def flat_params(prefix: str, values: dict[str, Any]) -> dict[str, str]:

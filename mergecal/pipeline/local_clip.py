@@ -247,7 +247,8 @@ class TaskData:
         limit = self.track.evaluation.max_validation if split == "validation" else self.track.evaluation.max_test
         return data, sample(len(data), limit, self.seed)
 
-    def score(self, model, head: torch.Tensor, task: str, split: str, device: str = "cpu") -> dict[str, float]:
+    def score(self, model, head: torch.Tensor, task: str, split: str, device: str = "cpu", *,
+              per_example: bool = False) -> dict[str, float]:
         from ..evaluation.zeroshot import logit_scores, predict_logits
 
         batch = self.track.evaluation.batch_size
@@ -263,7 +264,7 @@ class TaskData:
         check_labels(task, data, rows, head)
         z = torch.cat([predict_logits(model, head, images, batch_size=batch, device=device)
                        for images, _ in data.iter_batches(batch, self.size, rows)])
-        return logit_scores(z, data.labels[rows])
+        return logit_scores(z, data.labels[rows], per_example=per_example)
 
 
 def check_labels(task: str, data, rows: np.ndarray, head: torch.Tensor) -> None:
@@ -415,15 +416,17 @@ def references(track: LocalClipTrack, root: str | Path = ".", *, seed: int = 0, 
             entry: dict = {"data_digest": data_digest(track, task, root), "zeroshot": {}}
             load_visual(model, ((k, pre_visual.get(k)) for k in pre_visual.keys()))
             for split in ("validation", "test"):
-                entry["zeroshot"][split] = data.score(model, heads[task], task, split, device)
+                # the test split's per-example results: the leaderboard's intervals of the zeroshot row
+                entry["zeroshot"][split] = data.score(model, heads[task], task, split, device,
+                                                      per_example=split == "test")
             ft = finetuned_visual(pre, finetuned_path(track, task, root),
                                   allow_unsafe_pickle=track.allow_unsafe_pickle)
             load_visual(model, ((k, ft.get(k)) for k in ft.keys()))
             val = data.score(model, heads[task], task, "validation", device)
-            test = data.score(model, heads[task], task, "test", device)
+            test = data.score(model, heads[task], task, "test", device, per_example=True)
             entry["norm"], entry["relative_norm"] = _norms(pre_visual, ft)
             entry.update(val_accuracy=val["accuracy"], test_accuracy=test["accuracy"], entropy=test["entropy"],
-                         ece=test["ece"], n={"validation": val["n"], "test": test["n"]})
+                         ece=test["ece"], n={"validation": val["n"], "test": test["n"]}, test_correct=test["correct"])
             report["tasks"][task] = entry
         except Exception as err:  # noqa: BLE001 - as above, for this task's cells
             report["tasks"][task] = {"error": one_line(err)}

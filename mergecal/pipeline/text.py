@@ -142,8 +142,9 @@ class TextModels:
         return build_classifier(self.pretrained, None, 1).eval()
 
     def evaluate(self, encoder: dict[str, torch.Tensor], tasks, which: str, *, max_items: int | None = None,
-                 device: str = "cpu") -> dict[str, dict[str, float]]:
-        """Each task's accuracy, entropy and ECE with ``encoder`` and the task's own head."""
+                 device: str = "cpu", per_example: bool = False) -> dict[str, dict[str, float]]:
+        """Each task's accuracy, entropy and ECE with ``encoder`` and the task's own head (``per_example``: and
+        each example's 0/1 outcome, ``"correct"``)."""
         from ..train.finetune_text import classifier_logits, text_scores
 
         model = self._classifier
@@ -155,7 +156,8 @@ class TextModels:
             model.head = torch.nn.Linear(head["weight"].shape[1], head["weight"].shape[0]).to(device)
             model.head.load_state_dict(head)
             encoded, labels = self.inputs(task, which, max_items)
-            out[task] = text_scores(classifier_logits(model, encoded, device=device), labels)
+            out[task] = text_scores(classifier_logits(model, encoded, device=device), labels,
+                                    per_example=per_example)
         return out
 
 
@@ -167,9 +169,10 @@ def references(params: Params, root: str | Path = ".", *, device: str = "cpu") -
     for task in params.text.tasks:
         encoder, _ = models.finetuned(task)
         val = models.evaluate(encoder, [task], "validation", device=device)[task]
-        test = models.evaluate(encoder, [task], "test", device=device)[task]
+        test = models.evaluate(encoder, [task], "test", device=device, per_example=True)[task]
         norm = float(sum((encoder[k] - v).double().pow(2).sum() for k, v in models.pretrained.items()) ** 0.5)
         report[task] = {"norm": norm, "entropy": test["entropy"], "ece": test["ece"], "val_accuracy": val["accuracy"],
-                        "test_accuracy": test["accuracy"]}
+                        "test_accuracy": test["accuracy"],
+                        "test_correct": test["correct"]}  # the finetuned row's per-example results
     atomic_write_text(models_root(params, root) / "references.json", json.dumps(report, indent=2))
     return report

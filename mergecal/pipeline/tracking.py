@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
+# a cell's per-example test scores, {task: [score per example, in the split's order]} (0/1 for accuracy): the
+# leaderboard's confidence intervals resample them (mergecal.reports.intervals)
+EXAMPLES_DIR, EXAMPLES_SPLIT = "examples", "test"
+EXAMPLES = f"{EXAMPLES_DIR}/{EXAMPLES_SPLIT}.json"
 
 # Every tag the pipeline writes, named once here; the reports read them by these names (mergecal.reports.runs).
 PREFIX = "mergecal."
@@ -116,9 +120,9 @@ class Tracker:
 
     def log_cell(self, *, parent_run_id: str, invocation_id: str, cell_id: str, tags: dict[str, str],
                  params: dict[str, str], metrics: dict[str, float], artifacts: dict[str, Any], status: str = "ok",
-                 error: str | None = None) -> str:
+                 error: str | None = None, examples: dict[str, list] | None = None) -> str:
         """One run for a computed cell (or a failed or skipped one); an ok or skipped cell that already has a
-        run is not logged twice."""
+        run is not logged twice. ``examples`` ({task: per-example test scores}) goes to ``EXAMPLES``."""
         if status in ("ok", "skipped"):
             existing = self.finished_cell_run(cell_id, status)
             if existing is not None:
@@ -134,6 +138,8 @@ class Tracker:
             self._log_batch(run_id, metrics, params, {})
             if artifacts:
                 self._log_json(run_id, artifacts, "diagnostics")
+            if examples:
+                self._log_json(run_id, {EXAMPLES_SPLIT: examples}, EXAMPLES_DIR, compact=True)
         except Exception:
             self.client.set_terminated(run_id, "FAILED")
             raise
@@ -152,8 +158,10 @@ class Tracker:
             self.client.log_batch(run_id, metrics=ms[:MAX_METRICS], params=ps[:MAX_PARAMS], tags=ts[:MAX_TAGS])
             ms, ps, ts = ms[MAX_METRICS:], ps[MAX_PARAMS:], ts[MAX_TAGS:]
 
-    def _log_json(self, run_id: str, files: dict[str, Any], artifact_path: str | None = None) -> None:
+    def _log_json(self, run_id: str, files: dict[str, Any], artifact_path: str | None = None, *,
+                  compact: bool = False) -> None:
         with tempfile.TemporaryDirectory(prefix="mergecal-artifacts-") as tmp:
             for name, content in files.items():
-                (Path(tmp) / f"{name}.json").write_text(json.dumps(content, indent=1, sort_keys=True))
+                text = json.dumps(content, sort_keys=True, **({"separators": (",", ":")} if compact else {"indent": 1}))
+                (Path(tmp) / f"{name}.json").write_text(text)
             self.client.log_artifacts(run_id, tmp, artifact_path)

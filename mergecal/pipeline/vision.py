@@ -268,13 +268,14 @@ def preprocessed(images: np.ndarray, arch: str) -> torch.Tensor:
 
 def evaluate_tasks(model: torch.nn.Module, heads: dict[str, torch.Tensor], data_root: Path, tasks: list[str],
                    split: str, *, max_items: int | None = None, batch_size: int = 256,
-                   device: str = "cpu") -> dict[str, dict[str, float]]:
+                   device: str = "cpu", per_example: bool = False) -> dict[str, dict[str, float]]:
     from ..evaluation.zeroshot import evaluate
 
     out = {}
     for task in tasks:
         images, labels = task_split(data_root, task, split, max_items=max_items)
-        out[task] = evaluate(model, heads[task], images, labels, batch_size=batch_size, device=device)
+        out[task] = evaluate(model, heads[task], images, labels, batch_size=batch_size, device=device,
+                             per_example=per_example)
     return out
 
 
@@ -299,10 +300,11 @@ def task_vectors(params: Params, root: str | Path = ".", *, device: str = "cpu")
             scores = evaluate_tasks(model, models.heads, models.paths.data, [task], "validation", batch_size=batch,
                                     device=device)[task]
             test = evaluate_tasks(model, models.heads, models.paths.data, [task], "test", batch_size=batch,
-                                  device=device)[task]
+                                  device=device, per_example=True)[task]
             diagnostics[task] = {"norm": norm, "relative_norms": relative_norms(tau, pre_visual),
                                  "entropy": test["entropy"], "ece": test["ece"],
-                                 "val_accuracy": scores["accuracy"], "test_accuracy": test["accuracy"]}
+                                 "val_accuracy": scores["accuracy"], "test_accuracy": test["accuracy"],
+                                 "test_correct": test["correct"]}  # the finetuned row's per-example results
         atomic_write_text(out_dir / "diagnostics.json", json.dumps(diagnostics, indent=2))
         report[regime] = diagnostics
     return report

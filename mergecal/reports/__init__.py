@@ -22,14 +22,19 @@ from .history import DEFAULT_METRIC, DEFAULT_THRESHOLD, find_regressions, histor
     history_markdown, history_plots
 from .leaderboard import Table, build_tables, table_html, table_markdown, tables_json
 from .plots import Plot, diagnostic_plots, slug
-from .runs import cells_of, invocations, load_diagnostics, load_runs, pick_invocation
+from .runs import cells_of, invocations, load_diagnostics, load_examples, load_runs, pick_invocation
 
 HISTORY_FILES = ("history.md", "history.html")  # beside the leaderboard, not DVC outputs
 
 __all__ = ["write_reports", "load_runs", "build_tables", "find_regressions", "history_frame", "diagnostic_plots"]
 
-LEGEND = ("Accuracy in %, one decimal. Calibrated rows show in parentheses the change in points against "
-          "their base merge; the best non-reference value of each column is marked.")
+LEGEND = ("Accuracy in %, one decimal; the two averages with their 95 % confidence interval in brackets (percentile "
+          "bootstrap, 2,000 resamples of the test examples within each task; per-task intervals are in "
+          "leaderboard.json). Calibrated rows show in parentheses the change in points against their base merge "
+          "(the same merge with calibration none and the same protocol after @): ▲ a gain and ▼ a loss where the "
+          "paired 95 % interval of the change excludes 0, ≈ where it does not, no mark where the cells kept no "
+          "per-example results. A column's best non-reference value is marked only where its paired interval "
+          "against the runner-up excludes 0. † marks an ill-posed row (footnote under its table), never ranked.")
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1400px; }
@@ -44,6 +49,10 @@ tr.base td.recipe { font-weight: bold; }
 span.delta { font-size: 0.85em; }
 span.delta.pos { color: #1a7f37; }
 span.delta.neg { color: #c62828; }
+span.delta.ns, span.ci { color: #777; }
+span.ci { font-size: 0.8em; }
+td.ill-posed { color: #999; }
+p.footnote { font-size: 0.85em; color: #555; }
 ul.failed li, ul.regressions li { color: #c62828; }
 figure { display: inline-block; margin: 0.5em; vertical-align: top; }
 figure img { max-width: 100%; }
@@ -154,8 +163,10 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
     chosen = pick_invocation(runs, invocation)
     cells = cells_of(runs, chosen)
     meta = _meta(runs, chosen, cells)
-    tables = build_tables(cells)
     ok = cells[cells["status"] == "ok"]
+    # a reused cell's row carries the artifact URI of the run that computed it (runs._reused_cells)
+    examples = {rid: load_examples(tracking_uri, uri) for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
+    tables = build_tables(cells, examples)
     diagnostics = {rid: load_diagnostics(tracking_uri, uri) for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
     plots = diagnostic_plots(cells, diagnostics)
     trend = history_plots(runs, metric)

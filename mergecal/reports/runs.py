@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from ..errors import MergecalError
-from ..pipeline.tracking import PREFIX
+from ..pipeline.tracking import EXAMPLES, PREFIX
 
 # tags (named in mergecal.pipeline.tracking, without the prefix) read into DataFrame columns
 TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
@@ -226,3 +226,24 @@ def load_diagnostics(tracking_uri: str, artifact_uri: str) -> dict[str, Any]:
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise MergecalError(f"{artifact_uri}/diagnostics/{name}.json: not valid JSON ({exc})") from None
     return out
+
+
+def load_examples(tracking_uri: str, artifact_uri: str) -> dict[str, list] | None:
+    """A cell's per-example test scores (``{task: [score per example]}``, the ``EXAMPLES`` artifact of the run that
+    computed it), or None when the run logged none (a run older than the artifact, or a failed cell)."""
+    from mlflow import artifacts
+
+    folder, name = EXAMPLES.rsplit("/", 1)
+    listing = artifacts.list_artifacts(artifact_uri=f"{artifact_uri}/{folder}", tracking_uri=tracking_uri)
+    if name not in {Path(info.path).name for info in listing if not info.is_dir}:
+        return None
+    with tempfile.TemporaryDirectory(prefix="mergecal-examples-") as tmp, _quiet_downloads():
+        local = artifacts.download_artifacts(artifact_uri=f"{artifact_uri}/{EXAMPLES}", dst_path=tmp,
+                                             tracking_uri=tracking_uri)
+        try:
+            data = json.loads(Path(local).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise MergecalError(f"{artifact_uri}/{EXAMPLES}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
+        raise MergecalError(f"{artifact_uri}/{EXAMPLES}: expected {{task: [score per example]}}")
+    return data

@@ -109,10 +109,15 @@ def classifier_logits(model: torch.nn.Module, encoded: Mapping[str, torch.Tensor
     return out
 
 
-def text_scores(logits: torch.Tensor, labels: np.ndarray) -> dict[str, float]:
+def text_scores(logits: torch.Tensor, labels: np.ndarray, *, per_example: bool = False) -> dict[str, float]:
+    """Accuracy, mean prediction entropy and ECE; with ``per_example`` also ``"correct"`` (0/1 per example)."""
     targets = torch.as_tensor(np.asarray(labels), dtype=torch.long)
-    return {"accuracy": float((logits.argmax(-1) == targets).float().mean()),
-            "entropy": prediction_entropy(logits), "ece": expected_calibration_error(logits, targets)}
+    hits = logits.argmax(-1) == targets
+    scores = {"accuracy": float(hits.float().mean()),
+              "entropy": prediction_entropy(logits), "ece": expected_calibration_error(logits, targets)}
+    if per_example:
+        scores["correct"] = hits.int().tolist()
+    return scores
 
 
 @torch.no_grad()

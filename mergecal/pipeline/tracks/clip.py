@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
                      jsonable_diagnostics, matrix_chains, recipe_cell, recipe_trials, select_scaling, summaries,
-                     uses_sensitivity, validation_averages)
+                     per_example_results, uses_sensitivity, validation_averages)
 from ..config import Params
 
 NAME = "vision"
@@ -81,8 +81,8 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
 
     if cell.merge == "zeroshot":
         test = evaluate_tasks(models.model({}), models.heads, paths.data, tasks, "test",
-                              batch_size=evaluation.batch_size, device=device)
-        return CellResult(summaries(tasks, test, reference), logged)
+                              batch_size=evaluation.batch_size, device=device, per_example=True)
+        return CellResult(summaries(tasks, test, reference), logged, examples=per_example_results(tasks, test))
     if cell.merge == "finetuned":
         return finetuned_reference(tasks, reference, logged)
 
@@ -131,7 +131,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
 
     scaling, (model, diagnostics), curve = select_scaling(grid, trial, validate)
     test = evaluate_tasks(model, models.heads, paths.data, tasks, "test", batch_size=evaluation.batch_size,
-                          device=device)
+                          device=device, per_example=True)
     metrics = summaries(tasks, test, reference)
     metrics["selected_scaling"] = float(scaling)
     logged = {**logged, "grid": json.dumps(list(cell.grid)), "scaling_from": cell.scaling_from or "own grid"}
@@ -147,4 +147,4 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     norms = {t: float(sum(v.double().pow(2).sum() for v in task_vector(s, pre_visual).values()) ** 0.5)
              for t, s in zip(tasks, states)}
     artifacts["task_vectors"] = {t: {"norm": norms[t], "entropy": reference[t]["entropy"]} for t in tasks}
-    return CellResult(metrics, logged, artifacts)
+    return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from ..cells import Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params, jsonable_diagnostics, \
-    recipe_cell, select_scaling, summaries, uses_sensitivity, validation_averages
+    per_example_results, recipe_cell, select_scaling, summaries, uses_sensitivity, validation_averages
 from ...errors import CheckpointError
 from ..config import LocalClipTrack, Params
 from . import cell_track, configured_track, configured_tracks
@@ -193,7 +193,8 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     for task in tasks:
         logged[f"data.{task}"] = per_task[task]["data_digest"][:16]
     if cell.merge == "zeroshot":  # the references are scored by the stage, on the cells' rows
-        return CellResult(summaries(tasks, {t: per_task[t]["zeroshot"]["test"] for t in tasks}, per_task), logged)
+        test = {t: per_task[t]["zeroshot"]["test"] for t in tasks}
+        return CellResult(summaries(tasks, test, per_task), logged, examples=per_example_results(tasks, test))
     if cell.merge == "finetuned":
         return finetuned_reference(tasks, {t: per_task[t] for t in tasks}, logged)
 
@@ -252,7 +253,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     chosen_scaling, (_, diagnostics), curve = select_scaling(grid, trial, validate)
     if loaded[0] != chosen_scaling:  # the model holds the grid's last merge: stream the chosen one again
         _, diagnostics = trial(chosen_scaling)
-    test = {t: data.score(loaded[1], heads[t], t, "test", device) for t in tasks}
+    test = {t: data.score(loaded[1], heads[t], t, "test", device, per_example=True) for t in tasks}
     metrics = {**summaries(tasks, test, per_task), "selected_scaling": float(chosen_scaling)}
     logged = {**logged, "grid": json.dumps(list(cell.grid)), f"{recipe.merge.name}.scaling": json.dumps(chosen_scaling),
               "scaling_from": cell.scaling_from or "own grid"}
@@ -269,4 +270,4 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         artifacts["distac"] = {"kappas": info["kappas"], "conditioned": list(conditioned)}
         norms.update({t: info["norms"][t]["after"] for t in conditioned})
     artifacts["task_vectors"] = {t: {"norm": norms[t], "entropy": per_task[t]["entropy"]} for t in tasks}
-    return CellResult(metrics, logged, artifacts)
+    return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))

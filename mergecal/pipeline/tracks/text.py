@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
                      jsonable_diagnostics, matrix_chains, recipe_cell, recipe_trials, select_scaling, summaries,
-                     validation_averages)
+                     per_example_results, validation_averages)
 from ..config import Params
 
 NAME = "text"
@@ -75,8 +75,8 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     reference = json.loads((models_root(params, root) / "references.json").read_text())
     logged = base_params(cell)
     if cell.merge == "zeroshot":  # the pretrained encoder with each task's head (no zero-shot head exists)
-        test = models.evaluate(models.pretrained, tasks, "test", device=device)
-        return CellResult(summaries(tasks, test, reference), logged)
+        test = models.evaluate(models.pretrained, tasks, "test", device=device, per_example=True)
+        return CellResult(summaries(tasks, test, reference), logged, examples=per_example_results(tasks, test))
     if cell.merge == "finetuned":
         return finetuned_reference(tasks, reference, logged)
     recipe = Recipe.parse(cell.recipe)
@@ -93,7 +93,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         return validation_averages(val, reference, tasks)
 
     scaling, result, curve = select_scaling(grid, trial, validate)
-    test = models.evaluate(result.state_dict, tasks, "test", device=device)
+    test = models.evaluate(result.state_dict, tasks, "test", device=device, per_example=True)
     metrics = {**summaries(tasks, test, reference), "selected_scaling": float(scaling)}
     logged = {**logged, "grid": json.dumps(list(cell.grid)), f"{recipe.merge.name}.scaling": json.dumps(scaling),
               "scaling_from": cell.scaling_from or "own grid"}
@@ -103,4 +103,4 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     if curve:
         artifacts["scaling_curve"] = curve
     artifacts["task_vectors"] = {t: {"norm": reference[t]["norm"], "entropy": reference[t]["entropy"]} for t in tasks}
-    return CellResult(metrics, logged, artifacts)
+    return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))

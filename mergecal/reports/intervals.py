@@ -1,0 +1,65 @@
+"""95 % bootstrap confidence intervals of the leaderboard's accuracies and of a calibration's change.
+
+A row's value is a weighted sum of per-task means of per-example scores (one task: its accuracy; the average
+accuracy: weights 1/T; the average normalized accuracy: weights 1/(T * the task's fine-tuned test accuracy), a
+constant). The bootstrap is stratified: each task's examples are resampled from that task alone, which is what
+``scipy.stats.bootstrap`` does with one sample per task (``paired=False``). A paired interval resamples the
+per-example differences of two rows scored on the same examples. Percentile method, ``N_RESAMPLES`` resamples,
+a fixed seed: the same inputs give the same interval on every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+LEVEL = 0.95
+N_RESAMPLES = 2000
+METHOD = "percentile"
+SEED = 0
+
+Interval = tuple[float, float]
+
+
+def weighted_means(samples: Sequence[np.ndarray], weights: Sequence[float]) -> float:
+    """sum_t weights[t] * mean(samples[t]): the statistic every interval here is taken of."""
+    return float(sum(w * np.mean(s) for s, w in zip(samples, weights)))
+
+
+def stratified_interval(samples: Sequence[np.ndarray], weights: Sequence[float]) -> Interval:
+    """The 95 % percentile-bootstrap interval of ``weighted_means(samples, weights)``, each task's sample
+    resampled on its own (stratified). A sample without spread gives its value as both ends."""
+    from scipy.stats import bootstrap
+
+    samples = [np.asarray(s, dtype=np.float64) for s in samples]
+    if len(samples) != len(weights) or not samples or any(s.ndim != 1 or s.size == 0 for s in samples):
+        raise ValueError("stratified_interval: one non-empty 1-d sample per weight")
+    if all(np.all(s == s[0]) for s in samples):  # nothing to resample: the interval is the point
+        value = weighted_means(samples, weights)
+        return value, value
+
+    def statistic(*resampled, axis=-1):
+        return sum(w * np.mean(s, axis=axis) for s, w in zip(resampled, weights))
+
+    result = bootstrap(tuple(samples), statistic, n_resamples=N_RESAMPLES, confidence_level=LEVEL, method=METHOD,
+                       paired=False, vectorized=True, random_state=np.random.default_rng(SEED))
+    low, high = result.confidence_interval
+    return float(low), float(high)
+
+
+def paired_interval(row: Sequence[np.ndarray], base: Sequence[np.ndarray], weights: Sequence[float]) -> Interval:
+    """The interval of ``row``'s statistic minus ``base``'s on the same examples: per-example differences,
+    resampled within each task."""
+    if len(row) != len(base) or any(len(a) != len(b) for a, b in zip(row, base)):
+        raise ValueError("paired_interval: both rows need the same examples of every task")
+    return stratified_interval([np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+                                for a, b in zip(row, base)], weights)
+
+
+def significance(interval: Interval | None) -> str:
+    """``gain`` when the interval of a change lies above 0, ``loss`` when below, else ``none``."""
+    if interval is None:
+        return "none"
+    low, high = interval
+    return "gain" if low > 0 else "loss" if high < 0 else "none"
