@@ -198,8 +198,9 @@ def test_lm_eval_runs_the_local_yamls_and_matches_an_independent_scoring(suite, 
                           "sentiment_validation"}
     assert str((root / "knowledge" / "test.jsonl").resolve()) in yamls["knowledge"].read_text()
     limit = 4
+    per_document: dict = {}
     scores = evaluate_lm(path, ["maximum", "knowledge", "sentiment"], tmp_path / "tasks", limit=limit,
-                         cache_path=tmp_path / "cache", device="cpu")
+                         cache_path=tmp_path / "cache", device="cpu", per_document=per_document)
     assert {t: s["n"] for t, s in scores.items()} == {"maximum": limit, "knowledge": limit, "sentiment": limit}
     assert list(tmp_path.glob("cache/micro-*")) and weights_digest(path)[:16] in next(tmp_path.glob("cache/*")).name
 
@@ -210,6 +211,7 @@ def test_lm_eval_runs_the_local_yamls_and_matches_an_independent_scoring(suite, 
                                                                              " " + d["choices"][i])) == d["label"]
                 for d in docs]
         assert scores[task]["acc"] == pytest.approx(sum(hits) / limit)
+        assert per_document[task]["acc"] == [float(hit) for hit in hits]  # lm-eval's per-sample scores, in order
     hits = []
     for doc in load_records(root, "maximum", "test")[:limit]:  # greedy answer up to a newline, stripped
         ids = torch.tensor([tokenizer(doc["prompt"], add_special_tokens=False)["input_ids"]])
@@ -217,6 +219,7 @@ def test_lm_eval_runs_the_local_yamls_and_matches_an_independent_scoring(suite, 
         answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split("\n")[0].strip()
         hits.append(answer == doc["target"])
     assert scores["maximum"]["exact_match"] == pytest.approx(sum(hits) / limit)
+    assert per_document["maximum"]["exact_match"] == [float(hit) for hit in hits]
 
 
 def test_the_response_cache_never_serves_one_models_answers_for_another(suite, micro, tmp_path):

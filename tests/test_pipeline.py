@@ -383,7 +383,7 @@ def test_an_llm_expert_that_is_not_of_the_base_fails_its_cells_only(built, prefe
     original = target.read_text()
     data = params.model_dump(mode="json")
     data["benchmark"]["merges"] = {"task_arithmetic": {"scaling": 0.5}}
-    data["benchmark"]["chains"] = ["{merge}"]
+    data["benchmark"]["chains"], data["benchmark"]["fixed_scaling"] = ["{merge}"], []
     data["vision"]["regimes"] = ["standard"]
     (root / "params-llm-bad.yaml").write_text(yaml.safe_dump(data))
     try:

@@ -230,8 +230,11 @@ def _metrics(raw: dict) -> dict[str, float]:
 
 def evaluate_lm(model_dir: str | os.PathLike, tasks: Sequence[str], task_dir: str | os.PathLike, *,
                 cache_path: str | os.PathLike | None = None, limit: int | float | None = None,
-                device: str = "auto", batch_size: int = 16, dtype: str = "float32") -> dict[str, dict[str, float]]:
+                device: str = "auto", batch_size: int = 16, dtype: str = "float32",
+                per_document: dict[str, dict[str, list[float]]] | None = None) -> dict[str, dict[str, float]]:
     """Score the local model directory on lm-eval tasks defined in ``task_dir``: {task: {metric: value, "n": n}}.
+    ``per_document``: a dict to fill with each task's per-document scores, {task: {metric: [score per document in
+    doc_id order]}}, from lm-eval's own per-sample output (``log_samples``), for the leaderboard's intervals.
 
     ``cache_path``: a directory for response caches; the model's cache file in it is named by the sha256 of
     its config and weights, so every distinct model gets its own. ``device="auto"``: CUDA when present.
@@ -262,10 +265,14 @@ def evaluate_lm(model_dir: str | os.PathLike, tasks: Sequence[str], task_dir: st
         if task_obj.get_config("num_fewshot") is None:
             task_obj.set_config(key="num_fewshot", value=0)
         task_obj.set_fewshot_seed(seed=FEWSHOT_SEED)
-    results = evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=False)
+    results = evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=per_document is not None)
     out = {}
     for task in tasks:
         out[task] = _metrics(results["results"][task])
+        if per_document is not None:
+            samples = sorted(results["samples"][task], key=lambda sample: sample["doc_id"])
+            per_document[task] = {metric: [float(s[metric]) for s in samples]
+                                  for metric in (samples[0]["metrics"] if samples else [])}
         n = results.get("n-samples", {}).get(task, {}).get("effective")
         if n is not None:
             out[task]["n"] = float(n)

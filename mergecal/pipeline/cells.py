@@ -339,7 +339,9 @@ def jsonable_diagnostics(diagnostics: dict, sensitivity_path: Path | None) -> di
         out["magic_coefficients"] = coefficients
     if sensitivity_path is not None and sensitivity_path.is_file():
         data = json.loads(sensitivity_path.read_text())
-        out["sensitivity"] = {"metric": "probe_accuracy", "baseline": data["baseline"],
+        # the probe's score: accuracy (MAGIC's) or the true class's mean log-probability (``probing.metric``)
+        metric = {"nll": "probe_log_likelihood"}.get(data.get("metadata", {}).get("metric"), "probe_accuracy")
+        out["sensitivity"] = {"metric": metric, "baseline": data["baseline"],
                               "scores": {k: v for k, v in data["scores"]}}
     return out
 

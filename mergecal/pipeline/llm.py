@@ -113,24 +113,27 @@ class LmEval:
     batch_size: int
 
     def score(self, model_dir: str | Path, tasks, split: str, *, device: str = "cpu",
-              cache: bool = True) -> dict[str, float]:
+              cache: bool = True, examples: dict[str, list[float]] | None = None) -> dict[str, float]:
         """{task: its metric} of one model on one split. ``cache=False``: no lm-eval response cache, for a
         model scored once and deleted (a cell's merges): lm-eval's cache (sqlitedict) commits every request
         and records a stack trace per statement, about half of an LLM cell's time, for answers nothing reads
         again (the cell's own result is cached by the flow)."""
-        return self.score_and_count(model_dir, tasks, split, device=device, cache=cache)[0]
+        return self.score_and_count(model_dir, tasks, split, device=device, cache=cache, examples=examples)[0]
 
     def score_and_count(self, model_dir: str | Path, tasks, split: str, *, device: str = "cpu",
-                        cache: bool = True) -> tuple[dict[str, float], dict[str, int]]:
+                        cache: bool = True, examples: dict[str, list[float]] | None = None
+                        ) -> tuple[dict[str, float], dict[str, int]]:
         """``score``'s {task: metric} and {task: documents scored} (lm-eval's effective count; a task for which
-        lm-eval reports none is left out)."""
+        lm-eval reports none is left out). ``examples``: a dict to fill with each task's per-document score of its
+        metric (lm-eval's per-sample output), for the leaderboard's intervals."""
         from ..errors import MergecalError
         from ..evaluation.lm_eval_tasks import evaluate_lm
 
         names = [self.names[t][split] for t in tasks]
+        per_document: dict | None = {} if examples is not None else None
         scores = evaluate_lm(model_dir, names, self.task_dir, cache_path=self.cache if cache else None,
                              limit=self.max_validation if split == "validation" else None, device=device,
-                             batch_size=self.batch_size)
+                             batch_size=self.batch_size, per_document=per_document)
         out, counts = {}, {}
         for task, name in zip(tasks, names):
             if self.metrics[task] not in scores[name]:
@@ -138,6 +141,8 @@ class LmEval:
                                     f"{', '.join(k for k in scores[name] if k != 'n') or 'no metric'}, not "
                                     f"{self.metrics[task]!r} (the metric configured for task {task!r})")
             out[task] = scores[name][self.metrics[task]]
+            if examples is not None:
+                examples[task] = per_document[name][self.metrics[task]]
             if "n" in scores[name]:
                 counts[task] = int(scores[name]["n"])
         return out, counts
@@ -199,8 +204,10 @@ def expert_reference(scorer: LmEval, base: Path, expert: Path, task: str, tasks,
     """An expert's score on its own task (validation and test: normalized score's denominator), its test
     scores on every task and its task vector's norms (read key by key)."""
     val = scorer.score(expert, [task], "validation", device=device)[task]
-    test = scorer.score(expert, tasks, "test", device=device)
-    return {"val_accuracy": val, "test_accuracy": test[task], "test_all_tasks": test, **task_vector_norms(base, expert)}
+    examples: dict[str, list[float]] = {}  # the expert's per-document test scores: the finetuned row's interval
+    test = scorer.score(expert, tasks, "test", device=device, examples=examples)
+    return {"val_accuracy": val, "test_accuracy": test[task], "test_all_tasks": test, "test_correct": examples[task],
+            **task_vector_norms(base, expert)}
 
 
 def base_reference(scorer: LmEval, base: Path, tasks, *, device: str = "cpu") -> dict:

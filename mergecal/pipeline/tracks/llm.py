@@ -129,13 +129,18 @@ def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path]
 
     tasks = list(cell.tasks)
     logged = logged_params(cell, reference)
+    examples: dict[str, list[float]] = {}  # per-document test scores, for the leaderboard's intervals
     if cell.merge == "zeroshot":
-        return CellResult(summaries(tasks, scorer.score(base, tasks, "test", device=device), reference,
-                                    scorer.metrics), logged)
+        return CellResult(summaries(tasks, scorer.score(base, tasks, "test", device=device, examples=examples),
+                                    reference, scorer.metrics), logged, examples=examples)
     if cell.merge == "finetuned":
         test = {t: reference["tasks"][t]["test_accuracy"] for t in tasks}
         norms = {t: {"norm": reference["tasks"][t]["norm"]} for t in tasks}
-        return CellResult(summaries(tasks, test, reference, scorer.metrics), logged, {"task_vectors": norms})
+        # references written before they kept per-document scores give the row no interval
+        if all("test_correct" in reference["tasks"][t] for t in tasks):
+            examples = {t: reference["tasks"][t]["test_correct"] for t in tasks}
+        return CellResult(summaries(tasks, test, reference, scorer.metrics), logged, {"task_vectors": norms},
+                          examples=examples)
 
     recipe = Recipe.parse(cell.recipe)
     steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
@@ -167,7 +172,7 @@ def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path]
             return avg, norm
 
         chosen_scaling, (merged, diagnostics), curve = select_scaling(grid, trial, validate)
-        test = scorer.score(merged, tasks, "test", device=device, cache=False)
+        test = scorer.score(merged, tasks, "test", device=device, cache=False, examples=examples)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     metrics = {**summaries(tasks, test, reference, scorer.metrics), "selected_scaling": float(chosen_scaling)}
@@ -179,4 +184,4 @@ def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path]
     if curve:
         artifacts["scaling_curve"] = curve
     artifacts["task_vectors"] = {t: {"norm": reference["tasks"][t]["norm"]} for t in tasks}
-    return CellResult(metrics, logged, artifacts)
+    return CellResult(metrics, logged, artifacts, examples=examples)
