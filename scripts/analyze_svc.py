@@ -4,7 +4,8 @@
     .venv/bin/python scripts/analyze_svc.py --regime standard --track vision
 
 For each `{merge}>svc` cell: its change against the base merge (points), and over its calibrated keys the mean
-gamma on the top singular direction, on the top 10% of the rank, overall, the fraction of directions shrunk
+gamma on the top singular direction, the mean number of tasks whose s on the top direction exceeds 1,
+on the top 10% of the rank, overall, the fraction of directions shrunk
 (gamma < 1) and the energy ratio ||sigma~|| / ||sigma|| (above 1: SVC enlarges the merged update, as a larger
 lambda would). The SVC paper's Fig. on spectra shows gamma < 1 on the top (over-counted, shared) directions and
 gamma > 1 on the tail.
@@ -27,8 +28,10 @@ from mergecal.reports.runs import cells_of, load_diagnostics, load_runs, pick_in
 
 
 def gamma_summary(spectra: dict[str, dict[str, list[float]]]) -> dict[str, float]:
-    top1, top10, every, shrunk, energy = [], [], [], [], []
+    top1, top10, every, shrunk, energy, over = [], [], [], [], [], []
     for values in spectra.values():
+        if values.get("s_top"):  # tasks whose top-direction coefficient exceeds 1 (logged since 2026-11-26)
+            over.append(float(np.sum(np.asarray(values["s_top"], float) > 1)))
         before, after = np.asarray(values["before"], float), np.asarray(values["after"], float)
         keep = before > 1e-12 * max(before.max(initial=0.0), 1e-30)
         if not keep.any():
@@ -41,7 +44,8 @@ def gamma_summary(spectra: dict[str, dict[str, list[float]]]) -> dict[str, float
         shrunk.append(float((gamma < 1).mean()))
         energy.append(float(np.linalg.norm(after) / np.linalg.norm(before)))
     return {"keys": len(top1), "gamma_top1": float(np.mean(top1)), "gamma_top10pct": float(np.mean(top10)),
-            "gamma_mean": float(np.mean(every)), "shrunk": float(np.mean(shrunk)), "energy": float(np.mean(energy))}
+            "gamma_mean": float(np.mean(every)), "shrunk": float(np.mean(shrunk)), "energy": float(np.mean(energy)),
+            "tasks_over_1": float(np.mean(over)) if over else float("nan")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = load_runs(uri, params.tracking.experiment)
     cells = cells_of(runs, pick_invocation(runs, args.invocation))
     cells = cells[cells["status"] == "ok"]
-    print("| track | regime | recipe | Δ avg (points) | keys | γ top-1 | γ top 10% | γ mean | shrunk | ‖σ̃‖/‖σ‖ |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| track | regime | recipe | Δ avg (points) | keys | tasks with s > 1 (top dir.) | γ top-1 | γ top 10% "
+          "| γ mean | shrunk | ‖σ̃‖/‖σ‖ |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for _, row in cells.sort_values(["regime", "recipe"]).iterrows():
         track = row.get("params.track", "")
         svc = re.search(r">svc(\(.*\))?$", row["recipe"])  # the chain {merge}>svc, with or without parameters
@@ -70,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         if not spectra:
             continue
         s = gamma_summary(spectra)
-        print(f"| {track} | {row['regime']} | `{row['recipe']}` | {delta:+.1f} | {s['keys']} | {s['gamma_top1']:.2f} | "
-              f"{s['gamma_top10pct']:.2f} | {s['gamma_mean']:.2f} | {s['shrunk']:.2f} | {s['energy']:.2f} |")
+        print(f"| {track} | {row['regime']} | `{row['recipe']}` | {delta:+.1f} | {s['keys']} | "
+              f"{s['tasks_over_1']:.1f} | {s['gamma_top1']:.2f} | {s['gamma_top10pct']:.2f} | "
+              f"{s['gamma_mean']:.2f} | {s['shrunk']:.2f} | {s['energy']:.2f} |")
     return 0
 
 

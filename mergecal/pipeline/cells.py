@@ -325,8 +325,10 @@ def jsonable_diagnostics(diagnostics: dict, sensitivity_path: Path | None) -> di
     """The logged artifacts (see mergecal.reports): SVC spectra, MAGIC coefficients, sensitivity."""
     out: dict[str, Any] = {}
     if "svc" in diagnostics:
+        # s_top: each task's projection coefficient s_i^1 on the key's top direction (above 1: over-counted there)
         out["svc_spectra"] = {k: {"before": [float(x) for x in v["sigma"]],
-                                  "after": [float(x) for x in v["sigma_calibrated"]]}
+                                  "after": [float(x) for x in v["sigma_calibrated"]],
+                                  "s_top": [float(x) for x in torch.as_tensor(v["s"])[:, 0]]}
                               for k, v in diagnostics["svc"].items()}
     coefficients: dict[str, dict[str, float]] = {}
     if "wsc" in diagnostics:
