@@ -144,3 +144,25 @@ def test_linear_track_near_ties_are_correct_as_is():
     """The fake track's construction: its near ties are correct unperturbed, its far examples do not move."""
     examples = _linear_track(near_ties=90)(None)
     assert all(np.all(np.asarray(examples[t][:90]) == 1.0) for t in examples)
+
+
+def test_a_perturbed_model_directory_is_a_copy_with_only_its_weights_perturbed(tmp_path):
+    """The LLM track's perturbation: the merged directory copied, each safetensors file perturbed (metadata kept),
+    config and tokenizer files as they were, the source untouched."""
+    from mergecal.checkpoint import load_state_dict, save_state_dict
+    from mergecal.pipeline.stability import perturbed_model_dir
+    from safetensors import safe_open
+
+    source = tmp_path / "merged"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "llama"}')
+    weights = {"a": torch.randn(8, 8), "b": torch.randn(4)}
+    save_state_dict(weights, source / "model.safetensors", {"mergecal_method": "task_arithmetic"})
+    out = perturbed_model_dir(source, tmp_path / "seed-1", 1)
+    assert (out / "config.json").read_text() == '{"model_type": "llama"}'
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        assert handle.metadata()["mergecal_method"] == "task_arithmetic"
+    copied, original = load_state_dict(out / "model.safetensors"), load_state_dict(source / "model.safetensors")
+    assert all(torch.equal(original[k], weights[k]) for k in weights)
+    assert all(torch.equal(copied[k], perturbed(weights, 1)[k]) and not torch.equal(copied[k], weights[k])
+               for k in weights)
