@@ -248,6 +248,32 @@ def test_same_params_give_identical_results(built):
         assert first.diagnostics.keys() == second.diagnostics.keys()
 
 
+
+def test_stability_reevaluates_each_tracks_task_arithmetic_row_as_the_benchmark_scored_it(built):
+    """The stability stage (issue #30) evaluates the benchmark's own row: unperturbed, its per-example outcomes
+    are the cell's, on every track (vision through evaluate_tasks, text through TextModels, LLM through lm-eval)."""
+    from mergecal.pipeline.stability import measure, stability_markdown
+
+    root, params = built
+    rows, examples = [], {}
+    for cell in cells_mod.enumerate_cells(params):
+        if cell.regime == "standard" and cell.label == "task_arithmetic":
+            result = cells_mod.run_cell(cell, params, root, scaling=0.3)
+            rows.append({"track": cell.track, "regime": "standard", "label": "task_arithmetic",
+                         "selected_scaling": 0.3})
+            examples[cell.track] = result.examples
+    document = measure(params, root, {"rows": rows})
+    assert [e["track"] for e in document["tracks"]] == ["vision", "text", "llm"]
+    for entry in document["tracks"]:
+        cell = examples[entry["track"]]
+        expected = 100 * sum(sum(v) / len(v) for v in cell.values()) / len(cell)
+        assert entry["avg_acc"] == pytest.approx(expected, abs=1e-5), entry["track"]
+        assert entry["n_examples"] == sum(len(v) for v in cell.values())
+        assert entry["stable"] == (entry["largest_avg_move"] <= entry["half_width"])
+        assert len(entry["avg_acc_per_seed"]) == 3 and entry["scaling"] == 0.3
+    assert stability_markdown(document).count("\n| ") == 1 + 3  # the header, one row per track
+    assert not list((root / ".mergecal" / "llm").glob("stability-*"))  # the perturbed LLM copies are gone
+
 def test_reference_cells_and_normalized_accuracy(built):
     root, params = built
     cells = {(c.regime, c.label): c for c in cells_mod.enumerate_cells(params) if c.track == "vision"}

@@ -384,6 +384,38 @@ def test_testbed_health_opens_the_leaderboard_before_any_table(store, tmp_path):
     assert html_table.count("<tr>") == 2 and "<th>criterion</th>" in html_table and "<td>no</td>" in html_table
 
 
+
+def _stability(stable: bool) -> dict:
+    """A stability document (reports/stability.json) whose track is the store's backbone x task set."""
+    return {"relative_size": 1e-6, "seeds": [0, 1, 2], "tracks": [
+        {"track": "vision", "backbone": "mergecal-vit-tiny", "task_set": "vision2", "recipe": "task_arithmetic",
+         "regime": "standard", "scaling": 0.3, "avg_acc": 64.0, "half_width": 2.5, "avg_acc_per_seed": [55.0],
+         "largest_avg_move": 2.0 if stable else 9.0, "largest_task_move": {"task": "cars", "points": 12.0},
+         "changed_fraction": 0.1, "n_examples": 600, "stable": stable}]}
+
+
+def test_an_unstable_track_is_flagged_under_the_testbed_health_and_under_each_of_its_tables(store, tmp_path):
+    """Issue #30: the leaderboard says which track round-off moves by more than its rows' interval."""
+    testbed = "## Testbed health (clip-tiny, seed 0): healthy\n"
+    write_reports(store, "mergecal", tmp_path, testbed=testbed, stability=_stability(stable=False))
+    markdown = (tmp_path / "leaderboard.md").read_text()
+    assert markdown.index("## Testbed health") < markdown.index("## Track stability") < markdown.index("| `tsv_m` |")
+    assert "- vision (mergecal-vit-tiny · vision2): task_arithmetic at scaling 0.3, average accuracy moves by up " \
+           "to 9.0 points under 1e-06 relative perturbations against a 95 % interval half-width of 2.5" in markdown
+    warning = ("**Warning:** Rows of this track move by up to 9.0 points under 1e-06 relative perturbations, more "
+               "than their interval: read differences as unreliable.")
+    for regime in ("standard", "norm_mismatch"):  # every table of the track, right under its title
+        assert f"## mergecal-vit-tiny · vision2 · {regime}\n\n{warning}\n\n| recipe |" in markdown
+    page = (tmp_path / "leaderboard.html").read_text()
+    assert page.index('id="testbed"') < page.index('id="stability"') < page.index("tsv_m")
+    assert "<li>vision (mergecal-vit-tiny · vision2): task_arithmetic" in page and ": UNSTABLE</li>" in page
+    assert page.count('<p class="warning">Warning: Rows of this track move by up to 9.0 points') == 2
+
+    write_reports(store, "mergecal", tmp_path, stability=_stability(stable=True))
+    markdown = (tmp_path / "leaderboard.md").read_text()
+    assert "## Track stability" in markdown and ": stable" in markdown and "Warning" not in markdown
+    assert "Warning" not in (tmp_path / "leaderboard.html").read_text()
+
 def test_reports_read_only_tags_that_the_pipeline_writes():
     """Regression: the reports read a `mergecal.cached` tag that nothing wrote (reuse is in the manifests)."""
     from mergecal.pipeline.tracking import TAGS

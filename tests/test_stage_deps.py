@@ -184,13 +184,13 @@ def test_a_stage_does_not_depend_on_what_a_registry_or_the_params_validation_imp
 
 def test_editing_a_merge_method_reruns_the_benchmark_stage_only():
     """The measured aim of the cost-of-change issue: a lab that edits methods/ties.py waits for the benchmark stage
-    (whose cell ids then recompute the TIES and DARE cells only), the testbed's TA merge follows
-    methods/task_arithmetic.py, and no training stage reruns for either."""
+    (whose cell ids then recompute the TIES and DARE cells only), the testbed's and the stability stage's TA merges
+    follow methods/task_arithmetic.py, and no training stage reruns for either."""
     stages = stage_deps.load_stages((REPO / "dvc.yaml").read_text())
     expected = stage_deps.expected_code_deps(stages, REPO)
     assert [s for s, deps in expected.items() if "mergecal/methods/ties.py" in deps] == ["benchmark"]
     assert sorted(s for s, deps in expected.items() if "mergecal/methods/task_arithmetic.py" in deps) == \
-        ["benchmark", "testbed"]
+        ["benchmark", "stability", "testbed"]
     for training in ("pretrain", "finetune", "llm_pretrain", "llm_finetune", "text_finetune"):
         assert not [d for d in expected[training] if d.startswith(("mergecal/methods/", "mergecal/calibrations/svc",
                                                                     "mergecal/calibrations/wsc"))

@@ -15,6 +15,7 @@ import base64
 import hashlib
 import html
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from ..checkpoint import atomic_write_text
@@ -23,6 +24,7 @@ from .history import DEFAULT_METRIC, DEFAULT_THRESHOLD, find_regressions, histor
 from .leaderboard import Table, build_tables, table_html, table_markdown, tables_json
 from .plots import Plot, diagnostic_plots, slug
 from .runs import cells_of, invocations, load_diagnostics, load_examples, load_runs, pick_invocation
+from .stability import section_markdown, table_warning
 
 HISTORY_FILES = ("history.md", "history.html")  # beside the leaderboard, not DVC outputs
 
@@ -53,6 +55,7 @@ span.delta.ns, span.ci { color: #777; }
 span.ci { font-size: 0.8em; }
 td.ill-posed { color: #999; }
 p.footnote { font-size: 0.85em; color: #555; }
+p.warning { color: #c62828; font-weight: bold; }
 ul.failed li, ul.regressions li { color: #c62828; }
 figure { display: inline-block; margin: 0.5em; vertical-align: top; }
 figure img { max-width: 100%; }
@@ -85,8 +88,9 @@ def _figure(plot: Plot) -> str:
 
 
 def markdown_html(text: str) -> str:
-    """The small Markdown the testbed report uses (## headings, pipe tables, paragraphs) as HTML."""
-    esc, out, table = html.escape, [], []
+    """The small Markdown the testbed and stability reports use (## headings, pipe tables, "- " lists,
+    paragraphs) as HTML."""
+    esc, out, table, items = html.escape, [], [], []
 
     def cells(line: str) -> list[str]:
         return [esc(c.strip().replace("**", "")) for c in line.strip().strip("|").split("|")]
@@ -98,10 +102,16 @@ def markdown_html(text: str) -> str:
                        + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in cells(r)) + "</tr>" for r in body)
                        + "</table>")
             table.clear()
+        if items:
+            out.append("<ul>" + "".join(f"<li>{esc(item)}</li>" for item in items) + "</ul>")
+            items.clear()
 
     for line in text.splitlines():
         if line.startswith("|"):
             table.append(line)
+            continue
+        if line.startswith("- "):
+            items.append(line[2:])
             continue
         flush()
         if line.startswith("## "):
@@ -112,13 +122,16 @@ def markdown_html(text: str) -> str:
     return "\n".join(out)
 
 
-def _html_page(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None) -> str:
+def _html_page(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None,
+               stability: str | None = None) -> str:
     esc = html.escape
     anchors = [(slug(t.title), t.title) for t in tables]
     body = ["<h1>mergecal leaderboard</h1>", f'<p class="meta">{esc(_meta_line(meta).replace("`", ""))}</p>',
             f"<p>{esc(LEGEND)}</p>"]
     if testbed:
         body.append(f'<section id="testbed">\n{markdown_html(testbed)}</section>')
+    if stability:
+        body.append(f'<section id="stability">\n{markdown_html(stability)}</section>')
     body.append("<ul>")
     body += [f'<li><a href="#{a}">{esc(t)}</a></li>' for a, t in anchors]
     body += ['<li><a href="#diagnostics">Diagnostics</a></li>', '<li><a href="history.html">History</a></li>', "</ul>"]
@@ -140,10 +153,13 @@ def _page(title: str, body: list[str]) -> str:
             + "\n".join(body) + "\n</body>\n</html>\n")
 
 
-def _markdown(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None) -> str:
+def _markdown(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None,
+              stability: str | None = None) -> str:
     parts = ["# mergecal leaderboard", "", _meta_line(meta), "", LEGEND.replace("is marked", "is in bold"), ""]
     if testbed:
         parts += [testbed]
+    if stability:
+        parts += [stability]
     parts += [table_markdown(t) for t in tables]
     if plots:
         parts += ["## Diagnostics", ""] + [f"![{p.title}](plots/{p.name}.svg)\n" for p in plots]
@@ -152,7 +168,8 @@ def _markdown(meta: dict, tables: list[Table], plots: list[Plot], testbed: str |
 
 def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str | Path = "reports",
                   invocation: str | None = None, *, metric: str = DEFAULT_METRIC,
-                  threshold: float = DEFAULT_THRESHOLD, testbed: str | None = None) -> dict[str, Path]:
+                  threshold: float = DEFAULT_THRESHOLD, testbed: str | None = None,
+                  stability: dict | None = None) -> dict[str, Path]:
     """Write leaderboard.md/.html/.json and plots/*.svg for ``invocation`` (default: the latest with cells),
     and history.md/.html over every invocation, under ``out_dir``; returns {relative name: path}.
     ``testbed`` (the testbed-health Markdown of ``mergecal.pipeline.testbed``) opens the leaderboard, before
@@ -166,7 +183,9 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
     ok = cells[cells["status"] == "ok"]
     # a reused cell's row carries the artifact URI of the run that computed it (runs._reused_cells)
     examples = {rid: load_examples(tracking_uri, uri) for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
-    tables = build_tables(cells, examples)
+    tables = [replace(t, warning=table_warning(stability, t.backbone, t.task_set))
+              for t in build_tables(cells, examples)]
+    section = section_markdown(stability) if stability else None
     diagnostics = {rid: load_diagnostics(tracking_uri, uri) for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
     plots = diagnostic_plots(cells, diagnostics)
     trend = history_plots(runs, metric)
@@ -180,8 +199,10 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
     document = {"results": meta, "leaderboard": tables_json(tables)}
     written["leaderboard.json"] = atomic_write_text(out / "leaderboard.json",
                                                     json.dumps(document, indent=2, sort_keys=True) + "\n")
-    written["leaderboard.md"] = atomic_write_text(out / "leaderboard.md", _markdown(meta, tables, plots, testbed))
-    written["leaderboard.html"] = atomic_write_text(out / "leaderboard.html", _html_page(meta, tables, plots, testbed))
+    written["leaderboard.md"] = atomic_write_text(out / "leaderboard.md",
+                                                  _markdown(meta, tables, plots, testbed, section))
+    written["leaderboard.html"] = atomic_write_text(out / "leaderboard.html",
+                                                    _html_page(meta, tables, plots, testbed, section))
     written["history.md"] = atomic_write_text(out / "history.md", history_markdown(runs, metric, threshold))
     history_body = ['<p><a href="leaderboard.html">Leaderboard</a></p>', history_html(runs, metric, threshold)]
     written["history.html"] = atomic_write_text(out / "history.html", _page(

@@ -73,6 +73,7 @@ class Table:
     rows: tuple[Row, ...]
     failures: tuple[Failure, ...]
     best: dict[str, str] = field(default_factory=dict)  # column -> the recipe significantly best in it
+    warning: str = ""  # shown under the title: the track is unstable (mergecal.reports.stability.table_warning)
 
     @property
     def columns(self) -> list[tuple[str, str]]:
@@ -279,8 +280,8 @@ def cell_text(row: Row, name: str) -> str:
 
 def table_markdown(table: Table) -> str:
     head = ["recipe"] + [h for _, h in table.columns]
-    lines = [f"## {table.title}", "", "| " + " | ".join(_md_escape(h) for h in head) + " |",
-             "|---" + "|---:" * len(table.columns) + "|"]
+    lines = [f"## {table.title}", ""] + ([f"**Warning:** {_md_escape(table.warning)}", ""] if table.warning else [])
+    lines += ["| " + " | ".join(_md_escape(h) for h in head) + " |", "|---" + "|---:" * len(table.columns) + "|"]
     for row in table.rows:
         cells = [f"`{row.recipe}`"]
         for name, _ in table.columns:
@@ -316,8 +317,10 @@ DELTA_CLASSES = {"gain": "pos", "loss": "neg", "none": "ns"}
 
 def table_html(table: Table) -> str:
     esc = html.escape
-    out = [f"<h2>{esc(table.title)}</h2>", "<table>", "<thead><tr><th>recipe</th>"
-           + "".join(f"<th>{esc(h)}</th>" for _, h in table.columns) + "</tr></thead>", "<tbody>"]
+    out = [f"<h2>{esc(table.title)}</h2>"] + ([f'<p class="warning">Warning: {esc(table.warning)}</p>']
+                                              if table.warning else [])
+    out += ["<table>", "<thead><tr><th>recipe</th>"
+            + "".join(f"<th>{esc(h)}</th>" for _, h in table.columns) + "</tr></thead>", "<tbody>"]
     for row in table.rows:
         tds = [f'<td class="recipe">{esc(row.recipe)}</td>']
         for name, _ in table.columns:

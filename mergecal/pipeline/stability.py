@@ -1,0 +1,256 @@
+"""Is a track measuring the methods or round-off? Its task-arithmetic row re-evaluated under tiny weight noise.
+
+For each track (vision: the standard regime) the task-arithmetic merge at the scaling the benchmark chose is
+evaluated on its test split as is, then with every float tensor of the merged weights perturbed,
+w -> w + ``RELATIVE_SIZE`` * rms(w) * N(0, 1), once per seed of ``SEEDS``. The track is stable when the largest
+move of the average accuracy is at most the half-width of the unperturbed row's 95 % interval
+(``mergecal.reports.intervals``): a row that round-off moves by more than its own sampling uncertainty says more
+about the machine than about the method (issue #30: the same commit moved LLM rows by 19 points across CPUs).
+
+Each track is evaluated by its own code (``vision.evaluate_tasks``, ``TextModels.evaluate``, ``LmEval.score``);
+the figures are ``move_summary``'s, a pure function of the per-example outcomes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import MergecalError
+from ..reports.intervals import stratified_interval, weighted_means
+from ..reports.stability import section_markdown
+from .config import Params
+
+RELATIVE_SIZE = 1e-6  # float32 round-off is ~6e-8 relative: a few ulps, what another CPU or thread count changes
+SEEDS = (0, 1, 2)
+MERGE = "task_arithmetic"
+REGIME = "standard"
+TRACKS = ("vision", "text", "llm")
+
+Examples = dict[str, list]  # {task: each test example's outcome (0/1 or the metric's per-document score)}
+
+
+def _key_seed(seed: int, key: str) -> int:
+    """A generator seed per (seed, tensor name): the noise of a tensor does not depend on the order or the files
+    (shards) the tensors come in."""
+    return int.from_bytes(hashlib.sha256(f"{seed}\0{key}".encode()).digest()[:8], "big") & (2**63 - 1)
+
+
+def perturbed(state: Mapping[str, torch.Tensor], seed: int,
+              relative: float = RELATIVE_SIZE) -> dict[str, torch.Tensor]:
+    """``state`` with every float tensor w replaced by w + relative * rms(w) * N(0, 1) (seeded); other tensors
+    (integer buffers) as they are."""
+    out = {}
+    for key, value in state.items():
+        if not value.is_floating_point():
+            out[key] = value
+            continue
+        # rms per tensor: round-off is relative to each tensor's own scale (an ulp is ~1e-7 of the value), so each
+        # tensor moves by a fixed fraction of its typical entry, not of the model's largest
+        wide = value.detach().cpu().double()
+        rms = wide.pow(2).mean().sqrt() if wide.numel() else wide.new_zeros(())
+        noise = torch.randn(wide.shape, generator=torch.Generator().manual_seed(_key_seed(seed, key)),
+                            dtype=torch.float64)
+        out[key] = (wide + relative * rms * noise).to(dtype=value.dtype, device=value.device)
+    return out
+
+
+def _average(examples: Mapping[str, Sequence[float]], tasks: list[str]) -> float:
+    """The average accuracy in points: the mean over tasks of each task's mean outcome (the leaderboard's avg)."""
+    return 100.0 * weighted_means([np.asarray(examples[t], dtype=np.float64) for t in tasks],
+                                  [1.0 / len(tasks)] * len(tasks))
+
+
+def move_summary(baseline: Examples, perturbations: Sequence[Examples]) -> dict:
+    """How far the perturbations move the row: the largest move of the average accuracy and of a task's accuracy
+    (points), the fraction of test examples whose outcome changed under at least one perturbation, the
+    unperturbed row's average and its 95 % interval half-width (points), and ``stable`` (largest average move <=
+    half-width)."""
+    tasks = list(baseline)
+    if not tasks or not perturbations:
+        raise ValueError("move_summary: a baseline with tasks and at least one perturbation")
+    if any(len(p[t]) != len(baseline[t]) for p in perturbations for t in tasks):
+        raise ValueError("move_summary: every perturbation scores the baseline's examples")
+    average = _average(baseline, tasks)
+    low, high = stratified_interval([np.asarray(baseline[t], dtype=np.float64) for t in tasks],
+                                    [1.0 / len(tasks)] * len(tasks))
+    half_width = 100.0 * (high - low) / 2
+    avg_moves = [abs(_average(p, tasks) - average) for p in perturbations]
+    task_moves = {t: max(abs(100.0 * (np.mean(p[t]) - np.mean(baseline[t]))) for p in perturbations) for t in tasks}
+    worst = max(tasks, key=lambda t: task_moves[t])
+    changed = sum(int(np.any([np.asarray(p[t]) != np.asarray(baseline[t]) for p in perturbations], axis=0).sum())
+                  for t in tasks)
+    total = sum(len(baseline[t]) for t in tasks)
+    return {"avg_acc": _round(average), "half_width": _round(half_width),
+            "avg_acc_per_seed": [_round(_average(p, tasks)) for p in perturbations],
+            "largest_avg_move": _round(max(avg_moves)),
+            "largest_task_move": {"task": worst, "points": _round(task_moves[worst])},
+            "changed_fraction": _round(changed / total), "n_examples": total,
+            "stable": bool(max(avg_moves) <= half_width)}
+
+
+def _round(value: float) -> float:
+    return round(float(value), 6) + 0.0
+
+
+def track_stability(evaluate: Callable[[int | None], Examples], seeds: Sequence[int] = SEEDS) -> dict:
+    """``move_summary`` of ``evaluate(None)`` (the merge as is) against ``evaluate(seed)`` (perturbed) per seed."""
+    baseline = evaluate(None)
+    return move_summary(baseline, [evaluate(seed) for seed in seeds])
+
+
+def chosen_scaling(results: dict, track: str, label: str = MERGE, regime: str = REGIME) -> float | None:
+    """The scaling the benchmark chose for the ``label`` row of ``track`` (``results``: benchmark.json)."""
+    for row in results.get("rows", []):
+        if (row.get("track"), row.get("regime"), row.get("label")) == (track, regime, label):
+            return row.get("selected_scaling")
+    return None
+
+
+# --- each track's evaluation of its merged state, as is (seed None) or perturbed ---------------------------------
+
+def _task_arithmetic(params: Params, scaling: float):
+    from ..methods.task_arithmetic import TaskArithmetic  # by import, not by name: a dep of the stage
+
+    return TaskArithmetic(**{**params.benchmark.merges.get(MERGE, {}), "scaling": scaling})
+
+
+def vision_evaluation(params: Params, root: Path, scaling: float, device: str) -> Callable[[int | None], Examples]:
+    from ..merge import merge_models
+    from .cells import per_example_results
+    from .vision import VisionModels, evaluate_tasks
+
+    models, tasks = VisionModels(params, root), list(params.vision.tasks)
+    merged = merge_models(models.visual_pretrained(), models.finetuned(REGIME), _task_arithmetic(params, scaling))
+
+    def evaluate(seed: int | None) -> Examples:
+        state = merged if seed is None else perturbed(merged, seed)
+        test = evaluate_tasks(models.model(state), models.heads, models.paths.data, tasks, "test",
+                              batch_size=params.benchmark.evaluation.batch_size, device=device, per_example=True)
+        return per_example_results(tasks, test)
+
+    return evaluate
+
+
+def text_evaluation(params: Params, root: Path, scaling: float, device: str) -> Callable[[int | None], Examples]:
+    from ..merge import merge_models
+    from .cells import per_example_results
+    from .text import TextModels
+
+    models, tasks = TextModels(params, root), list(params.text.tasks)
+    merged = merge_models(models.pretrained, [models.finetuned(t)[0] for t in tasks],
+                          _task_arithmetic(params, scaling))
+
+    def evaluate(seed: int | None) -> Examples:
+        state = merged if seed is None else perturbed(merged, seed)
+        return per_example_results(tasks, models.evaluate(state, tasks, "test", device=device, per_example=True))
+
+    return evaluate
+
+
+def perturbed_model_dir(source: Path, out: Path, seed: int) -> Path:
+    """A copy of the model directory ``source`` at ``out`` whose safetensors weights are ``perturbed``."""
+    from safetensors import safe_open
+
+    from ..checkpoint import load_state_dict, save_state_dict
+
+    shutil.copytree(source, out)
+    for path in sorted(out.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata()
+        save_state_dict(perturbed(load_state_dict(path), seed), path, metadata)
+    return out
+
+
+def llm_evaluation(params: Params, root: Path, scaling: float, device: str,
+                   scratch: Path) -> Callable[[int | None], Examples]:
+    """The LLM's merge written once under ``scratch``; each perturbation a perturbed copy, scored and deleted."""
+    from ..backbones.hf_causal_lm_merge import merge_causal_lms
+    from .llm import base_dir, expert_dir, lm_eval_setup
+
+    tasks = list(params.llm.tasks)
+    merged = merge_causal_lms(base_dir(params, root), [expert_dir(params, root, t) for t in tasks],
+                              _task_arithmetic(params, scaling), scratch / "merged", device=device)
+    scorer = lm_eval_setup(params, root)
+
+    def evaluate(seed: int | None) -> Examples:
+        directory = merged if seed is None else perturbed_model_dir(merged, scratch / f"seed-{seed}", seed)
+        examples: Examples = {}
+        scorer.score(directory, tasks, "test", device=device, cache=False, examples=examples)
+        if seed is not None:
+            shutil.rmtree(directory)
+        return examples
+
+    return evaluate
+
+
+def _track_settings(params: Params, track: str):
+    return {"vision": params.vision, "text": params.text, "llm": params.llm}[track]
+
+
+def measure(params: Params, root: str | Path, results: dict, *, device: str = "cpu") -> dict:
+    """The stability document (``reports/stability.json``) of every enabled track among ``TRACKS``."""
+    from .llm import work_dir
+
+    root = Path(root)
+    entries = []
+    for track in TRACKS:
+        settings = _track_settings(params, track)
+        if not settings.enabled:
+            continue
+        entry = {"track": track, "backbone": settings.backbone, "task_set": settings.task_set, "recipe": MERGE,
+                 "regime": REGIME}
+        scaling = chosen_scaling(results, track)
+        if scaling is None:
+            entries.append({**entry, "stable": None, "not_measured": f"results/benchmark.json has no {MERGE} row "
+                            f"with a chosen scaling for the {REGIME} regime"})
+            continue
+        if track == "llm":
+            work_dir(root).mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix="stability-", dir=work_dir(root)))
+            try:
+                figures = track_stability(llm_evaluation(params, root, scaling, device, scratch))
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        else:
+            evaluation = vision_evaluation if track == "vision" else text_evaluation
+            figures = track_stability(evaluation(params, root, scaling, device))
+        entries.append({**entry, "scaling": scaling, **figures})
+    return {"relative_size": RELATIVE_SIZE, "seeds": list(SEEDS), "tracks": entries}
+
+
+def read_results(path: Path) -> dict:
+    """benchmark.json, or one MergecalError naming it."""
+    try:
+        results = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MergecalError(f"{path}: not found; the benchmark stage writes it (run it first)") from None
+    except (OSError, ValueError) as err:
+        raise MergecalError(f"{path}: expected the benchmark's JSON summary ({type(err).__name__})") from None
+    if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
+        raise MergecalError(f"{path}: expected a JSON object with a `rows` list (the benchmark's summary)")
+    return results
+
+
+def stability_markdown(document: dict) -> str:
+    """reports/stability.md: the leaderboard's section, then every figure per track."""
+    lines = [section_markdown(document),
+             "| track | recipe | scaling | avg acc % | 95 % half-width | largest avg move | per seed | "
+             "largest task move | outcomes changed % | verdict |", "|---|---|---|---:|---:|---:|---|---|---:|---|"]
+    for e in document["tracks"]:
+        if e.get("stable") is None:
+            continue
+        seeds = ", ".join(f"{v:.1f}" for v in e["avg_acc_per_seed"])
+        task = e["largest_task_move"]
+        lines.append(f"| {e['track']} | {e['recipe']} | {e['scaling']:g} | {e['avg_acc']:.1f} | "
+                     f"{e['half_width']:.2f} | {e['largest_avg_move']:.2f} | {seeds} | {task['points']:.2f} "
+                     f"({task['task']}) | {100 * e['changed_fraction']:.2f} | "
+                     f"{'stable' if e['stable'] else 'UNSTABLE'} |")
+    return "\n".join(lines) + "\n"

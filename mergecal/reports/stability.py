@@ -1,0 +1,69 @@
+"""The tracks' stability diagnostic (``mergecal.pipeline.stability``, ``reports/stability.json``) as the leaderboard
+shows it: one line per track under the testbed health, and a warning under each table of an unstable track.
+
+Pure rendering of the stage's JSON: nothing here evaluates a model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import MergecalError
+
+KEYS = ("relative_size", "seeds", "tracks")
+
+
+def read_document(path: str | Path) -> dict | None:
+    """reports/stability.json (None where the stage has not written it), or one MergecalError naming it."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise MergecalError(f"{path}: expected the stability stage's JSON ({type(err).__name__})") from None
+    if not isinstance(document, dict) or any(k not in document for k in KEYS):
+        raise MergecalError(f"{path}: expected a JSON object with {', '.join(KEYS)} (the stability stage's)")
+    return document
+
+
+def _figure(value: float) -> str:
+    return f"{value:.1f}"
+
+
+def _relative(document: dict) -> str:
+    return f"{document['relative_size']:g}"
+
+
+def track_line(entry: dict, relative: str) -> str:
+    """One track's verdict: its largest move of the average accuracy against its interval's half-width."""
+    name = f"{entry['track']} ({entry['backbone']} · {entry['task_set']})"
+    if entry.get("stable") is None:
+        return f"{name}: not measured ({entry.get('not_measured', 'no result')})"
+    verdict = "stable" if entry["stable"] else "UNSTABLE"
+    task = entry["largest_task_move"]
+    return (f"{name}: {entry['recipe']} at scaling {entry['scaling']:g}, average accuracy moves by up to "
+            f"{_figure(entry['largest_avg_move'])} points under {relative} relative perturbations against a 95 % "
+            f"interval half-width of {_figure(entry['half_width'])}; largest task move {_figure(task['points'])} "
+            f"({task['task']}), {100 * entry['changed_fraction']:.1f} % of test outcomes changed: {verdict}")
+
+
+def section_markdown(document: dict) -> str:
+    """The leaderboard's "Track stability" section (Markdown): how it is measured, then one line per track."""
+    lines = ["## Track stability", "",
+             f"Each track's task-arithmetic row re-evaluated with every float tensor of its merged weights perturbed "
+             f"by {_relative(document)} x its RMS ({len(document['seeds'])} seeds). A track is stable when the "
+             "largest move of its average accuracy is at most the half-width of that row's 95 % interval.", ""]
+    lines += [f"- {track_line(entry, _relative(document))}" for entry in document["tracks"]]
+    return "\n".join(lines) + "\n"
+
+
+def table_warning(document: dict | None, backbone: str, task_set: str) -> str:
+    """The warning under a table of ``backbone`` x ``task_set`` when its track is unstable ("" otherwise)."""
+    for entry in (document or {}).get("tracks", []):
+        if (entry.get("backbone"), entry.get("task_set")) == (backbone, task_set) and entry.get("stable") is False:
+            return (f"Rows of this track move by up to {_figure(entry['largest_avg_move'])} points under "
+                    f"{_relative(document)} relative perturbations, more than their interval: read differences as "
+                    "unreliable.")
+    return ""

@@ -1,0 +1,22 @@
+"""DVC stage: each track's stability under 1e-6 relative weight noise (mergecal.pipeline.stability)."""
+
+import json
+
+from stages._common import device, run
+
+
+def stage(params, root, args):
+    from mergecal.checkpoint import atomic_write_text
+    from mergecal.pipeline.stability import measure, read_results, stability_markdown
+
+    results = read_results(root / "results" / "benchmark.json")
+    document = measure(params, root, results, device=device(params))
+    text = stability_markdown(document)
+    # both files rendered before either is written: a failure leaves the previous pair
+    atomic_write_text(root / "reports" / "stability.json", json.dumps(document, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(root / "reports" / "stability.md", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(stage, threads=True))
