@@ -14,12 +14,15 @@ from mergecal.calibrations.confidence import prediction_entropy
 from mergecal.calibrations.distac import (
     PRESETS,
     DistacParams,
+    DistacStepParams,
     distill_task_vector,
+    learning_rate,
     norm_matching_kappas,
     save_conditioned,
     task_vector_norm,
 )
 from mergecal.errors import MergecalError, ParameterError, UnknownNameError
+from mergecal.recipe import Recipe
 
 D, H, C = 16, 32, 8
 HEAD_KEYS = ("head.weight", "head.bias")
@@ -281,6 +284,69 @@ def test_save_conditioned_writes_tensors_and_params(task, tmp_path):
     assert json.loads(meta["kappa_source"]) == {"norms": [1.0, 2.0]}
 
 
+# --- learning-rate schedule ------------------------------------------------------------------------------------------
+
+def test_constant_schedule_is_the_default_and_keeps_the_lr():
+    params = DistacParams(lr=1e-5, steps=500)
+    assert (params.schedule, params.warmup_fraction) == ("constant", 0.0)
+    assert [learning_rate(params, s) for s in (0, 1, 250, 499)] == [1e-5] * 4
+
+
+def test_cosine_schedule_warms_up_then_decays_as_the_formula():
+    params = DistacParams(lr=2e-5, steps=500, schedule="cosine")
+    assert params.warmup_fraction == 0.1  # the paper's 200 of 2000 fine-tuning steps, scaled to the run
+    warmup = 50
+
+    def expected(step):  # 0-based: linear to lr over 50 steps, then half a cosine over the remaining 450
+        if step < warmup:
+            return 2e-5 * (step + 1) / warmup
+        return 2e-5 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (500 - warmup)))
+
+    for step, value in [(0, 2e-5 / 50), (24, 1e-5), (49, 2e-5), (50, 2e-5), (275, 1e-5), (499, None)]:
+        assert learning_rate(params, step) == pytest.approx(expected(step), rel=1e-12)
+        if value is not None:
+            assert learning_rate(params, step) == pytest.approx(value, rel=1e-12)
+    assert 0 < learning_rate(params, 499) < 2e-5 * 1e-4  # near zero on the last step, not zero
+
+
+def test_warmup_fraction_explicit_wins_and_applies_to_the_constant_schedule_too():
+    assert DistacParams(schedule="cosine", warmup_fraction=0.0, steps=10).warmup_steps() == 0
+    params = DistacParams(lr=1.0, steps=10, warmup_fraction=0.2)  # int(0.2 * 10) = 2 warm-up steps
+    assert [learning_rate(params, s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_the_optimizer_steps_with_the_scheduled_lr_and_the_history_records_it(task, monkeypatch):
+    seen = []
+    original = torch.optim.Adam.step
+
+    def step(self, *args, **kwargs):
+        seen.append(self.param_groups[0]["lr"])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", step)
+    params = quick(kappa=0.5, steps=10, lr=1e-3, schedule="cosine", warmup_fraction=0.3)
+    constant, _ = distill_task_vector(build_model, task["pretrained"], task["finetuned"], task["unlabeled"],
+                                      quick(kappa=0.5, steps=10, lr=1e-3), progress=False)
+    seen.clear()
+    cosine, history = distill_task_vector(build_model, task["pretrained"], task["finetuned"], task["unlabeled"],
+                                          params, progress=False)
+    expected = [1e-3 * (s + 1) / 3 if s < 3 else 1e-3 * 0.5 * (1 + math.cos(math.pi * (s - 3) / 7))
+                for s in range(10)]
+    assert seen == pytest.approx(expected, rel=1e-12)
+    assert [h["lr"] for h in history] == pytest.approx(expected, rel=1e-12)
+    assert not torch.equal(constant["backbone.0.weight"], cosine["backbone.0.weight"])
+
+
+def test_the_recipe_id_shows_the_schedule_and_its_warmup():
+    step = DistacStepParams(preset="low_confidence", schedule="cosine", steps=150)
+    recipe_id = Recipe([("distac", step.model_dump()), ("task_arithmetic", {})]).id
+    assert "schedule='cosine'" in recipe_id and "warmup_fraction=0.1" in recipe_id, recipe_id
+    default_id = Recipe([("distac", DistacStepParams(preset="norm_mismatch").model_dump()),
+                         ("task_arithmetic", {})]).id
+    assert "schedule='constant'" in default_id and "warmup_fraction=0.0" in default_id, default_id
+    assert step.distillation_params().warmup_steps() == 15
+
+
 # --- parameters and errors --------------------------------------------------------------------------------------------
 
 def test_presets_and_defaults():
@@ -306,6 +372,8 @@ def test_presets_and_defaults():
     ({"batch_size": 0}, "'batch_size'"),
     ({"grad_clip": 0.0}, "'grad_clip'"),
     ({"optimizer": "sgd"}, "'optimizer'"),
+    ({"schedule": "linear"}, "'schedule': Input should be 'constant' or 'cosine'"),
+    ({"warmup_fraction": 1.0}, "'warmup_fraction': Input should be less than 1"),
     ({"temperature": 2.0}, "unknown parameter 'temperature'"),
 ])
 def test_bad_parameters_name_the_parameter(task, values, name):

@@ -17,8 +17,9 @@ recover its accuracy with a neutral temperature pair (10, 10); low confidence ->
 
 Choices where the paper is silent or disagrees with the code (see ``DistacParams``): Adam as in the authors'
 code (Algorithm 1 line 16 writes plain gradient descent; Appendix B's "followed the fine-tuning settings" would
-mean AdamW with weight decay 0.1 and a cosine schedule) at a constant learning rate, no weight decay (it would
-pull towards zero instead of towards the anchor); beta = 0.5 from Appendix B (the code defaults to 1.0); the
+mean AdamW with weight decay 0.1 and a cosine schedule), no weight decay (it would pull towards zero instead of
+towards the anchor); a constant learning rate by default, with the appendix's cosine reading as the option
+``schedule="cosine"`` (see ``DistacParams``); beta = 0.5 from Appendix B (the code defaults to 1.0); the
 regulariser is a SUM of squares over the trained parameters, as in line 15. The task's classification head
 lives inside the model built by ``build_model`` and stays frozen, as in the paper (the CLIP zero-shot head).
 """
@@ -39,11 +40,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoint import DictSource, save_state_dict
-from ..config_types import Count, NonNegativeInt, Steps
+from ..config_types import Count, NonNegativeInt, Probability, Steps
 from ..errors import ParameterError, UnknownNameError
 from ..methods.base import HyperParams, build_params
 from ..device import resolve_device
 from ..task_vectors import check_finite, validate_compatible
+from ..train.lr_schedule import cosine_lr, set_lr
 from .registry import register_calibration
 
 StateDict = Mapping[str, torch.Tensor]
@@ -55,6 +57,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+#: the fine-tuning's warm-up share in the paper's Appendix B (200 of 2000 steps), the cosine schedule's default
+COSINE_WARMUP_FRACTION = 0.1
+
+
 class DistacParams(HyperParams):
     """Hyperparameters of DisTaC (Algorithm 1; defaults from Appendix B and the authors' code).
 
@@ -63,6 +69,15 @@ class DistacParams(HyperParams):
     paper's Appendix B (the authors' code defaults to 1.0). ``batch_size`` is used only when ``unlabeled``
     is one tensor holding the whole unlabeled set; batches from an iterable are used as they come.
     ``grad_clip``: max global gradient norm (None: no clipping).
+
+    ``schedule``: the learning rate over the run. ``constant`` (the default) keeps ``lr`` at every step, as the
+    authors' code does (Adam at a fixed lr, no scheduler) and as Appendix B says ("the learning rate was fixed at
+    1e-5": the one setting it names as an exception to the fine-tuning settings, so "fixed" reads as constant).
+    ``cosine`` is the other reading of "generally followed the fine-tuning settings": linear warm-up, then cosine
+    decay towards 0 at ``steps`` (``mergecal.train.lr_schedule``, the fine-tuning schedule). ``warmup_fraction``:
+    the share of ``steps`` spent warming up linearly (int(fraction * steps) steps, as the trainers count them);
+    unset, it is 0.1 under ``cosine`` (the fine-tuning's 200 warm-up steps of 2000, scaled to the run's length)
+    and 0 under ``constant``, so that the recipe id always shows the value used.
     """
 
     OWNER: ClassVar[str] = "distac"
@@ -77,6 +92,20 @@ class DistacParams(HyperParams):
     grad_clip: float | None = Field(1.0, gt=0.0)
     seed: NonNegativeInt = 0
     optimizer: Literal["adam"] = "adam"
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_fraction: Probability = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schedule_warmup(cls, values: Any) -> Any:
+        """An unset ``warmup_fraction`` is the schedule's own: 0.1 for cosine (the paper's 200 of 2000), else 0."""
+        if isinstance(values, Mapping) and values.get("warmup_fraction") is None:
+            values = {**values, "warmup_fraction": COSINE_WARMUP_FRACTION if values.get("schedule") == "cosine"
+                      else 0.0}
+        return values
+
+    def warmup_steps(self) -> int:
+        return int(self.warmup_fraction * self.steps)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "DistacParams":
@@ -128,6 +157,14 @@ def kappas_from_norms(norms: Sequence[float]) -> list[float]:
     others = [n for i, n in enumerate(norms) if i != largest]
     kappas[largest] = (sum(others) / len(others)) / norms[largest]
     return kappas
+
+
+def learning_rate(params: DistacParams, step: int) -> float:
+    """The learning rate of 0-based ``step`` under ``params.schedule`` (see ``DistacParams``)."""
+    warmup = params.warmup_steps()
+    if params.schedule == "cosine":
+        return cosine_lr(step, params.steps, warmup, params.lr)
+    return params.lr * (step + 1) / warmup if step < warmup else params.lr
 
 
 def _input_batches(unlabeled: Any, params: DistacParams) -> Iterator[torch.Tensor]:
@@ -203,8 +240,9 @@ def distill_task_vector(build_model: Callable[[dict[str, torch.Tensor]], nn.Modu
 
     Returns the conditioned state dict (the keys, dtypes and devices of ``finetuned``; integer buffers copied
     from it; float keys that were not trained keep their anchor value) and a history: one dict per step with
-    ``step``, ``loss``, ``kl``, ``reg``, plus ``tau_norm`` = ||theta - theta_pre|| over the float keys every
-    ``norm_every`` steps and at the last step. ``pretrained`` and ``finetuned`` are never modified.
+    ``step``, ``loss``, ``kl``, ``reg``, ``lr`` (the step's learning rate, ``learning_rate``), plus ``tau_norm`` =
+    ||theta - theta_pre|| over the float keys every ``norm_every`` steps and at the last step. ``pretrained``
+    and ``finetuned`` are never modified.
     """
     params = as_distac_params(params)
     if params.kappa is None:
@@ -287,9 +325,11 @@ def distill_task_vector(build_model: Callable[[dict[str, torch.Tensor]], nn.Modu
             loss.backward()
             if params.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(trained, params.grad_clip)
+            lr = learning_rate(params, step - 1)
+            set_lr(optimizer, lr)
             optimizer.step()
 
-            record = {"step": step, "loss": loss.item(), "kl": kl.item(), "reg": float(reg.detach())}
+            record = {"step": step, "loss": loss.item(), "kl": kl.item(), "reg": float(reg.detach()), "lr": lr}
             if step % norm_every == 0 or step == params.steps:
                 record["tau_norm"] = tau_norm()
                 bar.set_postfix(kl=f"{record['kl']:.4g}", tau_norm=f"{record['tau_norm']:.4g}")
