@@ -75,17 +75,18 @@ def test_importing_the_recipe_module_loads_no_calibration_module():
 #: (default 'gram', #17) is written into their ids, and
 #: so is SVC's (default 'gram' too, #17, 2026-11-25); SVC's protocol `calibrate_at` (default 'unit_scaling': the merge
 #: at scaling 1, #29, 2026-11-26) is written into every svc id, so cells of the two protocols never share a cache
-#: entry; WSC's `granularity` (default 'row', the authors' code, #29) is written into every WSC/DSC id.
+#: entry; WSC's `granularity` (default 'row', the authors' code, #29) is written into every WSC/DSC id, and DisTaC's
+#: `schedule` / `warmup_fraction` (default constant / 0, the authors' code, #29) into every DisTaC id.
 #: (recipe text, label, id, digest)
 RECIPE_IDS = [
     ('distac(preset=norm_mismatch)->tsv_m->svc(alpha=1.0)->dsc',
      'distac→tsv_m→svc→dsc',
-     "distac(apply_to='largest_norm',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',seed=0,steps=500,t_student=10.0,t_teacher=10.0)→tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0,solver='gram')→svc(alpha=1.0,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
-     '2e0db950b641c031'),
+     "distac(apply_to='largest_norm',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',schedule='constant',seed=0,steps=500,t_student=10.0,t_teacher=10.0,warmup_fraction=0.0)→tsv_m(float64=False,key_rule='matrices_except_text_projection',scaling=1.0,solver='gram')→svc(alpha=1.0,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
+     '0e10b24fbf231f18'),
     ('distac(preset=low_confidence, steps=50)->ties(top_k=0.3)->svc->wsc(projection=least_squares)->dsc_a',
      'distac→ties→svc→wsc→dsc_a',
-     "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=1.0,lr=1e-05,optimizer='adam',seed=0,steps=50,t_student=10.0,t_teacher=1.0)→ties(disjoint='mean',scaling=1.0,sign_vote='mass',top_k=0.3,trim_scope='global')→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(granularity='row',key_rule='wsc_weights',projection='least_squares',sensitive=None)→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
-     '0edd6d221b23d3a9'),
+     "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=1.0,lr=1e-05,optimizer='adam',schedule='constant',seed=0,steps=50,t_student=10.0,t_teacher=1.0,warmup_fraction=0.0)→ties(disjoint='mean',scaling=1.0,sign_vote='mass',top_k=0.3,trim_scope='global')→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(granularity='row',key_rule='wsc_weights',projection='least_squares',sensitive=None)→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')",
+     'f1ac1e0eb3e03b7c'),
     ('task_arithmetic(scaling=0.3)->svc(targeted_task=1, space=row)->dsc(wsc={projection: least_squares, '
      'sensitive: [a.weight]}, fsc={n_samples_per_task: 4, norm: l2})',
      'task_arithmetic→svc→dsc',
@@ -107,7 +108,7 @@ RECIPE_IDS = [
 ]
 
 CONFIG = ('distac→dare→svc→dsc',
-          "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',seed=0,steps=500,t_student=10.0,t_teacher=10.0)→dare(base='task_arithmetic',disjoint='mean',drop_rate=0.5,rescale='inverse_keep',scaling=0.3,seed=0,sign_vote='mass',top_k=0.2,trim_scope='global')→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')")
+          "distac(apply_to='all',batch_size=128,beta=0.5,grad_clip=1.0,kappa=None,lr=1e-05,optimizer='adam',schedule='constant',seed=0,steps=500,t_student=10.0,t_teacher=10.0,warmup_fraction=0.0)→dare(base='task_arithmetic',disjoint='mean',drop_rate=0.5,rescale='inverse_keep',scaling=0.3,seed=0,sign_vote='mass',top_k=0.2,trim_scope='global')→svc(alpha=None,calibrate_at='unit_scaling',calibrate_vectors=False,float64=False,key_rule='svc_authors',roundoff_guard=True,solver='gram',space='column',targeted_task=None)→wsc(granularity='row',key_rule='wsc_weights',projection='authors',sensitive=None)→fsc(aggregate='mean',conservative='xor',data='task_agnostic',n_samples_per_task=1,norm='l1',sensitive=None,token_ratios='per_token')")
 
 
 @pytest.mark.parametrize("text,label,recipe_id,digest", RECIPE_IDS)
