@@ -165,3 +165,11 @@ def test_write_reports_reads_the_examples_artifact_of_the_run_that_computed_each
     assert svc["significant"]["acc.a"] == "gain" and "avg_acc" in svc["ci95"]
     assert "(+20.0▲)" in (tmp_path / "reports" / "leaderboard.md").read_text()
     assert '<span class="delta pos"' in (tmp_path / "reports" / "leaderboard.html").read_text()
+
+
+def test_every_svc_protocol_after_iso_is_ill_posed_and_other_rows_are_not():
+    from mergecal.reports.leaderboard import ill_posed
+
+    for calibration in ("svc", "svc@λ=1", "svc(calibrate_at=chosen_scaling)", "distac>svc>dsc"):
+        assert ill_posed("iso_cts", calibration) and ill_posed("iso_c", calibration), calibration
+    assert not ill_posed("iso_c", "wsc") and not ill_posed("tsv_m", "svc") and not ill_posed("iso_c", "none@λ=1")

@@ -125,7 +125,7 @@ def is_base(calibration: str) -> bool:
 
 def ill_posed(merge: str, calibration: str) -> str:
     """Why a (merge, calibration) row is ill-posed, or ""."""
-    steps = protocol(calibration)[0].split(">")
+    steps = [step.partition("(")[0] for step in protocol(calibration)[0].split(">")]  # svc(calibrate_at=...) is svc
     return next((reason for (m, step), reason in ILL_POSED.items() if merge == m and step in steps), "")
 
 
