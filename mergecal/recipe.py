@@ -57,6 +57,12 @@ class Step:
         return f"{self.name}({format_params(self.params)})"
 
     @property
+    def at_unit_scaling(self) -> bool:
+        """Whether the step calibrates the merge at scaling 1, before the merge method's scaling is applied (a
+        weight-space step whose parameters say ``calibrate_at: unit_scaling``, SVC's default)."""
+        return self.phase == "weight" and getattr(self.params, "calibrate_at", None) == "unit_scaling"
+
+    @property
     def needs_data(self) -> bool:
         """Whether the step needs models and data beyond the checkpoints (the registry's word; a merge never does)."""
         return self.phase != "merge" and get_calibration(self.name).needs_data
@@ -158,7 +164,7 @@ class Recipe:
                 raise ParameterError(f"recipe: step {step.name!r} ({step.phase}) cannot follow {previous.name!r} "
                                      f"({previous.phase}); order: pre-merge, merge, weight space, feature space")
         weight = [s for s in self.steps if s.phase == "weight"]
-        at_unit = [getattr(s.params, "calibrate_at", None) == "unit_scaling" for s in weight]
+        at_unit = [s.at_unit_scaling for s in weight]
         if any(later and not earlier for earlier, later in zip(at_unit, at_unit[1:])):
             first = next(s for s, unit in zip(weight, at_unit) if not unit)
             raise ParameterError(f"recipe: a step with calibrate_at=unit_scaling reads the merge before its scaling, "
@@ -232,8 +238,8 @@ def iter_weight_space(recipe: Recipe, task_vectors, *, sensitive: Sequence[str] 
 
     method = MERGE_METHODS[recipe.merge.name](recipe.merge.params)
     calibrations = weight_calibrations(recipe, sensitive)
-    at_unit = [c for c in calibrations if c.at_unit_scaling]  # leading ones: Recipe checks the order
-    merged = iter_merge(task_vectors, method, progress=progress, scaled=not at_unit)
-    if at_unit:
-        merged = iter_scaled(iter_calibrated(merged, task_vectors, at_unit, diagnostics), method)
-    return iter_calibrated(merged, task_vectors, calibrations[len(at_unit):], diagnostics)
+    n_unit = sum(step.at_unit_scaling for step in recipe.phase("weight"))  # the leading ones: Recipe checks
+    merged = iter_merge(task_vectors, method, progress=progress, scaled=not n_unit)
+    if n_unit:
+        merged = iter_scaled(iter_calibrated(merged, task_vectors, calibrations[:n_unit], diagnostics), method)
+    return iter_calibrated(merged, task_vectors, calibrations[n_unit:], diagnostics)

@@ -3,7 +3,7 @@
 A ``WeightCalibration`` sees, for one key, the merged update and the K task vectors, and returns the calibrated
 update plus diagnostics for reports. ``iter_calibrated`` chains one or more of them after any merge method while
 streaming key by key, like ``mergecal.merge``. A calibration that reads the merged update's geometry at scaling 1
-(``at_unit_scaling``: SVC) sees the unscaled merge, and the merge method's scaling is applied after it
+(``calibrate_at: unit_scaling``: SVC) sees the unscaled merge, and the merge method's scaling is applied after it
 (``mergecal.recipe.iter_weight_space``); the others see the scaled one.
 """
 
@@ -34,12 +34,6 @@ class WeightCalibration(ABC):
         """The calibration for a recipe step with ``params``; ``sensitive`` is the probed magnitude-sensitive
         keys, for calibrations that use them (see ``Wsc``)."""
         return cls(params)
-
-    @property
-    def at_unit_scaling(self) -> bool:
-        """Whether it calibrates the merge at scaling 1, before the merge method's scaling is applied (a step
-        whose parameters say ``calibrate_at: unit_scaling``, SVC's default); otherwise it sees the scaled merge."""
-        return getattr(self.params, "calibrate_at", "chosen_scaling") == "unit_scaling"
 
     @abstractmethod
     def covers(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:

@@ -38,10 +38,6 @@ def _chain_steps(chain: str) -> list:
     return Recipe.parse(chain.replace(MERGE, "task_arithmetic")).steps
 
 
-def _at_unit_scaling(step) -> bool:
-    return step.phase == "weight" and getattr(step.params, "calibrate_at", None) == "unit_scaling"
-
-
 def scaling_source(chain: str, chains: list[str]) -> str | None:
     """Under ``calibrated_scaling: selected``, the chain whose cell chooses the scaling that ``chain`` calibrates:
     the same chain without its weight/feature-space steps when the matrix has it (``distac>{merge}`` for
@@ -50,7 +46,7 @@ def scaling_source(chain: str, chains: list[str]) -> str | None:
     calibration in place), which searches its own grid; None when neither source is in ``chains``."""
     steps = _chain_steps(chain)
     uncalibrated = [s for s in steps if s.phase in ("pre", "merge")]
-    if all(s.phase in ("pre", "merge") or _at_unit_scaling(s) for s in steps):
+    if all(s.phase in ("pre", "merge") or s.at_unit_scaling for s in steps):
         return ""
     candidates = {other: _chain_steps(other) for other in chains}
     for wanted in (uncalibrated, [s for s in steps if s.phase == "merge"]):
