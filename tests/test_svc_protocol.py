@@ -90,5 +90,10 @@ def test_fixed_scaling_protocols_add_rows_named_by_their_scaling():
     assert rows[("task_arithmetic", "svc")].grid == (0.1, 0.5) and rows[("task_arithmetic", "svc")].scaling_from == ""
     assert rows[("task_arithmetic", "wsc")].scaling_from == "{merge}"
     assert calibration_name("{merge}(scaling=0.3)>dsc") == "dsc@λ=0.3"
+    # a chain never carries the merge's parameters (the cells read them from benchmark.merges): refused, not ignored
+    for where in ({"chains": ["{merge}", "{merge}(scaling=0.3)>wsc"]},
+                  {"fixed_scaling": [{"scaling": 0.3, "chains": ["{merge}(top_k=0.1)"]}]}):
+        with pytest.raises(ParameterError, match=r"give the merge's parameters under benchmark.merges"):
+            parse_params({"benchmark": where})
     with pytest.raises(ParameterError, match=r"fixed_scaling\[0\]\.merges.*'dare' is not among benchmark.merges"):
         parse_params({"benchmark": {"fixed_scaling": [{"scaling": 1.0, "merges": ["dare"], "chains": ["{merge}"]}]}})

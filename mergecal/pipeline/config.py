@@ -548,6 +548,9 @@ def _check_chain(chain: str) -> None:
 
     if chain.count("{merge}") != 1:
         raise ValueError(f"chain {chain!r} must contain '{{merge}}' exactly once")
+    if "{merge}(" in chain:  # the cells take the merge's parameters from benchmark.merges, never from the chain
+        raise ValueError(f"chain {chain!r}: give the merge's parameters under benchmark.merges (a fixed scaling "
+                         "under benchmark.fixed_scaling), not on '{merge}'")
     try:
         Recipe.parse(chain.replace("{merge}", "task_arithmetic"))
     except MergecalError as err:
