@@ -290,9 +290,11 @@ class CellResult:
     examples: dict[str, list] = field(default_factory=dict)
 
 
-def per_example_results(tasks, test: dict[str, dict[str, Any]]) -> dict[str, list]:
-    """The per-example test outcomes of an evaluation run with ``per_example`` (``{}`` where it was not)."""
-    return {t: test[t]["correct"] for t in tasks} if all("correct" in test[t] for t in tasks) else {}
+def per_example_results(tasks, test: dict[str, dict[str, Any]], key: str = "correct") -> dict[str, list]:
+    """The per-example test outcomes of an evaluation run with ``per_example`` (``{}`` where it was not), or, with
+    ``key="test_correct"``, those a references file kept for the ``finetuned`` row (``{}`` for a file written
+    before it kept them: the row then has no interval)."""
+    return {t: test[t][key] for t in tasks} if all(key in test[t] for t in tasks) else {}
 
 
 def summaries(tasks, test: dict[str, dict[str, float]], reference: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -311,10 +313,8 @@ def finetuned_reference(tasks, reference: dict, logged: dict[str, str]) -> CellR
     """The ``finetuned`` row: each task scored by its own fine-tuned model (from the references file)."""
     test = {t: {"accuracy": r["test_accuracy"], "entropy": r["entropy"], "ece": r["ece"]} for t, r in reference.items()}
     diagnostics = {"task_vectors": {t: {"norm": r["norm"], "entropy": r["entropy"]} for t, r in reference.items()}}
-    # a references file written before it kept per-example results gives the row no interval
-    examples = {t: reference[t]["test_correct"] for t in tasks} if all(
-        "test_correct" in reference[t] for t in tasks) else {}
-    return CellResult(summaries(tasks, test, reference), logged, diagnostics, examples)
+    return CellResult(summaries(tasks, test, reference), logged, diagnostics,
+                      per_example_results(tasks, reference, "test_correct"))
 
 
 def flat_params(prefix: str, values: dict[str, Any]) -> dict[str, str]:
@@ -379,8 +379,7 @@ def recipe_trials(steps: list[tuple[str, dict]], merge_index: int, pretrained, s
         return Recipe(chosen)
 
     unit_recipe = at(1.0)
-    rescalable = all(s.phase == "merge" or (s.phase == "weight" and getattr(s.params, "calibrate_at", None)
-                                            == "unit_scaling") for s in unit_recipe.steps)
+    rescalable = all(s.phase == "merge" or s.at_unit_scaling for s in unit_recipe.steps)
     if not rescalable or len(grid) == 1:
         return lambda value: run_recipe(at(value), pretrained, states, inputs)
     tvs = TaskVectorSet.from_models(pretrained, states, device=inputs.device)

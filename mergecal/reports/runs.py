@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from ..errors import MergecalError
-from ..pipeline.tracking import EXAMPLES, PREFIX
+from ..pipeline.tracking import EXAMPLES, EXAMPLES_DIR, EXAMPLES_SPLIT, PREFIX
 
 # tags (named in mergecal.pipeline.tracking, without the prefix) read into DataFrame columns
 TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
@@ -207,43 +207,37 @@ def _quiet_downloads():
             os.environ[name] = before
 
 
-def load_diagnostics(tracking_uri: str, artifact_uri: str) -> dict[str, Any]:
-    """The ``diagnostics/*.json`` artifacts that exist under a run's ``artifact_uri``, by name without
-    ``.json``. Addressed by artifact URI (not ``runs:/``), which spares a store lookup per file."""
+def _load_json_artifacts(tracking_uri: str, artifact_uri: str, folder: str, names) -> dict[str, Any]:
+    """The ``<folder>/<name>.json`` artifacts among ``names`` that exist under a run's ``artifact_uri``, by name.
+    Addressed by artifact URI (not ``runs:/``), which spares a store lookup per file."""
     from mlflow import artifacts
 
-    listing = artifacts.list_artifacts(artifact_uri=f"{artifact_uri}/diagnostics", tracking_uri=tracking_uri)
+    listing = artifacts.list_artifacts(artifact_uri=f"{artifact_uri}/{folder}", tracking_uri=tracking_uri)
     present = {Path(info.path).name for info in listing if not info.is_dir}
     out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="mergecal-diag-") as tmp, _quiet_downloads():
-        for name in DIAGNOSTICS:
+    with tempfile.TemporaryDirectory(prefix="mergecal-artifacts-") as tmp, _quiet_downloads():
+        for name in names:
             if f"{name}.json" not in present:
                 continue
-            local = artifacts.download_artifacts(artifact_uri=f"{artifact_uri}/diagnostics/{name}.json", dst_path=tmp,
+            local = artifacts.download_artifacts(artifact_uri=f"{artifact_uri}/{folder}/{name}.json", dst_path=tmp,
                                                  tracking_uri=tracking_uri)
             try:
                 out[name] = json.loads(Path(local).read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise MergecalError(f"{artifact_uri}/diagnostics/{name}.json: not valid JSON ({exc})") from None
+                raise MergecalError(f"{artifact_uri}/{folder}/{name}.json: not valid JSON ({exc})") from None
     return out
+
+
+def load_diagnostics(tracking_uri: str, artifact_uri: str) -> dict[str, Any]:
+    """The ``diagnostics/*.json`` artifacts that exist under a run's ``artifact_uri``, by name without
+    ``.json``."""
+    return _load_json_artifacts(tracking_uri, artifact_uri, "diagnostics", DIAGNOSTICS)
 
 
 def load_examples(tracking_uri: str, artifact_uri: str) -> dict[str, list] | None:
     """A cell's per-example test scores (``{task: [score per example]}``, the ``EXAMPLES`` artifact of the run that
     computed it), or None when the run logged none (a run older than the artifact, or a failed cell)."""
-    from mlflow import artifacts
-
-    folder, name = EXAMPLES.rsplit("/", 1)
-    listing = artifacts.list_artifacts(artifact_uri=f"{artifact_uri}/{folder}", tracking_uri=tracking_uri)
-    if name not in {Path(info.path).name for info in listing if not info.is_dir}:
-        return None
-    with tempfile.TemporaryDirectory(prefix="mergecal-examples-") as tmp, _quiet_downloads():
-        local = artifacts.download_artifacts(artifact_uri=f"{artifact_uri}/{EXAMPLES}", dst_path=tmp,
-                                             tracking_uri=tracking_uri)
-        try:
-            data = json.loads(Path(local).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise MergecalError(f"{artifact_uri}/{EXAMPLES}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
+    data = _load_json_artifacts(tracking_uri, artifact_uri, EXAMPLES_DIR, (EXAMPLES_SPLIT,)).get(EXAMPLES_SPLIT)
+    if data is not None and (not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values())):
         raise MergecalError(f"{artifact_uri}/{EXAMPLES}: expected {{task: [score per example]}}")
     return data

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from ..cells import REFERENCES, Cell, CellResult, base_params, cell_grid, flat_params, jsonable_diagnostics, \
-    matrix_chains, recipe_cell, select_scaling
+    matrix_chains, per_example_results, recipe_cell, select_scaling
 from ..config import Params
 
 NAME = "llm"
@@ -136,11 +136,8 @@ def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path]
     if cell.merge == "finetuned":
         test = {t: reference["tasks"][t]["test_accuracy"] for t in tasks}
         norms = {t: {"norm": reference["tasks"][t]["norm"]} for t in tasks}
-        # references written before they kept per-document scores give the row no interval
-        if all("test_correct" in reference["tasks"][t] for t in tasks):
-            examples = {t: reference["tasks"][t]["test_correct"] for t in tasks}
         return CellResult(summaries(tasks, test, reference, scorer.metrics), logged, {"task_vectors": norms},
-                          examples=examples)
+                          examples=per_example_results(tasks, reference["tasks"], "test_correct"))
 
     recipe = Recipe.parse(cell.recipe)
     steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
