@@ -492,6 +492,9 @@ def test_cli_recipe_errors_match_the_api(inputs_dir, tmp_path, capsys):
     assert "--set: give a recipe's parameters inside it" in one_line_error(capsys)
     assert main(args[:method] + ["--recipe", "svc>tsv_m"] + args[method + 2:]) == 2
     assert "cannot follow" in one_line_error(capsys)
+    assert main(args[:method] + ["--recipe", "tsv_m>dsc(fsc={task_feature: paper})"] + args[method + 2:]) == 2
+    assert ("fsc: parameter 'task_feature': Input should be 'module_replay' or 'network' (got 'paper')"
+            in one_line_error(capsys))
     assert not (tmp_path / "out").exists()
 
 

@@ -38,6 +38,7 @@ def test_method_parameters_must_be_finite_numbers(method, values, message):
     ("tsv_m>svc(alpha=inf)", r"svc: parameter 'alpha'"),
     ("ties(top_k=0.2,top_k=0.5)", r"parameter 'top_k' is given twice"),
     ("ties(top_k=True)", r"ties: parameter 'top_k': .*not a boolean"),
+    ("ties>fsc(task_feature=paper)", r"fsc: parameter 'task_feature': Input should be 'module_replay' or 'network'"),
 ])
 def test_recipes_reject_bad_values_at_parse_time(text, message):
     with pytest.raises(ParameterError, match=message):

@@ -402,6 +402,82 @@ def test_bert_end_to_end(tmp_path):
     assert torch.equal(loaded(**x).last_hidden_state, w(**x).last_hidden_state)
 
 
+# --- task_feature="network": the paper's Eq. 3 ------------------------------------------------------
+
+
+def _outputs_in_a_whole_run(model, names, x):
+    """Each named module's output (its first element for attention) in one run of the whole visual tower."""
+    out = {}
+    hooks = [model.get_submodule(n).register_forward_hook(
+        lambda module, args, o, n=n: out.__setitem__(n, o[0] if isinstance(o, tuple) else o)) for n in names]
+    with torch.no_grad():
+        model.encode_image(x)
+    for hook in hooks:
+        hook.remove()
+    return out
+
+
+def test_network_task_feature_is_the_papers_per_layer_ratio(clip):
+    """xi^l = (1/K) sum_k mean_i ||h_k^l(x_i) - h_0^l(x_i)||_1 / ||h_merge^l(x_i) - h_0^l(x_i)||_1, each h a module's
+    output in a run of the WHOLE model (Eq. 3, 18), computed here with plain hooks on float64 copies."""
+    pre, merged, finetuned = (copy.deepcopy(m).double() for m in (clip["pre"], clip["merged"], clip["finetuned"][0]))
+    finetuned = [finetuned] + [copy.deepcopy(m).double() for m in clip["finetuned"][1:]]
+    inputs = [images(20 + t, n=2).double() for t in range(3)]  # two samples per task: the per-sample ratios averaged
+    m = measure_fsc(merged, pre, finetuned, inputs, n_samples_per_task=2, task_feature="network", progress=False)
+
+    per_task = []
+    for ft, x in zip(finetuned, inputs):
+        h0, hm, ht = (_outputs_in_a_whole_run(model, VIT_NAMES, x) for model in (pre, merged, ft))
+        per_task.append({n: torch.stack([(ht[n][i] - h0[n][i]).abs().sum() / (hm[n][i] - h0[n][i]).abs().sum()
+                                         for i in range(2)]).mean() for n in VIT_NAMES})  # batch-first outputs
+    for name in VIT_NAMES:
+        expected = torch.stack([task[name] for task in per_task]).mean()
+        assert m.raw_ratios[name].shape == (), name
+        torch.testing.assert_close(m.raw_ratios[name].double(), expected, rtol=1e-6, atol=0, msg=name)
+    # one scalar per layer: folded into the affine modules, hooked (attention, gelu) otherwise, as the default's
+    w = m.apply(merged, pre)
+    assert set(w.folded) == {n for n in VIT_NAMES if not n.endswith((".attn", ".gelu"))}
+    assert set(w.hooked) == {n for n in VIT_NAMES if n.endswith((".attn", ".gelu"))}
+    # sequence-first blocks ([L, N, D]) hold the same samples: the same xi
+    seq_first = [sequence_first(model).double() for model in (merged, pre, *finetuned)]
+    m_seq = measure_fsc(seq_first[0], seq_first[1], seq_first[2:], inputs, n_samples_per_task=2,
+                        task_feature="network", progress=False)
+    for name, ratio in m.raw_ratios.items():
+        torch.testing.assert_close(m_seq.raw_ratios[name], ratio, rtol=1e-6, atol=0, msg=name)
+
+
+def test_network_and_module_replay_task_features_differ(clip):
+    """Past the first layer the two forms see different inputs (the merged model's replayed vs each model's own),
+    so even with one scalar per module (token_ratios='mean') their xi differ."""
+    args = (clip["merged"], clip["pre"], clip["finetuned"], clip["inputs"])
+    replay = measure_fsc(*args, token_ratios="mean", progress=False)
+    network = measure_fsc(*args, task_feature="network", progress=False)
+    for name in VIT_NAMES[1:]:
+        if name.endswith(".gelu"):  # parameter-free: 0 / 0 -> 1 in the replay, a measured ratio in the network form
+            assert replay.raw_ratios[name] == 1 and network.raw_ratios[name] != 1
+            continue
+        assert abs(float(network.raw_ratios[name]) - float(replay.raw_ratios[name])) > 1e-3, name
+
+
+def test_task_feature_in_the_recipe_id_only_when_set():
+    default = ("fsc(aggregate='mean',conservative='xor',data='task',n_samples_per_task=1,norm='l1',sensitive=None,"
+               "token_ratios='per_token')")
+    assert Fsc().id == Fsc(task_feature="module_replay").id == default  # the ids recorded before the option
+    assert "task_feature" not in FscParams().model_dump()  # nor in the logged params and saved configs
+    assert FscParams(**FscParams(task_feature="network").model_dump()).task_feature == "network"
+    network = Fsc(task_feature="network").id
+    assert network == default.replace("sensitive=None,", "sensitive=None,task_feature='network',")
+    from mergecal.recipe import Recipe
+
+    assert Recipe.parse("ties->fsc(task_feature=module_replay)").id == Recipe.parse("ties->fsc").id
+    recipe = Recipe.parse(f"ties->{network}")
+    assert recipe.steps[-1].params.task_feature == "network" and Recipe.parse(recipe.id) == recipe
+    for composite in ("dsc", "dsc_a"):  # DSC and DSC-A pass it to their FSC part
+        step = Recipe.parse(f"ties->{composite}(fsc={{task_feature: network}})").steps[-1]
+        assert step.name == "fsc" and step.params.task_feature == "network"
+        assert "task_feature='network'" in step.id
+
+
 # --- parameters and input checks -------------------------------------------------------------------
 
 

@@ -167,6 +167,28 @@ def test_the_repository_and_smoke_params_load():
     load_params(REPO / "mergecal" / "pipeline" / "smoke_params.yaml")
 
 
+def test_magic_fixed_scaling_rows_hold_fscs_network_task_feature_where_fsc_runs():
+    """#29: `fsc(task_feature=network)` beside `fsc` at MAGIC's lambda = 0.3 for TA and TIES: a vision cell per
+    regime whose recipe id names the option; the text and LLM tracks skip it as they skip `fsc`, with its reason."""
+    from mergecal.pipeline.cells import enumerate_cells
+    from mergecal.pipeline.tracks import skipped_cells
+
+    params = load_params(REPO / "params.yaml")
+    cells = [c for c in enumerate_cells(params) if c.calibration in ("fsc@λ=0.3", "fsc(task_feature=network)@λ=0.3")]
+    network = [c for c in cells if c.calibration.startswith("fsc(task_feature=network)")]
+    assert {(c.track, c.regime, c.merge) for c in network} == {
+        ("vision", r, m) for r in params.vision.regimes for m in ("task_arithmetic", "ties")}
+    assert all("fsc(" in c.recipe and "task_feature='network'" in c.recipe and c.grid == () for c in network)
+    assert not any("task_feature" in c.recipe for c in cells if c not in network)  # the default's id is unchanged
+    reasons = {}
+    for cell, reason in skipped_cells(params):
+        if cell.chain.startswith("{merge}(scaling=0.3)>fsc"):
+            reasons.setdefault((cell.track, cell.merge), {})[cell.chain] = reason
+    assert {key[0] for key in reasons} == {"text", "llm"}
+    for by_chain in reasons.values():
+        assert len(by_chain) == 2 and len(set(by_chain.values())) == 1
+
+
 def test_the_testbeds_distac_deviates_from_the_paper_in_steps_and_lr_only_each_with_its_reason():
     """#29: params.yaml's `distac` keeps the paper's protocol (the library default: 500 steps, batch 128, lr 1e-5,
     beta 0.5, constant lr) but for 10x the lr over 10x fewer steps, each deviating line saying why."""

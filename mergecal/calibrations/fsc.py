@@ -12,6 +12,14 @@ batch x_t (``n_samples_per_task`` samples, default 1):
      LayerNorms (average over everything); per output channel for conv1 (norm over spatial positions);
   4. average over the K tasks (Eq. 18); entries that are NaN or inf (Delta_merged = 0, e.g. the
      parameter-free gelu) -> 1.
+With ``task_feature="network"`` (the paper's Eq. 3; steps 1-3 above, ``module_replay``, are the default)
+the task feature of module m comes from whole-network runs instead: run the merged, the pretrained and task t's
+fine-tuned MODEL each on x_t and capture m's output in each run,
+     Delta_merged = f_m(x; theta_merged) - f_m(x; theta_0),   Delta_t = f_m(x; theta_t) - f_m(x; theta_0);
+r = ||Delta_t|| / ||Delta_merged|| over everything a sample gives at m (all positions and features), averaged
+over the batch: ONE scalar per module (the paper's xi^l; ``token_ratios`` does not apply); then step 4, the
+conservative rule and the inference below, as for the default. A parameter-free module (gelu) gets a measured
+r in this form, but f_m^0 = f_m^merged on the same input, so applying it changes nothing.
 Conservative (XOR) rule per ratio entry (Eq. 19): in a magnitude-sensitive module apply r only where r < 1;
 elsewhere only where r > 1; with no sensitive set (None) apply r both ways. (The authors' code instead
 only clips sensitive modules to r <= 1: ``conservative="clip_sensitive"``.)
@@ -42,7 +50,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import ValidationError
+from pydantic import ValidationError, model_serializer
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -71,10 +79,23 @@ class FscParams(CalibrationParams):
     n_samples_per_task: Count = 1  # unlabeled samples per task (paper: 1)
     norm: Literal["l1", "l2"] = "l1"  # norm over the feature dimension
     aggregate: Literal["mean"] = "mean"  # over the K tasks (Eq. 18)
-    token_ratios: Literal["per_token", "mean"] = "per_token"  # "mean": one scalar per module (not the reference)
+    # "mean": one scalar per module (not the reference); task_feature="network" always gives one scalar
+    token_ratios: Literal["per_token", "mean"] = "per_token"
     sensitive: list[str] | None = None  # magnitude-sensitive modules or parameter keys (from probing); None: no rule
     conservative: Literal["xor", "clip_sensitive"] = "xor"  # paper Eq. 19 / authors' code
     data: Literal["task", "task_agnostic"] = "task"  # task_agnostic (DSC-A): one shared batch may serve all tasks
+    # module_replay: the authors' code (the merged model's input at each module replayed through its pretrained and
+    # fine-tuned copies); network: the paper's Eq. 3 (whole-network runs, one scalar per module)
+    task_feature: Literal["module_replay", "network"] = "module_replay"
+
+    @model_serializer(mode="wrap")
+    def _default_task_feature_left_out(self, handler: Callable[[Any], dict]) -> dict:
+        """``task_feature`` came after the recipe ids were recorded (cache keys, run names, logged params): at its
+        default it is left out of the dump, so those stay as they were; ``FscParams(**dump)`` fills it back in."""
+        data = handler(self)
+        if self.task_feature == "module_replay":
+            del data["task_feature"]
+        return data
 
 
 Status = Literal["folded", "hooked", "identity"]
@@ -128,6 +149,60 @@ def batch_ratio(delta_task: torch.Tensor, delta_merged: torch.Tensor, spec: Modu
     return ratio.mean(dim=0 if spec.granularity == "channel" else spec.batch_dim)
 
 
+def sample_norms(delta: torch.Tensor, batch_dim: int, norm: str) -> torch.Tensor:
+    """Norm of a task feature per sample over everything the sample holds (all positions and features); float64."""
+    order = 1 if norm == "l1" else 2
+    per_sample = delta.double().movedim(batch_dim, 0)
+    return torch.linalg.vector_norm(per_sample.reshape(per_sample.shape[0], -1), ord=order, dim=-1)
+
+
+def network_ratio(delta_task: torch.Tensor, delta_merged: torch.Tensor, spec: ModuleSpec,
+                  norm: str = "l1") -> torch.Tensor:
+    """The paper's per-task term of Eq. 18: ||Delta_t|| / ||Delta_merged|| per sample, averaged over the batch;
+    one scalar. May be NaN or inf; float64."""
+    return (sample_norms(delta_task, spec.batch_dim, norm) / sample_norms(delta_merged, spec.batch_dim, norm)).mean()
+
+
+def _check_called_once(calls: Mapping[str, int]) -> None:
+    for name, count in calls.items():
+        if count != 1:
+            raise ParameterError(f"fsc: module {name!r} ran {count} times in one forward pass, "
+                                 "expected once (check the family or the run function)")
+
+
+class _Capture:
+    """Forward hook that keeps the feature a module outputs in one forward pass."""
+
+    def __init__(self):
+        self.calls = 0
+        self.output: torch.Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.calls += 1
+        self.output = _main_tensor(output)
+
+
+def _network_features(model: nn.Module, modules: Mapping[str, nn.Module], run: Callable[[nn.Module, Any], Any],
+                      batch: Any) -> dict[str, torch.Tensor]:
+    """Each of ``modules`` (submodules of ``model``) output during one run of the whole ``model`` on ``batch``."""
+    captures = {name: _Capture() for name in modules}
+    handles = [modules[name].register_forward_hook(capture) for name, capture in captures.items()]
+    try:
+        run(model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    _check_called_once({name: capture.calls for name, capture in captures.items()})
+    return {name: capture.output for name, capture in captures.items()}
+
+
+def _network_ratios(specs: Sequence[ModuleSpec], merged: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor],
+                    task: Mapping[str, torch.Tensor], norm: str) -> dict[str, torch.Tensor]:
+    """One task's ratio per module from the outputs of whole-network runs (``task_feature="network"``)."""
+    return {s.name: network_ratio(task[s.name].double() - base[s.name].double(),
+                                  merged[s.name].double() - base[s.name].double(), s, norm) for s in specs}
+
+
 class _Probe:
     """Forward hook (with kwargs) on a merged module: replays its input on the pretrained and fine-tuned copies."""
 
@@ -142,6 +217,21 @@ class _Probe:
         base = _main_tensor(self.base(*args, **kwargs))
         task = _main_tensor(self.task(*args, **kwargs))
         self.ratio = batch_ratio(task - base, merged - base, self.spec, self.norm)
+
+
+def _replay_ratios(specs: Sequence[ModuleSpec], merged: nn.Module, merged_modules: Mapping[str, nn.Module],
+                   base_modules: Mapping[str, nn.Module], task_modules: Mapping[str, nn.Module],
+                   run: Callable[[nn.Module, Any], Any], batch: Any, norm: str) -> dict[str, torch.Tensor]:
+    """One task's ratio per module by replaying the merged model's input at each module (the authors' code)."""
+    probes = {s.name: _Probe(s, base_modules[s.name], task_modules[s.name], norm) for s in specs}
+    handles = [merged_modules[n].register_forward_hook(p, with_kwargs=True) for n, p in probes.items()]
+    try:
+        run(merged, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    _check_called_once({name: probe.calls for name, probe in probes.items()})
+    return {name: probe.ratio for name, probe in probes.items()}
 
 
 def _num_samples(batch: Any) -> int:
@@ -333,21 +423,17 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
     with _eval_mode(merged, pretrained):
         for t in tqdm(range(len(finetuned)), desc="fsc: measuring task features", unit="task", disable=not progress):
             task_model = finetuned[t]
-            probes = {s.name: _Probe(s, base_modules[s.name],
-                                     _matching_module(task_model, s.name, merged_modules[s.name], f"fine-tuned #{t}"),
-                                     params.norm) for s in specs}
-            handles = [merged_modules[n].register_forward_hook(p, with_kwargs=True) for n, p in probes.items()]
-            try:
-                with _eval_mode(task_model):
-                    run(merged, _to_device(batches[t], device))
-            finally:
-                for handle in handles:
-                    handle.remove()
-            for name, probe in probes.items():
-                if probe.calls != 1:
-                    raise ParameterError(f"fsc: module {name!r} ran {probe.calls} times in one forward pass, "
-                                         "expected once (check the family or the run function)")
-            per_task.append({n: p.ratio for n, p in probes.items()})
+            task_modules = {n: _matching_module(task_model, n, m, f"fine-tuned #{t}")
+                            for n, m in merged_modules.items()}
+            batch = _to_device(batches[t], device)
+            with _eval_mode(task_model):
+                if params.task_feature == "network":
+                    outputs = [_network_features(model, modules, run, batch) for model, modules in
+                               ((merged, merged_modules), (pretrained, base_modules), (task_model, task_modules))]
+                    per_task.append(_network_ratios(specs, *outputs, params.norm))
+                else:
+                    per_task.append(_replay_ratios(specs, merged, merged_modules, base_modules, task_modules, run,
+                                                   batch, params.norm))
 
     raw: dict[str, torch.Tensor] = {}
     for spec in specs:
