@@ -4,7 +4,9 @@
 
 (*) is the one place where lambda / alpha is applied: in ``iter_merge``, or, for a recipe whose first weight-space
 calibrations read the merge at scaling 1 (SVC, ``calibrate_at: unit_scaling``), in ``iter_scaled`` after them
-(``mergecal.recipe.iter_weight_space``). ``iter_merge`` streams ``(key, merged_tau)`` pairs and holds only one
+(``iter_weight_space``, below), or, for a scaling grid searched over one such merge, in ``rescaled_model``. A
+recipe carries its scaling (``Recipe.with_scaling``); the benchmark's search is ``mergecal.pipeline.cells``'.
+``iter_merge`` streams ``(key, merged_tau)`` pairs and holds only one
 key's K slices at a time (plus whatever ``fit`` keeps: a few numbers for
 TIES), so ``merge_checkpoints`` can merge sharded checkpoints larger than memory.
 """
@@ -20,12 +22,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .calibrations.base import iter_calibrated
+from .calibrations.registry import all_calibrations, get_calibration
 from .checkpoint import save_checkpoint
 from .errors import CheckpointError, ParameterError
-from .methods import get_merge_method
+from .methods import MERGE_METHODS, get_merge_method
 from .methods.base import MergeMethod
 from .outputs import remove_stale
-from .recipe import Recipe, iter_weight_space
+from .recipe import Recipe
 from .task_vectors import COMPUTE_DTYPE, SourceLike, TaskVectorSet, check_finite
 
 
@@ -62,6 +66,45 @@ def iter_scaled(merged: Iterator[tuple[str, torch.Tensor]], method: MergeMethod)
     and calibrated there: every update comes from the stream, never an input, so it is scaled in place (*)."""
     for key, update in merged:
         yield key, update.mul_(method.params.scaling)
+
+
+def weight_calibrations(recipe: Recipe, sensitive: Sequence[str] | None = None) -> list:
+    """The recipe's weight-space calibrations, in order. A step that uses a sensitivity ranking (WSC) and has
+    no ``sensitive`` list of its own takes the probed magnitude-sensitive keys given here (None: no rule)."""
+    return [get_calibration(step.name).build(step.params, sensitive) for step in recipe.phase("weight")]
+
+
+def iter_weight_space(recipe: Recipe, task_vectors, *, sensitive: Sequence[str] | None = None,
+                      diagnostics: dict | None = None, progress: bool = False):
+    """Stream ``(key, update)``: the recipe's merge method followed by its weight-space calibrations.
+
+    Pre-merge (DisTaC) and feature-space (FSC) steps need models and data; they are run by the caller
+    around this (``task_vectors`` should already hold the conditioned task vectors). The leading calibrations
+    that read the merge at scaling 1 (SVC's paper protocol, ``calibrate_at: unit_scaling``) run on the unscaled
+    merge and the merge method's scaling follows them; the others calibrate the scaled merge.
+    """
+    method = MERGE_METHODS[recipe.merge.name](recipe.merge.params)
+    calibrations = weight_calibrations(recipe, sensitive)
+    n_unit = sum(step.at_unit_scaling for step in recipe.phase("weight"))  # the leading ones: Recipe checks
+    merged = iter_merge(task_vectors, method, progress=progress, scaled=not n_unit)
+    if n_unit:
+        merged = iter_scaled(iter_calibrated(merged, task_vectors, calibrations[:n_unit], diagnostics), method)
+    return iter_calibrated(merged, task_vectors, calibrations[n_unit:], diagnostics)
+
+
+def rescaled_model(pretrained: dict[str, torch.Tensor], unit_update: dict[str, torch.Tensor], scaling: float,
+                   device: str | None = None) -> dict[str, torch.Tensor]:
+    """theta_0 + ``scaling`` x an update merged (and calibrated) at scaling 1 (``iter_weight_space`` of the recipe at
+    scaling 1), key by key as ``run_recipe`` adds a merge: equal, bit for bit, to the recipe run at ``scaling`` when
+    every step after the merge reads it at scaling 1 (*). Keys without an update are the pretrained ones."""
+    state = {}
+    for key, tensor in pretrained.items():
+        if key in unit_update:
+            merged = tensor.to(device=device, dtype=COMPUTE_DTYPE) + unit_update[key] * scaling
+            state[key] = merged.to(tensor.dtype).cpu()
+        else:
+            state[key] = tensor.clone()
+    return state
 
 
 def merge_task_vectors(task_vectors: Sequence[SourceLike] | TaskVectorSet, method: str | MergeMethod,
@@ -108,8 +151,6 @@ def require_data_free(recipe: Recipe) -> None:
     """Reject recipe steps that need models and data (DisTaC, FSC and so DSC): only weight space streams."""
     for step in recipe.steps:
         if step.needs_data:
-            from .calibrations.registry import all_calibrations
-
             data_free = " and/or ".join(sorted(n for n, spec in all_calibrations().items() if not spec.needs_data))
             raise ParameterError(
                 f"recipe {recipe.label!r}: step {step.name!r} needs models and data, so it runs through the pipeline "
@@ -160,6 +201,6 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     return table[name]
 
 
-__all__ = ["iter_merge", "iter_scaled", "merge_task_vectors", "merge_models", "merge_checkpoints", "parse_dtype",
-           "COMPUTE_DTYPE"]
+__all__ = ["iter_merge", "iter_scaled", "iter_weight_space", "merge_task_vectors", "merge_models", "merge_checkpoints",
+           "parse_dtype", "rescaled_model", "COMPUTE_DTYPE"]
 

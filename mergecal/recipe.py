@@ -211,35 +211,19 @@ class Recipe:
     def merge(self) -> Step:
         return self.phase("merge")[0]
 
+    def with_scaling(self, scaling: float) -> "Recipe":
+        """The same recipe with its merge at ``scaling``: how a cell's searched or given scaling enters a recipe
+        (``mergecal.merge`` applies it)."""
+        return Recipe([(s.name, {**s.params.model_dump(), "scaling": scaling} if s.phase == "merge"
+                        else s.params.model_dump()) for s in self.steps], label=self.label)
+
+    def without_pre_merge(self) -> "Recipe":
+        """The recipe from its merge on: what runs after the pre-merge steps (DisTaC) conditioned the models."""
+        return Recipe([(s.name, s.params.model_dump()) for s in self.steps if s.phase != "pre"])
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Recipe) and self.id == other.id
 
     def __repr__(self) -> str:
         return f"Recipe({self.label!r})"
 
-
-def weight_calibrations(recipe: Recipe, sensitive: Sequence[str] | None = None) -> list:
-    """The recipe's weight-space calibrations, in order. A step that uses a sensitivity ranking (WSC) and has
-    no ``sensitive`` list of its own takes the probed magnitude-sensitive keys given here (None: no rule)."""
-    return [get_calibration(step.name).build(step.params, sensitive) for step in recipe.phase("weight")]
-
-
-def iter_weight_space(recipe: Recipe, task_vectors, *, sensitive: Sequence[str] | None = None,
-                      diagnostics: dict | None = None, progress: bool = False):
-    """Stream ``(key, update)``: the recipe's merge method followed by its weight-space calibrations.
-
-    Pre-merge (DisTaC) and feature-space (FSC) steps need models and data; they are run by the caller
-    around this (``task_vectors`` should already hold the conditioned task vectors). The leading calibrations
-    that read the merge at scaling 1 (SVC's paper protocol, ``calibrate_at: unit_scaling``) run on the unscaled
-    merge and the merge method's scaling follows them; the others calibrate the scaled merge.
-    """
-    from .calibrations.base import iter_calibrated
-    from .merge import iter_merge, iter_scaled
-
-    method = MERGE_METHODS[recipe.merge.name](recipe.merge.params)
-    calibrations = weight_calibrations(recipe, sensitive)
-    n_unit = sum(step.at_unit_scaling for step in recipe.phase("weight"))  # the leading ones: Recipe checks
-    merged = iter_merge(task_vectors, method, progress=progress, scaled=not n_unit)
-    if n_unit:
-        merged = iter_scaled(iter_calibrated(merged, task_vectors, calibrations[:n_unit], diagnostics), method)
-    return iter_calibrated(merged, task_vectors, calibrations[n_unit:], diagnostics)

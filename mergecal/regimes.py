@@ -23,3 +23,7 @@ OBJECTIVES: tuple[str, ...] = get_args(Objective)
 #: the objective every task of a regime is fine-tuned with (norm_mismatch: standard, one task at a higher lr)
 OBJECTIVE_OF_REGIME: dict[str, str] = {"standard": "standard", "norm_mismatch": "standard",
                                        "low_confidence": "low_confidence"}
+
+#: DisTaC's preset for the models of each regime (the standard regime has no failure mode of its own; norm matching
+#: is the milder): the vision track's DisTaC step, and the own-model CLIP tracks' (as standard)
+DISTAC_PRESETS = {"standard": "norm_mismatch", "norm_mismatch": "norm_mismatch", "low_confidence": "low_confidence"}

@@ -1,6 +1,6 @@
 """Run a recipe end to end: DisTaC pre-conditioning -> merge -> weight-space calibrations -> FSC.
 
-The data-free middle streams key by key (``mergecal.recipe.iter_weight_space``). DisTaC and FSC need
+The data-free middle streams key by key (``mergecal.merge.iter_weight_space``). DisTaC and FSC need
 models and data, which the caller supplies in ``RecipeInputs`` (the backbone adapters provide them).
 Following MAGIC, FSC is measured on the model that the weight-space steps produced (so ``dsc`` = WSC,
 then FSC measured on the WSC-calibrated model), and each task's fine-tuned model in FSC is the one that
@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from .errors import ParameterError
-from .recipe import Recipe, iter_weight_space
+from .merge import iter_weight_space
+from .recipe import Recipe
 from .task_vectors import COMPUTE_DTYPE, TaskVectorSet
 
 StateDict = Mapping[str, torch.Tensor]

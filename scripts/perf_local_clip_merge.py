@@ -21,7 +21,8 @@ from mergecal.checkpoint import load_state_dict, save_state_dict
 from mergecal.perf.memory import peak_anonymous_memory
 from mergecal.pipeline.local_clip import build_model, finetuned_visual, load_visual, open_checkpoint, \
     pretrained_visual
-from mergecal.recipe import Recipe, iter_weight_space
+from mergecal.merge import iter_weight_space
+from mergecal.recipe import Recipe
 from mergecal.task_vectors import TaskVectorSet
 
 ARCH, K = "ViT-B-32-quickgelu", 8

@@ -180,8 +180,8 @@ def test_cell_id_follows_input_bytes(built, tmp_path):
 
 def test_cell_code_digest_follows_the_modules_each_cell_imports(tmp_path, monkeypatch):
     """Editing a merge method or a calibration changes the ids of the cells whose recipe names it and no other;
-    editing the shared core (evaluation, cells.py) changes every id; reports, speed benchmarks, the command line
-    and an unregistered new module change none. A comment is an edit."""
+    editing the shared core (cells.py, merge.py) changes every id, a track's evaluation its track's; reports,
+    speed benchmarks, the command line and an unregistered new module change none. A comment is an edit."""
     import functools
 
     package = tmp_path / "mergecal"
@@ -221,8 +221,11 @@ def test_cell_code_digest_follows_the_modules_each_cell_imports(tmp_path, monkey
     assert fsc and fsc == {i for i, s in enumerate(steps) if "fsc" in s} and fsc != svc
     llm = changed_by("pipeline/tracks/llm.py")
     assert llm and llm == {i for i, c in enumerate(cells) if c.track == "llm"}
-    for core in ("evaluation/zeroshot.py", "pipeline/cells.py", "merge.py"):
+    for core in ("pipeline/cells.py", "merge.py"):
         assert changed_by(core) == set(range(len(cells))), core
+    # the CLIP evaluation: the vision cells', and the LLM cells' through the lazy exports of mergecal.evaluation;
+    # the text cells reached it only through the params schema's import of pipeline/vision.py, a cycle gone (#33)
+    assert changed_by("evaluation/zeroshot.py") == {i for i, c in enumerate(cells) if c.track in ("vision", "llm")}
     assert changed_by("reports/leaderboard.py", "cli.py", "perf/merging.py", "perf/memory.py", "ui.py") == set()
     (package / "methods" / "new_method.py").write_text("from ..linalg import svd\n")
     cells_mod._package_sources.cache_clear()  # the graph is read once a process: read it again with the new file
@@ -624,7 +627,7 @@ def test_a_grid_merged_once_and_rescaled_equals_merging_at_each_value(method, pr
 
     grid = (0.3, 0.7, 1.5)
     steps = [(method, {"scaling": grid[0]})]
-    trial = cells_mod.recipe_trials(steps, 0, pretrained, finetuned, RecipeInputs(progress=False), grid)
+    trial = cells_mod.recipe_trials(Recipe(steps), pretrained, finetuned, RecipeInputs(progress=False), grid)
     for value in grid:
         direct = run_recipe(Recipe([(method, {"scaling": value})]), pretrained, finetuned, RecipeInputs(progress=False))
         rescaled = trial(value).state_dict
@@ -714,3 +717,14 @@ def test_stages_write_only_what_a_later_stage_reads(built):
     root, params = built
     out = vision.paths_for(params, root).models / "task_vectors"
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["diagnostics.json"] * len(params.vision.regimes)
+
+
+def test_every_registered_track_implements_the_track_protocol():
+    """#33: the interface is written down (``tracks.Track``) and every registered track provides all of it, so the
+    cells call it without probing for optional parts."""
+    from mergecal.pipeline.tracks import MODULES, Track, get_track
+
+    for name in MODULES:
+        track = get_track(name)
+        assert isinstance(track, Track), name
+        assert track.NAME == name

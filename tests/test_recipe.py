@@ -7,7 +7,8 @@ from mergecal import TaskVectorSet, merge_task_vectors
 from mergecal.calibrations.svc import Svc
 from mergecal.calibrations.wsc import Wsc
 from mergecal.errors import ParameterError, UnknownNameError
-from mergecal.recipe import Recipe, iter_weight_space
+from mergecal.merge import iter_weight_space
+from mergecal.recipe import Recipe
 
 
 def test_string_form_is_canonical_and_round_trips():
@@ -80,3 +81,12 @@ def test_distac_presets_resolve_to_explicit_values_in_the_id():
     with pytest.raises(ParameterError,
                        match="distac: unknown preset 'nope'; choose one of: low_confidence, norm_mismatch"):
         Recipe.parse("distac(preset=nope)->ties")
+
+
+def test_with_scaling_sets_only_the_merge_scaling_and_leaves_the_recipe_as_it_was():
+    """#33: a recipe carries its scaling; the cells' search and the tracks build each trial's recipe with it."""
+    recipe = Recipe.parse("distac>ties(scaling=0.3)>svc>dsc")
+    scaled = recipe.with_scaling(0.7)
+    assert scaled.id == Recipe.parse("distac>ties(scaling=0.7)>svc>dsc").id
+    assert scaled.label == recipe.label and recipe.merge.params.scaling == 0.3
+    assert recipe.without_pre_merge().id == Recipe.parse("ties(scaling=0.3)>svc>dsc").id

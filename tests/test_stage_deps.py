@@ -222,3 +222,77 @@ def test_bad_input_is_one_line_and_leaves_dvc_yaml_as_it_was(tmp_path, capsys, f
     if "dvc.yaml" in files:
         assert (tmp_path / "dvc.yaml").read_text() == files["dvc.yaml"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
+def _cycles(graph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on.discard(component[-1])
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _static_graph() -> dict[str, set[str]]:
+    """Module -> the mergecal modules its import statements name (at module level or inside a function); the
+    registries' look-ups by name and a module's parent packages left out."""
+    files = imports.module_files(REPO, ("mergecal",))
+
+    def module_of(name):
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for module, path in files.items():
+        names = imports.imported_names(ast.parse(path.read_bytes()), module, path.name == "__init__.py")
+        graph[module] = {t for t in map(module_of, names) if t and t != module and not module.startswith(t + ".")}
+    return graph
+
+
+def test_the_library_has_no_import_cycle():
+    """#33: no two modules import each other, directly or not, at module level or inside a function (merge.py and
+    recipe.py, config.py and vision.py, local_clip.py and local_llm.py did)."""
+    assert _cycles(_static_graph()) == []
+
+
+#: mergecal modules a pipeline module may import inside a function: they import open_clip (seconds), needed only
+#: where a CLIP is used; and the params validation, which builds library objects only to check a section
+LAZY_FOR_START_UP = ("mergecal.backbones.open_clip_vit", "mergecal.evaluation.zeroshot")
+
+
+def test_pipeline_modules_import_the_library_at_module_level():
+    """#33: an import of a mergecal module inside a function hid a cycle; only the start-up ones above remain."""
+    inside = []
+    for module, path in imports.module_files(REPO, ("mergecal",)).items():
+        if not module.startswith("mergecal.pipeline.") or module == "mergecal.pipeline.config":
+            continue
+        tree = ast.parse(path.read_bytes())
+        for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    names = imports.imported_names(ast.Module(body=[node], type_ignores=[]), module,
+                                                   path.name == "__init__.py")
+                    target = min(names, key=len)
+                    if target not in LAZY_FOR_START_UP:
+                        inside.append(f"{module}.{function.name}: {ast.unparse(node)}")
+    assert inside == []

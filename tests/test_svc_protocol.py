@@ -56,8 +56,8 @@ def test_the_api_the_command_line_and_a_pipeline_trial_give_the_same_model(pretr
                  "--out", str(tmp_path / "out")]) == 0
     cli = load_state_dict(tmp_path / "out")
     api = run_recipe(recipe, pretrained, finetuned, RecipeInputs(progress=False)).state_dict
-    steps = [(s.name, s.params.model_dump()) for s in Recipe.parse(recipe).steps]
-    trial = cells_mod.recipe_trials(steps, 0, pretrained, finetuned, RecipeInputs(progress=False), (0.1, 0.3, 1.0))
+    trial = cells_mod.recipe_trials(Recipe.parse(recipe), pretrained, finetuned, RecipeInputs(progress=False),
+                                    (0.1, 0.3, 1.0))
     pipeline = trial(0.3)  # merged and calibrated once at scaling 1, then rescaled
     assert pipeline.diagnostics["svc"]  # the spectra of the unit merge reach the cell's artifacts
     for key in api:

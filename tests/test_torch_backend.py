@@ -34,7 +34,8 @@ from mergecal.linalg import flat_polar_gram, polar_gram, svd_gram, top_svd
 from mergecal.methods.iso_c import iso_c_matrix
 from mergecal.methods.iso_cts import iso_cts_matrix
 from mergecal.methods.tsv_m import tsv_merge_matrix
-from mergecal.recipe import Recipe, iter_weight_space
+from mergecal.merge import iter_weight_space
+from mergecal.recipe import Recipe
 
 ROUTES_AGREE = 2e-8  # float32 outputs of two float64 routes (measured <= 6.5e-9 on these inputs)
 METHODS = {"tsv_m": tsv_merge_matrix, "iso_c": iso_c_matrix,

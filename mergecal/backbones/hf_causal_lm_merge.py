@@ -27,7 +27,8 @@ def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[st
     from ..merge import _iter_model, iter_merge, require_data_free
     from ..methods import get_merge_method
     from ..outputs import remove_stale
-    from ..recipe import Recipe, iter_weight_space
+    from ..merge import iter_weight_space
+    from ..recipe import Recipe
     from ..task_vectors import TaskVectorSet
 
     remove_stale(out_dir)  # what a killed merge left beside out_dir, even if this one fails on its inputs

@@ -4,7 +4,7 @@ A ``WeightCalibration`` sees, for one key, the merged update and the K task vect
 update plus diagnostics for reports. ``iter_calibrated`` chains one or more of them after any merge method while
 streaming key by key, like ``mergecal.merge``. A calibration that reads the merged update's geometry at scaling 1
 (``calibrate_at: unit_scaling``: SVC) sees the unscaled merge, and the merge method's scaling is applied after it
-(``mergecal.recipe.iter_weight_space``); the others see the scaled one.
+(``mergecal.merge.iter_weight_space``); the others see the scaled one.
 """
 
 from __future__ import annotations

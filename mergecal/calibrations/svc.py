@@ -10,7 +10,7 @@ alpha defaults to 1/K; alpha = 1 (suppression only: gamma <= 1) is the authors' 
 
 ``calibrate_at`` (the protocol): ``"unit_scaling"`` (default, the paper: "we keep lambda = 1 throughout") computes
 the coefficients on the merge at scaling 1; the merge method's scaling multiplies the calibrated update after SVC
-(``mergecal.recipe.iter_weight_space``), so a validation search over the scaling runs with SVC in place.
+(``mergecal.merge.iter_weight_space``), so a validation search over the scaling runs with SVC in place.
 ``"chosen_scaling"`` calibrates lambda * dW_m instead: every s_i^r is multiplied by lambda, and at a small lambda
 (0.1) no s exceeds 1, the alpha floor binds in every direction and SVC amplifies (gamma ~ K) instead of shrinking.
 

@@ -26,10 +26,21 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..calibrations import registry
+from ..calibrations.registry import get_calibration
+from ..checkpoint import atomic_write_text
 from ..errors import CheckpointError, MergecalError
+from ..merge import iter_weight_space, rescaled_model
+from ..methods import MERGE_METHODS
+from ..perf.memory import peak_memory
+from ..recipe import Recipe
+from ..run_recipe import RecipeResult, run_recipe
+from ..task_vectors import TaskVectorSet
+from . import tracks
 from .chains import calibration_name, fixed_chain, scaling_source
 from .config import Params
 from .imports import import_closure, import_graph, module_files
+from .tracks import enabled_tracks, track_of
 
 REFERENCES = ("zeroshot", "finetuned")
 
@@ -78,31 +89,28 @@ def merge_values(values: dict[str, Any] | None) -> tuple[dict[str, Any], tuple[f
 
 
 def matrix_chains(params: Params):
-    """``(merge, chain, merge values, grid)`` of every calibrated or plain merge of a track's matrix: each chain
-    around each merge with the merge's grid, then the fixed-scaling protocols (``benchmark.fixed_scaling``) at
-    their scaling, without a search (grid ``()``)."""
+    """``(merge, chain, merge values, grid, recipe)`` of every calibrated or plain merge of a track's matrix: each
+    chain around each merge with the merge's grid, then the fixed-scaling protocols (``benchmark.fixed_scaling``) at
+    their scaling, without a search (grid ``()``); ``recipe``: the chain's steps around the merge as written (each
+    track fills in the merge's values and its own DisTaC step: ``recipe_cell``). The one loop over the matrix."""
     for merge, values in params.benchmark.merges.items():
         values, grid = merge_values(values)
-        for chain in params.benchmark.chains:
-            yield merge, chain, values, grid
+        chains = [(chain, values, grid) for chain in params.benchmark.chains]
         for protocol in params.benchmark.fixed_scaling:
-            if protocol.merges and merge not in protocol.merges:
-                continue
-            for chain in protocol.chains:
-                yield merge, fixed_chain(chain, protocol.scaling), {**values, "scaling": protocol.scaling}, ()
+            if not protocol.merges or merge in protocol.merges:
+                chains += [(fixed_chain(chain, protocol.scaling), {**values, "scaling": protocol.scaling}, ())
+                           for chain in protocol.chains]
+        for chain, chain_values, chain_grid in chains:
+            yield merge, chain, chain_values, chain_grid, Recipe.parse(chain.replace("{merge}", merge))
 
 
 def enumerate_cells(params: Params) -> list[Cell]:
     """Every cell of the matrix: each enabled track's cells, in track order (``mergecal.pipeline.tracks``)."""
-    from .tracks import enabled_tracks
-
     return [cell for track in enabled_tracks(params) for cell in track.cells(params)]
 
 
 def cell_inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, str]:
     """The files a cell reads, by role (its track says which)."""
-    from .tracks import track_of
-
     return {role: str(path) for role, path in track_of(cell).inputs(cell, params, root).items()}
 
 
@@ -133,8 +141,6 @@ def _file_digest(path: str, size: int, mtime_ns: int, cache_dir: str | None = No
             pass  # absent, cut short or of another file: hash again
     digest = _sha256_file(path)
     if record is not None:
-        from ..checkpoint import atomic_write_text
-
         atomic_write_text(record, json.dumps({"path": path, "size": size, "mtime_ns": mtime_ns, "sha256": digest}))
     return digest
 
@@ -168,17 +174,12 @@ def _not_cell_code(module: str) -> bool:
 @lru_cache(maxsize=1024)
 def recipe_steps(recipe_id: str) -> tuple[str, ...]:
     """The step names of a canonical recipe id (() for the reference cells, which have none)."""
-    from ..recipe import Recipe
-
     return tuple(step.name for step in Recipe.parse(recipe_id).steps) if recipe_id else ()
 
 
 def step_modules() -> dict[str, str]:
     """Recipe step name -> the module that defines it, as the registries say: each merge method's class, each
     calibration's registering module (a composite's parts are the recipe's steps: ``Recipe`` expands it)."""
-    from ..calibrations import registry
-    from ..methods import MERGE_METHODS
-
     calibrations = registry.__name__.rpartition(".")[0]
     return {**{name: cls.__module__ for name, cls in MERGE_METHODS.items()},
             **{name: f"{calibrations}.{module}" for name, module in registry.MODULES.items()}}
@@ -186,8 +187,6 @@ def step_modules() -> dict[str, str]:
 
 def track_modules() -> dict[str, str]:
     """``Cell.track`` (before any ``:``) -> the module implementing it."""
-    from . import tracks
-
     return {name: f"{tracks.__name__}.{module}" for name, module in tracks.MODULES.items()}
 
 
@@ -228,9 +227,6 @@ def cell_code_digest(track: str, recipe: str, package_dir: Path = PACKAGE_DIR) -
 def uses_sensitivity(recipe_id: str) -> bool:
     """Whether a step of the recipe takes the probed sensitivity ranking (the calibration registry's word:
     WSC and FSC, whose ``sensitive`` parameter it fills in)."""
-    from ..calibrations.registry import get_calibration
-    from ..recipe import Recipe
-
     return any(s.phase != "merge" and get_calibration(s.name).uses_sensitivity for s in Recipe.parse(recipe_id).steps)
 
 
@@ -240,14 +236,12 @@ def cell_id(cell: Cell, params: Params, root: str | Path, source_id: str | None 
     if bool(cell.scaling_from) != (source_id is not None):
         raise MergecalError(f"cell {cell.label!r}: the id of its scaling source is "
                             f"{'missing' if cell.scaling_from else 'unexpected'}")
-    from .tracks import track_of
 
     track = track_of(cell)
     cache = Path(root) / HASH_CACHE
     digests = {role: file_digest(path, cache) for role, path in cell_inputs(cell, params, root).items()}
     # a track of several configured families (local_llm) fingerprints each cell's own family
-    fingerprint = track.cell_fingerprint(cell, params) if hasattr(track, "cell_fingerprint") else \
-        track.fingerprint(params)
+    fingerprint = track.cell_fingerprint(cell, params)
     payload = {"cell": cell.to_dict(), "inputs": digests, "evaluation": params.benchmark.evaluation.model_dump(),
                "track": fingerprint,
                "code": cell_code_digest(cell.track, cell.recipe), "scaling_source": source_id}
@@ -364,39 +358,20 @@ def select_scaling(grid: tuple[float, ...], trial, validate) -> tuple[float, Any
     return best[1], best[2], curve
 
 
-def recipe_trials(steps: list[tuple[str, dict]], merge_index: int, pretrained, states, inputs, grid):
-    """``value -> RecipeResult`` of the recipe with its merge at that scaling. A recipe whose every step after the
-    merge reads it at scaling 1 (none, or SVC's protocol) and is tried at several values is merged and calibrated
-    once, at scaling 1, then rescaled: the scaling multiplies the calibrated update (``mergecal/merge.py``), so
-    every state equals the recipe at that value bit for bit."""
-    from ..recipe import Recipe, iter_weight_space
-    from ..run_recipe import RecipeResult, run_recipe
-    from ..task_vectors import COMPUTE_DTYPE, TaskVectorSet
-
-    def at(value: float) -> Recipe:
-        chosen = list(steps)
-        chosen[merge_index] = (chosen[merge_index][0], {**chosen[merge_index][1], "scaling": value})
-        return Recipe(chosen)
-
-    unit_recipe = at(1.0)
+def recipe_trials(recipe: Recipe, pretrained, states, inputs, grid):
+    """``value -> RecipeResult`` of ``recipe`` with its merge at that scaling (``Recipe.with_scaling``). A recipe
+    whose every step after the merge reads it at scaling 1 (none, or SVC's protocol) and is tried at several
+    values is merged and calibrated once, at scaling 1, then rescaled (``mergecal.merge.rescaled_model``), so every
+    state equals the recipe at that value bit for bit."""
+    unit_recipe = recipe.with_scaling(1.0)
     rescalable = all(s.phase == "merge" or s.at_unit_scaling for s in unit_recipe.steps)
     if not rescalable or len(grid) == 1:
-        return lambda value: run_recipe(at(value), pretrained, states, inputs)
+        return lambda value: run_recipe(recipe.with_scaling(value), pretrained, states, inputs)
     tvs = TaskVectorSet.from_models(pretrained, states, device=inputs.device)
     diagnostics: dict[str, Any] = {}
     unit = dict(iter_weight_space(unit_recipe, tvs, sensitive=inputs.sensitive, diagnostics=diagnostics))
-
-    def rescaled(value: float):
-        state = {}
-        for key, tensor in pretrained.items():
-            if key in unit:  # as run_recipe adds the merged update
-                merged = tensor.to(device=inputs.device, dtype=COMPUTE_DTYPE) + unit[key] * value
-                state[key] = merged.to(tensor.dtype).cpu()
-            else:
-                state[key] = tensor.clone()
-        return RecipeResult(recipe=at(value), state_dict=state, diagnostics=diagnostics)
-
-    return rescaled
+    return lambda value: RecipeResult(recipe=recipe.with_scaling(value), diagnostics=diagnostics,
+                                      state_dict=rescaled_model(pretrained, unit, value, inputs.device))
 
 
 def validation_averages(val: dict[str, dict[str, float]], reference: dict, tasks: list[str]) -> tuple[float, float]:
@@ -405,20 +380,19 @@ def validation_averages(val: dict[str, dict[str, float]], reference: dict, tasks
     return avg_acc, avg_norm
 
 
-def cell_grid(cell: Cell, default: float, scaling: float | None) -> tuple[float, ...]:
+def cell_grid(cell: Cell, recipe: Recipe, scaling: float | None) -> tuple[float, ...]:
+    """The scalings a cell tries: the one its source cell chose (``scaling``), else its grid, else its recipe's."""
     if cell.scaling_from and scaling is None:
         raise MergecalError(f"cell {cell.label!r}: needs the scaling chosen by its source cell {cell.scaling_from!r}")
     if scaling is not None:
         return (float(scaling),)
-    return cell.grid or (default,)
+    return cell.grid or (recipe.merge.params.scaling,)
 
 
 def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str = "cpu",
              scaling: float | None = None) -> CellResult:
     """Merge → calibrate → evaluate one cell, by its track. ``scaling``: the value chosen by the cell's scaling
     source (required exactly when ``cell.scaling_from`` is set); otherwise the cell searches its own grid."""
-    from .tracks import track_of
-
     return track_of(cell).run(cell, params, root, device=device, scaling=scaling)
 
 
@@ -431,16 +405,12 @@ def base_params(cell: Cell) -> dict[str, str]:
 def recipe_cell(params: Params, track: str, backbone: str, task_set: str, tasks, regime: str, merge: str, chain: str,
                 steps: list[tuple[str, dict]], grid: tuple[float, ...]) -> Cell:
     """A cell of ``chain`` around ``merge`` with the canonical recipe of ``steps`` (every hyperparameter)."""
-    from ..recipe import Recipe
-
     return Cell(track, backbone, task_set, tuple(tasks), regime, merge, chain, Recipe(steps).id, grid,
                 calibration_name(chain), scaling_from(chain, params, grid))
 
 
 def measure(fn, *args, **kwargs) -> tuple[Any, float, float]:
     """(result, seconds, peak resident MiB of the process during the call)."""
-    from ..perf.memory import peak_memory
-
     start = time.perf_counter()
     with peak_memory() as peak:
         result = fn(*args, **kwargs)

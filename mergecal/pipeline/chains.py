@@ -4,6 +4,7 @@ that the params schema (config.py) and the cells (cells.py) both use it without 
 
 from __future__ import annotations
 
+from ..recipe import Recipe
 
 MERGE = "{merge}"
 
@@ -33,8 +34,6 @@ def calibration_name(chain: str) -> str:
 
 
 def _chain_steps(chain: str) -> list:
-    from ..recipe import Recipe
-
     return Recipe.parse(chain.replace(MERGE, "task_arithmetic")).steps
 
 

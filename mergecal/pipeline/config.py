@@ -3,7 +3,8 @@
 One pydantic model per section, ``extra="forbid"`` everywhere, so a typo is one clear message naming the
 dotted path and listing what is allowed. Sections that configure library objects (suite sizes, trainers,
 DisTaC, probing, merge methods, recipes) are additionally validated by building those objects, so the
-pipeline accepts exactly what the library accepts.
+pipeline accepts exactly what the library accepts. Those library modules are imported inside the validators
+that build them: importing this module (the command line does, before it knows its command) loads no torch.
 
 Cells of the matrix: track (backbone × task set) × regime × merge method × calibration chain. A chain is a
 recipe with ``{merge}`` standing for the merge method, e.g. ``"{merge}>svc"`` or ``"distac>{merge}>svc>dsc"``.
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..config_types import (ConfigValueError, Count, NonNegativeInt, NonNegativeReal, PositiveReal, ThreadCount,
                             WorkerCount, check_config)
 from ..errors import MergecalError, ParameterError
-from ..regimes import OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime
+from ..regimes import DISTAC_PRESETS, OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime
 
 
 class Strict(BaseModel):
@@ -448,10 +449,9 @@ class LocalClipTrack(Strict):
 
     def distac_step(self):
         """The track's DisTaC step: the paper's preset for models without a known failure mode (the vision
-        track's standard regime: norm matching, ``mergecal.pipeline.vision.DISTAC_PRESETS``), then ``distac``."""
+        track's standard regime: norm matching, ``mergecal.regimes.DISTAC_PRESETS``), then ``distac``."""
         from ..calibrations.distac import DistacStepParams
         from ..methods.base import build_params
-        from .vision import DISTAC_PRESETS
 
         return build_params(DistacStepParams, "distac", {"preset": DISTAC_PRESETS["standard"], **self.distac})
 

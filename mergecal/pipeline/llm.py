@@ -20,7 +20,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import atomic_write_text
+from ..checkpoint import SafetensorsSource, atomic_write_text
+from ..data.llm import TASKS, LlmSuiteConfig, build_llm_suite, load_records, split_path
+from ..errors import MergecalError
+from ..evaluation.lm_eval_tasks import evaluate_lm, task_config, task_name, write_task_yamls
+from ..train.lm import LmTrainConfig, TinyLlamaShape, finetune_lm, pretrain_lm, read_metadata
 from .config import Params
 
 WORK = Path(".mergecal") / "llm"
@@ -51,16 +55,11 @@ def work_dir(root: str | Path) -> Path:
 
 
 def build_data(params: Params, root: str | Path = ".") -> dict:
-    from ..data.llm import LlmSuiteConfig, build_llm_suite
-
     return build_llm_suite(data_root(root), LlmSuiteConfig(**{"seed": params.seed, **params.llm.data}),
                            tasks=tuple(params.llm.tasks))
 
 
 def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
-    from ..data.llm import load_records
-    from ..train.lm import LmTrainConfig, TinyLlamaShape, pretrain_lm, read_metadata
-
     corpus = [r["text"] for r in load_records(data_root(root), "pretrain", "train")]
     out = pretrain_lm(corpus, base_dir(params, root), shape=TinyLlamaShape(**params.llm.shape),
                       config=LmTrainConfig(**{"seed": params.seed, **params.llm.pretrain}), progress=progress,
@@ -70,9 +69,6 @@ def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", pro
 
 def finetune(params: Params, task: str, root: str | Path = ".", *, device: str = "cpu",
              progress: bool = True) -> dict:
-    from ..data.llm import load_records
-    from ..train.lm import LmTrainConfig, finetune_lm, read_metadata
-
     config = LmTrainConfig(**params.llm.finetune_config(task, params.seed))
     out = finetune_lm(base_dir(params, root), load_records(data_root(root), task, "train"),
                       expert_dir(params, root, task), task=task, config=config, progress=progress, device=device)
@@ -82,9 +78,6 @@ def finetune(params: Params, task: str, root: str | Path = ".", *, device: str =
 def suite_config_digests(data: Path, tasks) -> dict[str, str]:
     """{lm-eval task name: sha256 of its configuration}, with the data file named by its content's sha256
     (not its absolute path): equal digests, equal tasks, wherever the repository lies."""
-    from ..data.llm import split_path
-    from ..evaluation.lm_eval_tasks import task_config, task_name
-
     out = {}
     for task in tasks:
         for split in ("validation", "test"):
@@ -126,9 +119,6 @@ class LmEval:
         """``score``'s {task: metric} and {task: documents scored} (lm-eval's effective count; a task for which
         lm-eval reports none is left out). ``examples``: a dict to fill with each task's per-document score of its
         metric (lm-eval's per-sample output), for the leaderboard's intervals."""
-        from ..errors import MergecalError
-        from ..evaluation.lm_eval_tasks import evaluate_lm
-
         names = [self.names[t][split] for t in tasks]
         per_document: dict | None = {} if examples is not None else None
         scores = evaluate_lm(model_dir, names, self.task_dir, cache_path=self.cache if cache else None,
@@ -150,9 +140,6 @@ class LmEval:
 
 def suite_lm_eval(data: Path, tasks, out: Path, cache: Path, evaluation, n_validation: int) -> LmEval:
     """The suite's tasks scored on their local YAMLs (written to ``out``, naming the data under ``data``)."""
-    from ..data.llm import TASKS
-    from ..evaluation.lm_eval_tasks import task_name, write_task_yamls
-
     write_task_yamls(data, out, tasks, splits=("validation", "test"))
     limit = evaluation.max_validation
     if limit is not None and limit >= n_validation:
@@ -162,8 +149,6 @@ def suite_lm_eval(data: Path, tasks, out: Path, cache: Path, evaluation, n_valid
 
 
 def lm_eval_setup(params: Params, root: str | Path) -> LmEval:
-    from ..data.llm import LlmSuiteConfig
-
     return suite_lm_eval(data_root(root), params.llm.tasks, work_dir(root) / "lm_eval_tasks",
                          work_dir(root) / "lm_eval_cache", params.llm.evaluation,
                          LlmSuiteConfig(**params.llm.data).n_validation)
@@ -184,8 +169,6 @@ def layer_type(key: str) -> str:
 
 def task_vector_norms(base: Path, expert: Path) -> dict[str, float]:
     """‖τ‖ over all keys, per layer type, and ‖τ‖ / ‖θ₀‖ (read key by key)."""
-    from ..checkpoint import SafetensorsSource
-
     pre, fine = SafetensorsSource(base), SafetensorsSource(expert)
     total, base_sq, per_type = 0.0, 0.0, {}
     for key in pre.keys():

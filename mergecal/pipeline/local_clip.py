@@ -29,10 +29,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint import PICKLE_SUFFIXES, DictSource, SafetensorsSource, atomic_write_text, save_state_dict
+from ..backbones.clip_layouts import OpenClipLayoutSource
+from ..backbones.loading import load_weights_file
+from ..checkpoint import (INDEX_SUFFIX, PICKLE_SUFFIXES, DictSource, SafetensorsSource, atomic_write_text,
+                          safetensors_files, save_state_dict, weights_candidates)
+from ..data.real_vision import (DatasetError, canonical_task, expected_layouts, find_layout, load_real_split,
+                                task_metadata)
+from ..data.real_vision import dataset_files as split_files
 from ..errors import CheckpointError, MergecalError
+from .cells import HASH_CACHE, file_digest
 from .config import LocalClipTrack
-from .local_llm import resolve, tracks_dir
+from .own_models import check_test_counts, loaded_files, name_under, resolve, tracks_dir
+from .results import one_line
 
 VISUAL = "visual."
 PROJECTION = "visual.proj"  # absent from a CLIPVisionModel: the pretrained one is kept
@@ -67,9 +75,6 @@ def dataset_root(track: LocalClipTrack, task: str, root: str | Path) -> Path:
 def open_checkpoint(path: Path, *, allow_unsafe_pickle: bool = False):
     """A checkpoint file or HF directory as a lazy ``TensorSource`` in open_clip's layout. A pickled file is
     refused from its name, before a byte of it is read, unless ``allow_unsafe_pickle``."""
-    from ..backbones.clip_layouts import OpenClipLayoutSource
-    from ..backbones.loading import load_weights_file
-
     if not path.exists():
         raise CheckpointError(f"{path}: checkpoint not found (nothing is downloaded; give a local file or directory)")
     if path.is_file() and path.suffix in PICKLE_SUFFIXES:
@@ -182,6 +187,7 @@ def finetuned_visual(pre, path: Path, *, allow_unsafe_pickle: bool = False) -> V
 
 def build_model(arch: str, pre) -> torch.nn.Module:
     """``arch`` with the pretrained weights, copied key by key into the model (no second copy in memory)."""
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ..backbones.open_clip_vit import create_clip
 
     try:
@@ -215,8 +221,6 @@ def load_visual(model: torch.nn.Module, items) -> None:
 # --------------------------------------------------------------------------------------------------- data
 
 def task_split(track: LocalClipTrack, task: str, split: str, root: str | Path, seed: int = 0):
-    from ..data.real_vision import load_real_split
-
     return load_real_split(dataset_root(track, task, root), task, split, seed=seed)
 
 
@@ -228,8 +232,6 @@ def sample(n: int, max_items: int | None, seed: int) -> np.ndarray:
 
 
 def head_names(track: LocalClipTrack, task: str) -> tuple[list[str], list[str]]:
-    from ..data.real_vision import task_metadata
-
     classnames, templates = task_metadata(task)
     return track.class_names.get(task, classnames), track.templates.get(task, templates)
 
@@ -249,6 +251,7 @@ class TaskData:
 
     def score(self, model, head: torch.Tensor, task: str, split: str, device: str = "cpu", *,
               per_example: bool = False) -> dict[str, float]:
+        # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
         from ..evaluation.zeroshot import logit_scores, predict_logits
 
         batch = self.track.evaluation.batch_size
@@ -282,9 +285,6 @@ def dataset_files(track: LocalClipTrack, task: str, root: str | Path) -> dict[st
     """{dataset.<task>/<relative path>: file} of the files the task's splits are read from
     (``real_vision.dataset_files``); nothing when the dataset is not found (the references then hold that
     error)."""
-    from ..data.real_vision import dataset_files as split_files
-    from .local_llm import name_under
-
     base = dataset_root(track, task, root)
     try:
         files = split_files(base, task)
@@ -311,8 +311,6 @@ def checkpoint_files(path: Path, *, with_config: bool = False) -> list[Path]:
     """The files ``open_checkpoint`` reads for ``path`` (and ``register_hf_arch``: config.json, when
     ``with_config``): a pickled file; a safetensors file, or an index and its shards (``safetensors_files``);
     a directory's safetensors. Empty when the path holds none of them."""
-    from ..checkpoint import INDEX_SUFFIX, safetensors_files, weights_candidates
-
     if path.is_file():
         if path.suffix in PICKLE_SUFFIXES:
             return [path]
@@ -324,11 +322,8 @@ def checkpoint_files(path: Path, *, with_config: bool = False) -> list[Path]:
 
 
 def input_files(track: LocalClipTrack, root: str | Path, where: str = "") -> dict[str, Path | dict]:
-    """Every file the track reads, by role, and no other (``local_llm.loaded_files``): its checkpoints'
+    """Every file the track reads, by role, and no other (``own_models.loaded_files``): its checkpoints'
     files and each task's dataset files. ``where``: the params prefix of the keys named in errors."""
-    from ..data.real_vision import expected_layouts
-    from .local_llm import loaded_files
-
     keys = model_keys(track)
     files: dict[str, Path | dict] = {}
     for role, path in model_paths(track, root).items():
@@ -346,8 +341,6 @@ def input_files(track: LocalClipTrack, root: str | Path, where: str = "") -> dic
 def task_dataset_files(base: Path, task: str) -> list[Path]:
     """The files of the task's dataset under ``base`` (``real_vision.dataset_files``); none when no layout
     holds the task there. A layout that holds it but cannot be read raises (the track records the error)."""
-    from ..data.real_vision import DatasetError, canonical_task, dataset_files as split_files, find_layout
-
     try:
         find_layout(base, canonical_task(task), "auto")
     except DatasetError:
@@ -357,8 +350,6 @@ def task_dataset_files(base: Path, task: str) -> list[Path]:
 
 def data_digest(track: LocalClipTrack, task: str, root: str | Path) -> str:
     """sha256 over the task's dataset files (relative path and content hash, from the hash cache)."""
-    from .cells import HASH_CACHE, file_digest
-
     h = hashlib.sha256()
     for name, path in dataset_files(track, task, root).items():
         h.update(f"{name}\0{file_digest(path, Path(root) / HASH_CACHE)}\n".encode())
@@ -367,8 +358,6 @@ def data_digest(track: LocalClipTrack, task: str, root: str | Path) -> str:
 
 def check_test_size(track: LocalClipTrack, task: str, data: TaskData) -> None:
     """Refuse a task whose test images (those scored) are fewer than the track's ``min_test``."""
-    from .local_llm import check_test_counts
-
     check_test_counts(f"local_clip track {track.name!r}", {task: len(data.split(task, "test")[1])}, track.min_test,
                       "test images")
 
@@ -388,8 +377,8 @@ def references(track: LocalClipTrack, root: str | Path = ".", *, seed: int = 0, 
     fine-tuned model's scores on validation and test and the task vector's norm. An unusable pretrained model
     is the track's error; an unusable task (checkpoint, dataset) that task's; both one line, and the stage
     goes on with the other tasks and tracks."""
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ..backbones.open_clip_vit import get_tokenizer, image_size, zero_shot_head
-    from .results import one_line
 
     root = Path(root)
     report: dict = {"name": track.name, "kind": "clip", "tasks": {}}

@@ -28,13 +28,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..calibrations.distac import distill_task_vector, kappas_from_norms
+from ..calibrations.probing import make_probe, probe_sensitivity
 from ..checkpoint import atomic_write_text, load_state_dict, save_state_dict
 from ..errors import CheckpointError, ParameterError
 from .config import LocalClipTrack, Params
 from .local_clip import (VISUAL, TaskData, arch_of, build_model, check_labels, finetuned_path, finetuned_visual,
                          heads_path, load_visual, open_checkpoint, pretrained_path, pretrained_visual, references_path,
                          sample)
-from .local_llm import local_root
+from .own_models import checked_reference, local_root
+from .results import one_line
+from .vision import TaskHeadModel
 
 
 def sensitivity_path(track: LocalClipTrack, root: str | Path) -> Path:
@@ -64,8 +68,6 @@ def train_sample(params: Params, track: LocalClipTrack, task: str, root: str | P
 
 
 def _checked_references(track: LocalClipTrack, root: Path) -> dict:
-    from .tracks.local_llm import checked_reference
-
     return checked_reference(references_path(track, root), f"local_clip track {track.name!r}", list(track.finetuned))
 
 
@@ -79,9 +81,8 @@ def _open(track: LocalClipTrack, root: Path):
 def probe(params: Params, track: LocalClipTrack, root: str | Path = ".", *, device: str = "cpu",
           progress: bool = False) -> dict:
     """The track's sensitivity ranking (module docstring), written to ``sensitivity_path``."""
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ..backbones.open_clip_vit import image_size, preprocess
-    from ..calibrations.probing import make_probe, probe_sensitivity
-    from .vision import TaskHeadModel
 
     root, probing = Path(root), params.probing
     _checked_references(track, root)
@@ -121,9 +122,8 @@ def distac(params: Params, track: LocalClipTrack, root: str | Path = ".", *, dev
            progress: bool = False) -> dict:
     """DisTaC-condition the track's models (module docstring): one model in memory at a time, each conditioned
     image encoder written atomically, then ``distac.json``."""
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ..backbones.open_clip_vit import image_size, preprocess
-    from ..calibrations.distac import distill_task_vector, kappas_from_norms
-    from .vision import TaskHeadModel
 
     root = Path(root)
     reference = _checked_references(track, root)
@@ -189,8 +189,6 @@ def read_recorded(path: Path, what: str) -> dict:
 def all_tracks(params: Params, root: str | Path, which: str, *, device: str = "cpu", log=print) -> dict:
     """The stage ``local_sensitivity`` (``which="probe"``) or ``local_distac``: every enabled CLIP track, a failing
     one recorded with its one-line error (the others go on)."""
-    from .results import one_line
-
     root, out = Path(root), {}
     for track in params.local_clip:
         if not track.enabled:

@@ -29,26 +29,23 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..checkpoint import atomic_write_text
+from ..backbones.hf_causal_lm import check_same_family, model_dir_files, weight_format
+from ..checkpoint import SafetensorsSource, atomic_write_text
+from ..data.llm import LlmSuiteConfig, build_llm_suite
 from ..errors import CheckpointError, MergecalError, ParameterError
+from ..evaluation.lm_eval_registry import config_digest, write_variant_yamls
+from ..evaluation.lm_eval_tasks import task_sources as sources
+from . import local_clip
+from .cells import HASH_CACHE
 from .config import LocalLlmTrack, Params
+from .llm import LmEval, expert_reference, suite_config_digests, suite_lm_eval
+from .own_models import check_test_counts, content_records, inputs_path, loaded_files, name_under, resolve, tracks_dir
+from .results import one_line
 
 WORK = Path(".mergecal") / "local"
 CONVERT_HINT = ("convert it once to safetensors: python -c \"from mergecal.backbones.hf_causal_lm import "
                 "load_causal_lm, save_causal_lm; save_causal_lm(*load_causal_lm('{path}', allow_unsafe_pickle=True), "
                 "'{path}-safetensors')\" and point the track at the new directory")
-
-
-def local_root(root: str | Path) -> Path:
-    return Path(root) / "models" / "local"
-
-
-def inputs_path(root: str | Path) -> Path:
-    return local_root(root) / "inputs.json"
-
-
-def tracks_dir(root: str | Path) -> Path:
-    return local_root(root) / "tracks"
 
 
 def track_dir(track: LocalLlmTrack, root: str | Path) -> Path:
@@ -67,11 +64,6 @@ def work_dir(root: str | Path) -> Path:
     return Path(root) / WORK
 
 
-def resolve(path: str, root: str | Path) -> Path:
-    """A configured path: absolute, or relative to the repository root."""
-    return Path(path).expanduser() if Path(path).expanduser().is_absolute() else Path(root) / path
-
-
 def base_path(track: LocalLlmTrack, root: str | Path) -> Path:
     return resolve(track.base, root)
 
@@ -85,9 +77,6 @@ def expert_path(track: LocalLlmTrack, task: str, root: str | Path) -> Path:
 def check_model_dir(path: Path, *, allow_unsafe_pickle: bool = False) -> None:
     """A usable model directory, checked from its file names, config and safetensors headers only (nothing is
     unpickled, no tensor is read): one CheckpointError naming the directory or file otherwise."""
-    from ..backbones.hf_causal_lm import weight_format
-    from ..checkpoint import SafetensorsSource
-
     if weight_format(path) == "pickle":
         weights = next(iter(sorted(path.glob("pytorch_model*.bin*"))), path)
         if not allow_unsafe_pickle:
@@ -100,8 +89,6 @@ def check_model_dir(path: Path, *, allow_unsafe_pickle: bool = False) -> None:
 
 
 def check_expert(base: Path, expert: Path, *, allow_unsafe_pickle: bool = False) -> None:
-    from ..backbones.hf_causal_lm import check_same_family
-
     check_model_dir(expert, allow_unsafe_pickle=allow_unsafe_pickle)
     check_same_family(base, [expert])
 
@@ -111,13 +98,8 @@ def check_expert(base: Path, expert: Path, *, allow_unsafe_pickle: bool = False)
 def scorer(track: LocalLlmTrack, root: str | Path):
     """The track's ``LmEval``: the suite's YAMLs over its generated data, the user's YAML directory, or lm-eval's
     registry tasks (each checked to be one and to have its dataset in the local HF cache)."""
-    from ..data.llm import LlmSuiteConfig
-    from .llm import LmEval, suite_lm_eval
-
     cache = work_dir(root) / "lm_eval_cache"
     if track.source == "registry":
-        from ..evaluation.lm_eval_registry import write_variant_yamls
-
         names = write_variant_yamls(track.task_names, work_dir(root) / track.name / "lm_eval_tasks",
                                     where=f"local_llm track {track.name!r}: ")
         return LmEval(work_dir(root) / track.name / "lm_eval_tasks", names,
@@ -142,8 +124,6 @@ def lm_eval_names(track: LocalLlmTrack) -> list[str]:
 
 def task_sources(track: LocalLlmTrack, root: str | Path):
     """What lm-eval reads of the track's ``task_dir`` (``mergecal.evaluation.lm_eval_tasks.TaskSources``)."""
-    from ..evaluation.lm_eval_tasks import task_sources as sources
-
     return sources(resolve(track.task_dir, root), lm_eval_names(track))
 
 
@@ -162,22 +142,6 @@ def check_task_code(track: LocalLlmTrack, root: str | Path) -> None:
         path, reason = sources.unreadable[0]
         raise MergecalError(f"{path}: not readable as a safe YAML ({reason}), so whether it would run Python code "
                             f"cannot be checked; fix it, or: {allow}")
-
-
-def name_under(path: Path, directory: Path) -> str | None:
-    """``path`` relative to ``directory`` (POSIX; also to its real path), or None when it lies elsewhere."""
-    for parent in (directory, directory.resolve()):
-        try:
-            return path.relative_to(parent).as_posix()
-        except ValueError:
-            continue
-    return None
-
-
-def role_files(role: str, path: Path, files: list[Path]) -> dict[str, Path]:
-    """{<role>/<name relative to the path's directory, else absolute>: file} (the names inputs.json records)."""
-    directory = path if path.is_dir() else path.parent
-    return {f"{role}/{name_under(file, directory) or file.as_posix()}": file for file in files}
 
 
 def task_files(track: LocalLlmTrack, root: str | Path) -> dict[str, Path]:
@@ -203,11 +167,7 @@ def task_files(track: LocalLlmTrack, root: str | Path) -> dict[str, Path]:
 
 def task_config_digests(track: LocalLlmTrack, root: str | Path) -> dict[str, str]:
     """{lm-eval task (or YAML file): sha256 of its configuration} (logged with each cell)."""
-    from .llm import suite_config_digests
-
     if track.source == "registry":
-        from ..evaluation.lm_eval_registry import config_digest
-
         return {task: config_digest(task) for task in track.task_names}
     if track.task_dir is None:
         return suite_config_digests(data_dir(track, root), track.task_names)
@@ -229,41 +189,13 @@ def model_keys(track: LocalLlmTrack) -> dict[str, str]:
 MODEL_FILES = "model files (expected config.json, tokenizer files and *.safetensors or pytorch_model*.bin)"
 
 
-def loaded_files(role: str, path: Path, key: str, list_files, expected: str) -> dict[str, Path | dict]:
-    """{<role>/<name>: file} of the files ``list_files(path)`` says its loader reads, and nothing else of
-    ``path``: {role: {"missing": path}} when it does not exist, {role: {"error": line}} when its files cannot be
-    resolved (``local_tracks`` then records the same error for the cells). A path that holds none of them is
-    refused: one ParameterError naming ``key`` (the params key), the path and the ``expected`` files."""
-    from .results import one_line
-
-    if not path.exists():
-        return {role: {"missing": str(path)}}
-    try:
-        files = list_files(path)
-    except MergecalError as err:
-        return {role: {"error": one_line(err)}}
-    if not files:
-        raise ParameterError(f"{key}: {path} holds no {expected}; nothing of it is read")
-    return role_files(role, path, files)
-
-
 def model_inputs(track: LocalLlmTrack, root: str | Path, where: str = "") -> dict[str, Path | dict]:
     """The files of the track's model directories that the loaders read (``model_dir_files``), by role."""
-    from ..backbones.hf_causal_lm import model_dir_files
-
     keys = model_keys(track)
     files: dict[str, Path | dict] = {}
     for role, directory in model_dirs(track, root).items():
         files.update(loaded_files(role, directory, where + keys[role], model_dir_files, MODEL_FILES))
     return files
-
-
-def _record(found: dict[str, Path | dict], cache: Path) -> dict[str, dict]:
-    """inputs.json's entry of each file: its size and sha256, or why it has none (missing, error)."""
-    from .cells import content_record
-
-    return {name: item if isinstance(item, dict) else content_record(item, cache) if item.is_file()
-            else {"missing": str(item)} for name, item in found.items()}
 
 
 def record_inputs(params: Params, root: str | Path = ".") -> dict:
@@ -272,8 +204,6 @@ def record_inputs(params: Params, root: str | Path = ".") -> dict:
     tracks' checkpoints and datasets) and of no other file, so that DVC reruns ``local_tracks`` exactly when a
     byte changed. A missing path is recorded as missing; a path that holds none of the files its loader reads
     (a wrong path) is refused, one line naming its params key."""
-    from .cells import HASH_CACHE
-
     cache = Path(root) / HASH_CACHE
     out = {}
     for index, track in enumerate(params.local_llm):
@@ -288,37 +218,23 @@ def record_inputs(params: Params, root: str | Path = ".") -> dict:
                                      f"(expected *.yaml files with task: {', '.join(lm_eval_names(track))}); "
                                      "nothing of it is read")
             found.update(task_files(track, root))
-        out[track.name] = {"settings": track.model_dump(mode="json"), "files": _record(found, cache)}
+        out[track.name] = {"settings": track.model_dump(mode="json"), "files": content_records(found, cache)}
         if track.source == "registry":  # lm-eval's version and task definitions: local_tracks reruns on a change
             try:
                 out[track.name]["registry"] = task_config_digests(track, root)
             except MergecalError as err:  # an unknown task: local_tracks records the error for the track's cells
                 out[track.name]["registry"] = {"error": str(err)}
     for index, track in enumerate(params.local_clip):  # CLIP tracks (mergecal.pipeline.local_clip)
-        from .local_clip import input_files
-
-        found = input_files(track, root, f"params.yaml: local_clip.{index}.")
-        out[track.name] = {"settings": track.model_dump(mode="json"), "files": _record(found, cache)}
+        found = local_clip.input_files(track, root, f"params.yaml: local_clip.{index}.")
+        out[track.name] = {"settings": track.model_dump(mode="json"), "files": content_records(found, cache)}
     atomic_write_text(inputs_path(root), json.dumps(out, indent=2, sort_keys=True))
     return out
-
-
-def check_test_counts(what: str, counts: dict[str, int], minimum: int, unit: str) -> None:
-    """Refuse a task scored on fewer than ``minimum`` test examples (``min_test``: its score would be noise)."""
-    for task, n in counts.items():
-        if n < minimum:
-            raise ParameterError(f"{what}: task {task} has {n} {unit}, fewer than min_test {minimum} (a score on so "
-                                 "few is mostly noise; lower min_test to accept it)")
 
 
 def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, device: str = "cpu") -> dict:
     """One track of the stage ``local_tracks``: generate the suite's data (suite tasks), score the base and
     each expert with lm-eval (validation and test) and measure the task vectors; a model that fails its
     checks or its scoring is recorded with its error (one line), the others go on."""
-    from ..data.llm import LlmSuiteConfig, build_llm_suite
-    from .llm import expert_reference
-    from .results import one_line
-
     tasks = track.task_names
     if track.source == "suite":
         build_llm_suite(data_dir(track, root), LlmSuiteConfig(**{"seed": seed, **track.data}), tasks=tuple(tasks))
@@ -349,8 +265,6 @@ def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, d
 def all_references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict[str, dict]:
     """The stage ``local_tracks``: every configured track's references, LLM and CLIP (an index of them beside,
     so that the output directory exists when no track is configured)."""
-    from . import local_clip
-
     out = {track.name: references(track, root, seed=params.seed, device=device) for track in params.local_llm}
     out.update({track.name: local_clip.references(track, root, seed=params.seed, device=device)
                 for track in params.local_clip})

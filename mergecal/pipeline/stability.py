@@ -23,10 +23,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..backbones.hf_causal_lm_merge import merge_causal_lms
+from ..checkpoint import load_state_dict, save_state_dict
 from ..errors import MergecalError
+from ..merge import merge_models
+from ..methods.task_arithmetic import TaskArithmetic
 from ..reports.intervals import stratified_interval, weighted_means
 from ..reports.stability import section_markdown
+from .cells import per_example_results
 from .config import Params
+from .llm import base_dir, expert_dir, lm_eval_setup, work_dir
+from .text import TextModels
+from .vision import VisionModels, evaluate_tasks
 
 RELATIVE_SIZE = 1e-6  # float32 round-off is ~6e-8 relative: a few ulps, what another CPU or thread count changes
 SEEDS = (0, 1, 2)
@@ -117,16 +125,10 @@ def chosen_scaling(results: dict, track: str, label: str = MERGE, regime: str = 
 # --- each track's evaluation of its merged state, as is (seed None) or perturbed ---------------------------------
 
 def _task_arithmetic(params: Params, scaling: float):
-    from ..methods.task_arithmetic import TaskArithmetic  # by import, not by name: a dep of the stage
-
     return TaskArithmetic(**{**params.benchmark.merges.get(MERGE, {}), "scaling": scaling})
 
 
 def vision_evaluation(params: Params, root: Path, scaling: float, device: str) -> Callable[[int | None], Examples]:
-    from ..merge import merge_models
-    from .cells import per_example_results
-    from .vision import VisionModels, evaluate_tasks
-
     models, tasks = VisionModels(params, root), list(params.vision.tasks)
     merged = merge_models(models.visual_pretrained(), models.finetuned(REGIME), _task_arithmetic(params, scaling))
 
@@ -140,10 +142,6 @@ def vision_evaluation(params: Params, root: Path, scaling: float, device: str) -
 
 
 def text_evaluation(params: Params, root: Path, scaling: float, device: str) -> Callable[[int | None], Examples]:
-    from ..merge import merge_models
-    from .cells import per_example_results
-    from .text import TextModels
-
     models, tasks = TextModels(params, root), list(params.text.tasks)
     merged = merge_models(models.pretrained, [models.finetuned(t)[0] for t in tasks],
                           _task_arithmetic(params, scaling))
@@ -159,8 +157,6 @@ def perturbed_model_dir(source: Path, out: Path, seed: int) -> Path:
     """A copy of the model directory ``source`` at ``out`` whose safetensors weights are ``perturbed``."""
     from safetensors import safe_open
 
-    from ..checkpoint import load_state_dict, save_state_dict
-
     shutil.copytree(source, out)
     for path in sorted(out.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
@@ -172,9 +168,6 @@ def perturbed_model_dir(source: Path, out: Path, seed: int) -> Path:
 def llm_evaluation(params: Params, root: Path, scaling: float, device: str,
                    scratch: Path) -> Callable[[int | None], Examples]:
     """The LLM's merge written once under ``scratch``; each perturbation a perturbed copy, scored and deleted."""
-    from ..backbones.hf_causal_lm_merge import merge_causal_lms
-    from .llm import base_dir, expert_dir, lm_eval_setup
-
     tasks = list(params.llm.tasks)
     merged = merge_causal_lms(base_dir(params, root), [expert_dir(params, root, t) for t in tasks],
                               _task_arithmetic(params, scaling), scratch / "merged", device=device)
@@ -197,8 +190,6 @@ def _track_settings(params: Params, track: str):
 
 def measure(params: Params, root: str | Path, results: dict, *, device: str = "cpu") -> dict:
     """The stability document (``reports/stability.json``) of every enabled track among ``TRACKS``."""
-    from .llm import work_dir
-
     root = Path(root)
     entries = []
     for track in TRACKS:

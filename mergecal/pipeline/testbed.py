@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..merge import merge_models
+from ..methods.task_arithmetic import TaskArithmetic
 from .config import Params
 from .vision import VisionModels, evaluate_tasks, paths_for
 
@@ -62,9 +64,6 @@ def _rows(results: dict, track: str) -> dict[tuple[str, str], dict]:
 def vision_health(params: Params, root: str | Path = ".", results: dict | None = None, *,
                   device: str = "cpu") -> dict:
     """The measured criteria of the vision track (``results``: the benchmark flow's summary, for the merge cells)."""
-    from ..merge import merge_models
-    from ..methods.task_arithmetic import TaskArithmetic  # by import, not by name: a dep of this stage
-
     track, paths = params.vision, paths_for(params, root)
     tasks = list(track.tasks)
     zeroshot = _load(paths.models / "pretrained.json")["zeroshot"]

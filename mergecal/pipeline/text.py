@@ -21,7 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint import atomic_write_text, load_state_dict, save_state_dict
+from ..backbones.hf_text import build_classifier, load_encoder, tokenize
+from ..checkpoint import SafetensorsSource, atomic_write_text, load_state_dict, save_state_dict
+from ..data.text import TextSuiteConfig, build_text_suite, load_text_split
+from ..data.vision import validation_indices
+from ..train.finetune_text import TextFinetuneConfig, classifier_logits, evaluate_text, finetune_text_task, text_scores
 from .config import Params
 
 HEAD = "head."
@@ -41,9 +45,6 @@ def finetuned_path(params: Params, root: str | Path, task: str) -> Path:
 
 def split(root: str | Path, task: str, name: str, max_items: int | None = None):
     """(texts, labels); ``validation`` is the held-out part of train, ``train`` the rest."""
-    from ..data.text import load_text_split
-    from ..data.vision import validation_indices
-
     texts, labels = load_text_split(data_root(root), task, "train" if name in ("train", "validation") else name)
     if name in ("train", "validation"):
         val = validation_indices(len(labels))
@@ -62,15 +63,10 @@ def n_classes(root: str | Path, task: str) -> int:
 
 
 def build_data(params: Params, root: str | Path = ".") -> dict:
-    from ..data.text import TextSuiteConfig, build_text_suite
-
     return build_text_suite(data_root(root), TextSuiteConfig(**{"seed": params.seed, **params.text.data}))
 
 
 def finetune(params: Params, task: str, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
-    from ..backbones.hf_text import load_encoder
-    from ..train.finetune_text import TextFinetuneConfig, evaluate_text, finetune_text_task
-
     config = TextFinetuneConfig(**{"seed": params.seed, **params.text.finetune})
     encoder, _ = load_encoder()
     pretrained = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
@@ -105,8 +101,6 @@ class TextModels:
 
     @cached_property
     def pretrained(self) -> dict[str, torch.Tensor]:
-        from ..backbones.hf_text import load_encoder
-
         encoder, _ = load_encoder()
         return {k: v.detach().clone() for k, v in encoder.state_dict().items() if v.is_floating_point()}
 
@@ -119,8 +113,6 @@ class TextModels:
 
     def head(self, task: str) -> dict[str, torch.Tensor]:
         if task not in self._heads:
-            from ..checkpoint import SafetensorsSource
-
             source = SafetensorsSource(finetuned_path(self.params, self.root, task))
             self._heads[task] = {k[len(HEAD):]: source.get(k) for k in source.keys() if k.startswith(HEAD)}
         return self._heads[task]
@@ -128,8 +120,6 @@ class TextModels:
     def inputs(self, task: str, which: str, max_items: int | None) -> tuple[dict[str, torch.Tensor], np.ndarray]:
         key = (task, which, max_items)
         if key not in self._inputs:
-            from ..backbones.hf_text import load_encoder, tokenize
-
             _, tokenizer = load_encoder()
             texts, labels = split(self.root, task, which, max_items)
             self._inputs[key] = (tokenize(tokenizer, texts, self.max_length), labels)
@@ -137,16 +127,12 @@ class TextModels:
 
     @cached_property
     def _classifier(self):
-        from ..backbones.hf_text import build_classifier
-
         return build_classifier(self.pretrained, None, 1).eval()
 
     def evaluate(self, encoder: dict[str, torch.Tensor], tasks, which: str, *, max_items: int | None = None,
                  device: str = "cpu", per_example: bool = False) -> dict[str, dict[str, float]]:
         """Each task's accuracy, entropy and ECE with ``encoder`` and the task's own head (``per_example``: and
         each example's 0/1 outcome, ``"correct"``)."""
-        from ..train.finetune_text import classifier_logits, text_scores
-
         model = self._classifier
         model.encoder.load_state_dict({**self.pretrained, **encoder}, strict=False)
         model.to(device)

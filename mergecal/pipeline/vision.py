@@ -29,8 +29,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..calibrations.distac import DistacStepParams, condition_models
+from ..calibrations.probing import make_accuracy_probe, make_probe, probe_sensitivity
 from ..checkpoint import atomic_write_text, load_state_dict, save_state_dict
+from ..data.vision import PROBE_TASK, TASKS, SuiteConfig, build_vision_suite, load_split, validation_indices
 from ..errors import CheckpointError
+from ..methods.base import build_params
+from ..regimes import DISTAC_PRESETS
+from ..task_vectors import relative_norms, task_vector
+from ..train.finetune import FinetuneConfig
+from ..train.finetune import finetune as finetune_clip
+from ..train.pretrain_clip import PretrainConfig, pretrain_clip
 from .config import Params, VisionTrack
 
 VISUAL_PREFIX = "visual."
@@ -89,8 +98,6 @@ def regime_variants(track: VisionTrack, regime: str) -> dict[str, str]:
 
 def task_split(data_root: Path, task: str, split: str, *, max_items: int | None = None):
     """(uint8 images, labels) of a task. ``validation`` is the held-out part of train (never trained on)."""
-    from ..data.vision import PROBE_TASK, TASKS, load_split, validation_indices
-
     spec = TASKS[task] if task in TASKS else PROBE_TASK
     arrays = load_split(data_root, spec.dataset, "train" if split in ("train", "validation") else split)
     images, labels = arrays["images"], arrays[spec.label]
@@ -107,8 +114,6 @@ def task_split(data_root: Path, task: str, split: str, *, max_items: int | None 
 
 
 def build_data(params: Params, root: str | Path = ".", progress: bool = True) -> dict:
-    from ..data.vision import SuiteConfig, build_vision_suite
-
     config = SuiteConfig(**{"seed": params.seed, "task_set": params.vision.task_set, **params.vision.data})
     return build_vision_suite(paths_for(params, root).data, config, progress=progress)
 
@@ -116,10 +121,11 @@ def build_data(params: Params, root: str | Path = ".", progress: bool = True) ->
 def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
     """Pretrain the CLIP, then cache every task's zero-shot head (the text tower is never fine-tuned, so the
     heads hold for every fine-tuned and merged model) and score the zero-shot model."""
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ..backbones.open_clip_vit import get_tokenizer, save_clip, zero_shot_head
-    from ..data.vision import PROBE_TASK, TASKS, load_split
+
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ..evaluation.zeroshot import evaluate
-    from ..train.pretrain_clip import PretrainConfig, pretrain_clip
 
     track, paths = params.vision, paths_for(params, root)
     config = PretrainConfig(**{"seed": params.seed, **track.pretrain, "arch": track.arch})
@@ -148,9 +154,8 @@ def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", pro
 def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *, device: str = "cpu",
              progress: bool = True) -> dict:
     """Fine-tune one task in one variant (Ilharco et al.: image encoder only, frozen zero-shot head)."""
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ..backbones.open_clip_vit import load_clip
-    from ..data.vision import TASKS
-    from ..train.finetune import FinetuneConfig, finetune as finetune_clip
 
     track, paths = params.vision, paths_for(params, root)
     if task not in track.tasks:
@@ -227,6 +232,7 @@ class VisionModels:
                 for task, variant in regime_variants(self.track, regime).items()]
 
     def model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
         from ..backbones.open_clip_vit import load_clip
 
         return load_clip(self.track.arch, self.full_state(state))
@@ -245,6 +251,7 @@ class TaskHeadModel(torch.nn.Module):
         self.register_buffer("head", head.detach().clone(), persistent=False)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
         from ..backbones.open_clip_vit import logits
 
         return logits(self.clip, self.head, images)
@@ -260,6 +267,7 @@ class TaskHeadModel(torch.nn.Module):
 
 
 def preprocessed(images: np.ndarray, arch: str) -> torch.Tensor:
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ..backbones.open_clip_vit import ARCHITECTURES, preprocess
 
     size = ARCHITECTURES[arch]["vision_cfg"]["image_size"] if arch in ARCHITECTURES else None
@@ -269,6 +277,7 @@ def preprocessed(images: np.ndarray, arch: str) -> torch.Tensor:
 def evaluate_tasks(model: torch.nn.Module, heads: dict[str, torch.Tensor], data_root: Path, tasks: list[str],
                    split: str, *, max_items: int | None = None, batch_size: int = 256,
                    device: str = "cpu", per_example: bool = False) -> dict[str, dict[str, float]]:
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ..evaluation.zeroshot import evaluate
 
     out = {}
@@ -284,8 +293,6 @@ def task_vectors(params: Params, root: str | Path = ".", *, device: str = "cpu")
     vectors themselves are not written, since cells, DisTaC and probing compute them from the checkpoints as they
     stream), and the reference figures every cell is normalised by: the task's own fine-tuned accuracy
     (validation and test), prediction entropy and ECE."""
-    from ..task_vectors import relative_norms, task_vector
-
     track, models = params.vision, VisionModels(params, root)
     pre_visual = models.visual_pretrained()
     batch = params.benchmark.evaluation.batch_size
@@ -313,23 +320,14 @@ def task_vectors(params: Params, root: str | Path = ".", *, device: str = "cpu")
 def distac_params(params: Params, regime: str):
     """The DisTaC step of a regime: the paper's preset for it (``DISTAC_PRESETS``) unless ``distac.preset`` names
     one, with the shared overrides of params.yaml's ``distac`` section."""
-    from ..calibrations.distac import DistacStepParams
-    from ..methods.base import build_params
-
     values = dict(params.distac)
     values.setdefault("preset", DISTAC_PRESETS[regime])
     return build_params(DistacStepParams, "distac", values)
 
 
-# the paper's preset per regime (the standard regime has no failure mode of its own; norm matching is the milder)
-DISTAC_PRESETS = {"standard": "norm_mismatch", "norm_mismatch": "norm_mismatch", "low_confidence": "low_confidence"}
-
-
 def distac(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
     """DisTaC-condition each regime's fine-tuned models (unlabeled train images of each task) once, for every
     cell whose chain starts with ``distac``. Unconditioned tasks are written unchanged, so a cell reads K files."""
-    from ..calibrations.distac import condition_models
-
     track, models = params.vision, VisionModels(params, root)
     samples = params.benchmark.evaluation.distac_samples
     report = {}
@@ -374,8 +372,6 @@ def probe(params: Params, root: str | Path = ".", *, device: str = "cpu", progre
     """MAGIC's magnitude-sensitivity probe, per regime: on the weight-averaged model, scale each candidate
     image-encoder key's slice of the averaged task vector and rank keys by ``probing.metric`` on the probe task
     (none of the tasks), each drop with its bootstrap interval over the probe images."""
-    from ..calibrations.probing import make_accuracy_probe, make_probe, probe_sensitivity
-
     track, models, probing = params.vision, VisionModels(params, root), params.probing
     images, labels = task_split(models.paths.data, "letters", "test", max_items=probing.max_samples)
     head = models.heads["letters"]

@@ -2,7 +2,7 @@
 behind one small interface, so that the cells, the flow and the reports stay generic and a new track (the LLM
 track, a lab's own checkpoints) is one module plus its params section.
 
-A track module provides:
+A track module provides (``Track``, checked for every registered one by tests/test_pipeline.py):
 
 * ``NAME``: the value of ``Cell.track`` (and of the ``mergecal.track`` tag); a module of several configured
   tracks (``local_llm``, ``local_clip``: the entries of ``params.<NAME>``) names its cells ``NAME:<track name>``
@@ -10,40 +10,68 @@ A track module provides:
 * ``enabled(params) -> bool``: whether its cells are in the matrix;
 * ``cells(params) -> list[Cell]``: its cells, references first;
 * ``inputs(cell, params, root) -> {role: path}``: the files a cell reads (their bytes go into the cell's id);
-* ``fingerprint(params)``: settings beside those files that a result depends on (also hashed into the id), or
-  ``cell_fingerprint(cell, params)`` where they differ between the module's configured tracks;
+* ``cell_fingerprint(cell, params)``: settings beside those files that a cell's result depends on (also hashed
+  into the id; a module of several configured tracks gives the cell's own track's);
 * ``run(cell, params, root, *, device, scaling) -> CellResult``: merge, calibrate, evaluate one cell;
-* ``skipped(params) -> [(Cell, reason)]`` (optional): chains of the matrix the track cannot run, which the flow
-  records as skipped (with the reason) so that the leaderboard says so instead of leaving them out.
+* ``skipped(params) -> [(Cell, reason)]``: chains of the matrix the track cannot run (``[]``: none), which the
+  flow records as skipped (with the reason) so that the leaderboard says so instead of leaving them out.
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ...errors import MergecalError
+
+if TYPE_CHECKING:  # annotations only: the cells import this registry
+    from ..cells import Cell, CellResult
+    from ..config import Params
+
+
+@runtime_checkable
+class Track(Protocol):
+    """The interface of a track module (see the module docstring); the registry below maps ``Cell.track`` to it."""
+
+    NAME: str
+
+    def enabled(self, params: Params) -> bool: ...
+
+    def cells(self, params: Params) -> list[Cell]: ...
+
+    def skipped(self, params: Params) -> list[tuple[Cell, str]]: ...
+
+    def inputs(self, cell: Cell, params: Params, root: str | Path) -> dict[str, Path]: ...
+
+    def cell_fingerprint(self, cell: Cell, params: Params) -> Any: ...
+
+    def run(self, cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
+            scaling: float | None = None) -> CellResult: ...
+
 
 #: Cell.track -> the module implementing it (imported on first use: a track may pull in heavy libraries)
 MODULES = {"vision": "clip", "text": "text", "llm": "llm", "local_llm": "local_llm", "local_clip": "local_clip"}
 
 
-def get_track(name: str) -> ModuleType:
+def get_track(name: str) -> Track:
     name = name.split(":", 1)[0]  # "local_llm:<track name>", "local_clip:<...>": one module, several tracks
     if name not in MODULES:
         raise KeyError(f"unknown track {name!r}; tracks: {', '.join(MODULES)}")
     return importlib.import_module(f"{__name__}.{MODULES[name]}")
 
 
-def track_of(cell) -> ModuleType:
+def track_of(cell) -> Track:
     return get_track(cell.track)
 
 
-def enabled_tracks(params) -> list[ModuleType]:
+def enabled_tracks(params) -> list[Track]:
     return [track for track in map(get_track, MODULES) if track.enabled(params)]
 
 
 def skipped_cells(params) -> list:
     """(cell, reason) of every chain an enabled track cannot run."""
-    return [item for track in enabled_tracks(params) for item in getattr(track, "skipped", lambda p: [])(params)]
+    return [item for track in enabled_tracks(params) for item in track.skipped(params)]
 
 
 def configured_tracks(params, name: str) -> list:
@@ -58,8 +86,6 @@ def cell_track(name: str, track) -> str:
 
 def configured_track(cell, params):
     """The configured track of a ``<module NAME>:<track name>`` cell; one MergecalError if params.yaml has none."""
-    from ...errors import MergecalError
-
     module, name = cell.track.split(":", 1)
     for track in getattr(params, module):
         if track.name == name:

@@ -6,10 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ...calibrations.probing import SensitivityRanking
+from ...checkpoint import load_state_dict
+from ...data.vision import load_split
+from ...recipe import Recipe
+from ...run_recipe import RecipeInputs
+from ...task_vectors import task_vector
 from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
-                     jsonable_diagnostics, matrix_chains, recipe_cell, recipe_trials, select_scaling, summaries,
-                     per_example_results, uses_sensitivity, validation_averages)
+                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, recipe_trials,
+                     select_scaling, summaries, uses_sensitivity, validation_averages)
 from ..config import Params
+from ..vision import (VisionModels, check_distac_file, distac_params, evaluate_tasks, paths_for, preprocessed,
+                      regime_variants, task_split)
 
 NAME = "vision"
 
@@ -20,15 +28,12 @@ def enabled(params: Params) -> bool:
 
 def cells(params: Params) -> list[Cell]:
     """Per regime: the references, then every merge in every chain (a DisTaC step takes the regime's preset)."""
-    from ...recipe import Recipe
-    from ..vision import distac_params
-
     track, out = params.vision, []
     for regime in track.regimes:
         out += [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), regime, ref, "") for ref in REFERENCES]
-        for merge, chain, values, grid in matrix_chains(params):
+        for merge, chain, values, grid, recipe in matrix_chains(params):
             steps = []
-            for step in Recipe.parse(chain.replace("{merge}", merge)).steps:
+            for step in recipe.steps:
                 if step.phase == "merge":
                     steps.append((step.name, values))
                 elif step.name == "distac":
@@ -41,8 +46,6 @@ def cells(params: Params) -> list[Cell]:
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
-    from ..vision import paths_for, regime_variants
-
     paths = paths_for(params, root)
     files = {"pretrained": paths.pretrained, "heads": paths.heads, "data_manifest": paths.data / "manifest.json",
              "reference": paths.task_vectors(cell.regime) / "diagnostics.json"}
@@ -58,20 +61,22 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     return files
 
 
+def skipped(params: Params) -> list[tuple[Cell, str]]:
+    return []  # every chain runs
+
+
 def fingerprint(params: Params):
     return params.vision.arch
+
+
+def cell_fingerprint(cell: Cell, params: Params):
+    return fingerprint(params)
 
 
 def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         scaling: float | None = None) -> CellResult:
     """Merge → calibrate → evaluate one cell: a DisTaC step reads the models its stage conditioned, the merge and
     weight-space steps stream, FSC hooks the merged model; every task scored with its frozen zero-shot head."""
-    from ...calibrations.probing import SensitivityRanking
-    from ...recipe import Recipe
-    from ...run_recipe import RecipeInputs
-    from ...task_vectors import task_vector
-    from ..vision import VisionModels, check_distac_file, evaluate_tasks, preprocessed, task_split
-
     root = Path(root)
     models = VisionModels(params, root)
     paths, tasks = models.paths, list(cell.tasks)
@@ -93,12 +98,9 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         for task in tasks:
             path = paths.distac(cell.regime) / f"{task}.safetensors"
             check_distac_file(path, pre_steps[0].params.model_dump(mode="json"), "the cell's recipe")
-            from ...checkpoint import load_state_dict
-
             states.append(load_state_dict(path))
     else:
         states = models.finetuned(cell.regime)
-    rest = [(s.name, s.params.model_dump()) for s in recipe.steps if s.phase != "pre"]
     needs_sensitive = uses_sensitivity(cell.recipe)
     sensitivity_path = paths.sensitivity(cell.regime) if needs_sensitive else None
     sensitive = SensitivityRanking.load(sensitivity_path).sensitive if sensitivity_path else None
@@ -108,17 +110,13 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     if recipe.phase("feature"):
         n = recipe.phase("feature")[0].params.n_samples_per_task  # the FSC step's own count (its recipe id's)
         fsc_data = [preprocessed(task_split(paths.data, t, "train", max_items=n)[0], params.vision.arch) for t in tasks]
-        from ...data.vision import load_split
-
         mixed = load_split(paths.data, "mixed", "train")["images"][: n * len(tasks)]
         agnostic = preprocessed(mixed, params.vision.arch)
     inputs = RecipeInputs(build_model=models.model, fsc_data=fsc_data, fsc_agnostic_data=agnostic, sensitive=sensitive,
                           progress=False, device=device)
 
-    merge_index = next(i for i, (name, _) in enumerate(rest) if recipe.merge.name == name)
-    grid = cell_grid(cell, rest[merge_index][1]["scaling"], scaling)
-
-    run_trial = recipe_trials(rest, merge_index, pre_visual, states, inputs, grid)
+    grid = cell_grid(cell, recipe, scaling)
+    run_trial = recipe_trials(recipe.without_pre_merge(), pre_visual, states, inputs, grid)
 
     def trial(value: float):
         result = run_trial(value)

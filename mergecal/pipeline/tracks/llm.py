@@ -11,9 +11,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..cells import REFERENCES, Cell, CellResult, base_params, cell_grid, flat_params, jsonable_diagnostics, \
-    matrix_chains, per_example_results, recipe_cell, select_scaling
+from ...backbones.hf_causal_lm_merge import merge_causal_lms
+from ...recipe import Recipe
+from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, flat_params, jsonable_diagnostics,
+                     matrix_chains, per_example_results, recipe_cell, select_scaling)
 from ..config import Params
+from ..llm import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
 
 NAME = "llm"
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no causal-LM "
@@ -24,19 +27,11 @@ def enabled(params: Params) -> bool:
     return params.llm.enabled
 
 
-def _chains(params: Params):
-    """(merge, chain, values, grid, recipe) of every chain around every merge method."""
-    from ...recipe import Recipe
-
-    for merge, chain, values, grid in matrix_chains(params):
-        yield merge, chain, values, grid, Recipe.parse(chain.replace("{merge}", merge))
-
-
 def family_cells(params: Params, track: str, backbone: str, task_set: str, tasks) -> list[Cell]:
     """The cells of an LLM family (a base and one expert per task): references, then every weight-space
     chain of the matrix."""
     out = [Cell(track, backbone, task_set, tuple(tasks), "standard", ref, "") for ref in REFERENCES]
-    for merge, chain, values, grid, recipe in _chains(params):
+    for merge, chain, values, grid, recipe in matrix_chains(params):
         if any(s.needs_data for s in recipe.steps):
             continue
         steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
@@ -48,7 +43,7 @@ def family_skipped(params: Params, track: str, backbone: str, task_set: str, tas
                    reason: str = SKIP_REASON) -> list[tuple[Cell, str]]:
     """The chains an LLM family cannot run, as cells with the reason (the leaderboard lists them)."""
     return [(Cell(track, backbone, task_set, tuple(tasks), "standard", merge, chain, recipe.label), reason)
-            for merge, chain, _, _, recipe in _chains(params) if any(s.needs_data for s in recipe.steps)]
+            for merge, chain, _, _, recipe in matrix_chains(params) if any(s.needs_data for s in recipe.steps)]
 
 
 def cells(params: Params) -> list[Cell]:
@@ -71,8 +66,6 @@ def model_files(models: dict[str, Path]) -> dict[str, Path]:
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
-    from ..llm import base_dir, data_root, diagnostics_path, expert_dir
-
     files = {"data_manifest": data_root(root) / "manifest.json", "reference": diagnostics_path(params, root)}
     models = {"base": base_dir(params, root)}
     if cell.merge != "zeroshot":
@@ -82,6 +75,10 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
 
 def fingerprint(params: Params):
     return {"evaluation": params.llm.evaluation.model_dump(), "lm_eval": lm_eval_version()}
+
+
+def cell_fingerprint(cell: Cell, params: Params):
+    return fingerprint(params)
 
 
 def lm_eval_version() -> str:
@@ -111,8 +108,6 @@ def logged_params(cell: Cell, reference: dict) -> dict[str, str]:
 
 def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         scaling: float | None = None) -> CellResult:
-    from ..llm import base_dir, diagnostics_path, expert_dir, lm_eval_setup, work_dir
-
     root = Path(root)
     reference = json.loads(diagnostics_path(params, root).read_text())
     return run_family_cell(cell, reference, base_dir(params, root), [expert_dir(params, root, t) for t in cell.tasks],
@@ -124,9 +119,6 @@ def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path]
     """Merge the experts checkpoint to checkpoint (weight-space chain) for each scaling of the grid, score them
     on validation with lm-eval (``scorer``: a ``mergecal.pipeline.llm.LmEval``), keep the best and score it on
     test. ``reference``: the family's references (base and experts' scores, norms, task configurations)."""
-    from ...backbones.hf_causal_lm_merge import merge_causal_lms
-    from ...recipe import Recipe
-
     tasks = list(cell.tasks)
     logged = logged_params(cell, reference)
     examples: dict[str, list[float]] = {}  # per-document test scores, for the leaderboard's intervals
@@ -140,18 +132,14 @@ def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path]
                           examples=per_example_results(tasks, reference["tasks"], "test_correct"))
 
     recipe = Recipe.parse(cell.recipe)
-    steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
-    index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
-    grid = cell_grid(cell, steps[index][1]["scaling"], scaling)
+    grid = cell_grid(cell, recipe, scaling)
     scratch_root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="cell-", dir=scratch_root))
     try:
         def trial(value: float):
-            chosen = list(steps)
-            chosen[index] = (chosen[index][0], {**chosen[index][1], "scaling": value})
             diagnostics: dict = {}
-            out = merge_causal_lms(base, experts, Recipe(chosen), scratch / f"scaling-{value:g}", device=device,
-                                   diagnostics=diagnostics)
+            out = merge_causal_lms(base, experts, recipe.with_scaling(value), scratch / f"scaling-{value:g}",
+                                   device=device, diagnostics=diagnostics)
             return out, diagnostics
 
         best: list = []  # [avg normalized score, directory] of the best merge so far: the only one kept on disk

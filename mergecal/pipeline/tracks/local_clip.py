@@ -21,10 +21,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cells import Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params, jsonable_diagnostics, \
-    per_example_results, recipe_cell, select_scaling, summaries, uses_sensitivity, validation_averages
-from ...errors import CheckpointError
+from ...calibrations.fsc import calibrate_fsc
+from ...calibrations.probing import SensitivityRanking
+from ...checkpoint import SafetensorsSource, load_state_dict
+from ...errors import CheckpointError, MergecalError
+from ...merge import iter_weight_space
+from ...recipe import Recipe
+from ...task_vectors import TaskVectorSet
+from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
+                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, select_scaling, summaries,
+                     uses_sensitivity, validation_averages)
 from ..config import LocalClipTrack, Params
+from ..local_clip import (TaskData, VisualView, arch_of, build_model, checkpoint_files, finetuned_path,
+                          finetuned_visual, heads_path, load_visual, model_paths, open_checkpoint, pretrained_path,
+                          pretrained_visual, references_path, visual_keys)
+from ..local_clip_calibration import distac_dir, read_recorded, sensitivity_path, train_sample
+from ..own_models import checked_reference, role_files
+from ..vision import check_distac_file
 from . import cell_track, configured_track, configured_tracks
 
 NAME = "local_clip"
@@ -36,14 +49,11 @@ def enabled(params: Params) -> bool:
 
 def cells(params: Params) -> list[Cell]:
     """References, then every chain around every merge method (a DisTaC step is the track's, ``distac_step``)."""
-    from ..cells import REFERENCES
-    from .llm import _chains
-
     out = []
     for t in configured_tracks(params, NAME):
         name = cell_track(NAME, t)
         out += [Cell(name, t.name, t.task_set, tuple(t.task_names), "standard", ref, "") for ref in REFERENCES]
-        for merge, chain, values, grid, recipe in _chains(params):
+        for merge, chain, values, grid, recipe in matrix_chains(params):
             steps = [(s.name, values if s.phase == "merge" else
                       t.distac_step().model_dump() if s.name == "distac" else s.params.model_dump())
                      for s in recipe.steps]
@@ -60,11 +70,6 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     """references.json, the heads and the files ``open_checkpoint`` reads of the checkpoints the cell reads (a
     missing or unusable one contributes nothing: references.json then holds its error, and the cell fails
     with it)."""
-    from ...errors import MergecalError
-    from ..local_clip import checkpoint_files, heads_path, model_paths, references_path
-    from ..local_llm import role_files
-    from ..local_clip_calibration import distac_dir, sensitivity_path
-
     track = configured_track(cell, params)
     files = {"reference": references_path(track, root)}
     for role, path in model_paths(track, root).items():
@@ -110,9 +115,6 @@ def cell_fingerprint(cell: Cell, params: Params):
 
 def _reference(track: LocalClipTrack, cell: Cell, root: Path) -> dict:
     """The track's references, or the stage's recorded error of what this cell needs."""
-    from ..local_clip import references_path
-    from .local_llm import checked_reference
-
     return checked_reference(references_path(track, root), f"local_clip track {track.name!r}", cell.tasks)
 
 
@@ -127,8 +129,6 @@ class _ReloadedModels:
         return len(self.views)
 
     def __getitem__(self, t: int):
-        from ..local_clip import load_visual
-
         view = self.views[t]
         load_visual(self.model, ((k, view.get(k)) for k in view.keys()))
         return self.model
@@ -136,11 +136,6 @@ class _ReloadedModels:
 
 def _distac_views(track: LocalClipTrack, root: Path, pre, step, tasks: list[str]) -> dict:
     """The DisTaC-conditioned image encoders of ``tasks`` the stage wrote, checked against the cell's step."""
-    from ...checkpoint import SafetensorsSource
-    from ..local_clip import VisualView, visual_keys
-    from ..local_clip_calibration import distac_dir, read_recorded
-    from ..vision import check_distac_file
-
     info = read_recorded(distac_dir(track, root) / "distac.json", f"DisTaC models of local_clip track {track.name!r}")
     if info["params"] != step.params.model_dump(mode="json"):
         raise CheckpointError(f"{distac_dir(track, root)}: DisTaC parameters differ from the cell's recipe "
@@ -159,8 +154,8 @@ def _fsc_data(params: Params, track: LocalClipTrack, root: Path, tasks: list[str
     own data."""
     import torch
 
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ...backbones.open_clip_vit import preprocess
-    from ..local_clip_calibration import train_sample
 
     n = fsc_params.n_samples_per_task
     data = [preprocess(train_sample(params, track, t, root, n, "the FSC step's n_samples_per_task", size,
@@ -175,15 +170,8 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         scaling: float | None = None) -> CellResult:
     """Merge -> calibrate -> evaluate one cell: DisTaC-conditioned encoders (read from the stage's files) replace
     their checkpoints, the merge and weight-space steps stream into the model, an FSC step hooks a copy of it."""
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ...backbones.open_clip_vit import image_size
-    from ...calibrations.fsc import calibrate_fsc
-    from ...calibrations.probing import SensitivityRanking
-    from ...checkpoint import load_state_dict
-    from ...recipe import Recipe, iter_weight_space
-    from ...task_vectors import TaskVectorSet
-    from ..local_clip import (TaskData, arch_of, build_model, finetuned_path, finetuned_visual, heads_path,
-                              load_visual, open_checkpoint, pretrained_path, pretrained_visual)
-    from ..local_clip_calibration import read_recorded, sensitivity_path
 
     root = Path(root)
     track = configured_track(cell, params)
@@ -227,16 +215,12 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         task_models = _ReloadedModels(build_model(arch, pre).to(device), finetuned)
         fsc_data = _fsc_data(params, track, root, tasks, image_size(model), fsc_params)
 
-    steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
-    index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
-    grid = cell_grid(cell, steps[index][1]["scaling"], scaling)
+    grid = cell_grid(cell, recipe, scaling)
     loaded: list = [None, model]  # the scaling whose merge the model holds, and the model scored
 
     def trial(value: float):
-        chosen = list(steps)
-        chosen[index] = (chosen[index][0], {**chosen[index][1], "scaling": value})
         diagnostics: dict = {}
-        updates = iter_weight_space(Recipe(chosen), tvs, sensitive=sensitive, diagnostics=diagnostics)
+        updates = iter_weight_space(recipe.with_scaling(value), tvs, sensitive=sensitive, diagnostics=diagnostics)
         load_visual(model, ((k, tvs.load_pretrained(k) + u) for k, u in updates))
         loaded[:] = [value, model]
         if feature:  # MAGIC: FSC measured on the weight-space result, applied to a copy (the model is reloaded)
@@ -264,8 +248,6 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         artifacts["scaling_curve"] = curve
     norms = {t: per_task[t]["norm"] for t in tasks}
     if conditioned:
-        from ..local_clip_calibration import distac_dir
-
         info = json.loads((distac_dir(track, root) / "distac.json").read_text())
         artifacts["distac"] = {"kappas": info["kappas"], "conditioned": list(conditioned)}
         norms.update({t: info["norms"][t]["after"] for t in conditioned})

@@ -11,12 +11,15 @@ need it with the stage's one-line error; the other cells, and the other tracks, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ...errors import CheckpointError
+from ...backbones.hf_causal_lm import model_dir_files
+from ...errors import MergecalError
 from ..cells import Cell, CellResult
 from ..config import LocalLlmTrack, Params
+from ..local_llm import (base_path, check_expert, check_model_dir, expert_path, references_path, scorer, task_files,
+                         work_dir)
+from ..own_models import checked_reference, role_files
 from . import cell_track, configured_track, configured_tracks, llm
 
 NAME = "local_llm"
@@ -40,10 +43,6 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     """references.json, the task files and the files the loaders read of the model directories the cell
     reads; a directory that is missing or unusable contributes nothing (references.json then holds its error,
     and the cell fails with it)."""
-    from ...errors import MergecalError
-    from ...backbones.hf_causal_lm import model_dir_files
-    from ..local_llm import base_path, expert_path, references_path, role_files, task_files
-
     track = configured_track(cell, params)
     models = {"base": base_path(track, root)}
     if cell.merge != "zeroshot":
@@ -69,32 +68,11 @@ def cell_fingerprint(cell: Cell, params: Params):
 
 def _reference(track: LocalLlmTrack, cell: Cell, root: Path) -> dict:
     """The track's references, or the stage's recorded error of a model this cell needs."""
-    from ..local_llm import references_path
-
     return checked_reference(references_path(track, root), f"local_llm track {track.name!r}", cell.tasks)
-
-
-def checked_reference(path: Path, what: str, tasks) -> dict:
-    """An own-model track's references.json (``what``: the track, for the message), or the one-line error the
-    ``local_tracks`` stage recorded for the track or for one of ``tasks``."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: references of {what} not found (run `dvc repro`)")
-    reference = json.loads(path.read_text())
-    if "error" in reference:
-        raise CheckpointError(reference["error"])
-    for task in tasks:
-        entry = reference["tasks"].get(task)
-        if entry is None:
-            raise CheckpointError(f"{path}: no reference for task {task!r} (run `dvc repro`)")
-        if "error" in entry:
-            raise CheckpointError(entry["error"])
-    return reference
 
 
 def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         scaling: float | None = None) -> CellResult:
-    from ..local_llm import base_path, check_expert, check_model_dir, expert_path, scorer, work_dir
-
     root = Path(root)
     track = configured_track(cell, params)
     reference = _reference(track, cell, root)

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ...recipe import Recipe
+from ...run_recipe import RecipeInputs
 from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
-                     jsonable_diagnostics, matrix_chains, recipe_cell, recipe_trials, select_scaling, summaries,
-                     per_example_results, validation_averages)
+                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, recipe_trials,
+                     select_scaling, summaries, validation_averages)
 from ..config import Params
+from ..text import TextModels, data_root, finetuned_path, models_root
 
 NAME = "text"
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no text-encoder "
@@ -22,12 +25,9 @@ def enabled(params: Params) -> bool:
 
 
 def cells(params: Params) -> list[Cell]:
-    from ...recipe import Recipe
-
     track = params.text
     out = [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", ref, "") for ref in REFERENCES]
-    for merge, chain, values, grid in matrix_chains(params):
-        recipe = Recipe.parse(chain.replace("{merge}", merge))
+    for merge, chain, values, grid, recipe in matrix_chains(params):
         if any(s.needs_data for s in recipe.steps):
             continue
         steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
@@ -38,11 +38,8 @@ def cells(params: Params) -> list[Cell]:
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
     """The chains this track cannot run, as cells with the reason (the leaderboard lists them)."""
-    from ...recipe import Recipe
-
     track, out = params.text, []
-    for merge, chain, _, _ in matrix_chains(params):
-        recipe = Recipe.parse(chain.replace("{merge}", merge))
+    for merge, chain, _, _, recipe in matrix_chains(params):
         if any(s.needs_data for s in recipe.steps):
             out.append((Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
                              recipe.label), SKIP_REASON))
@@ -50,8 +47,6 @@ def skipped(params: Params) -> list[tuple[Cell, str]]:
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
-    from ..text import data_root, finetuned_path, models_root
-
     files = {"data_manifest": data_root(root) / "manifest.json",
              "reference": models_root(params, root) / "references.json"}
     for task in cell.tasks:
@@ -63,13 +58,13 @@ def fingerprint(params: Params):
     return params.text.finetune
 
 
+def cell_fingerprint(cell: Cell, params: Params):
+    return fingerprint(params)
+
+
 def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         scaling: float | None = None) -> CellResult:
     """Merge the task encoders (weight-space chain), score every task with its own head."""
-    from ...recipe import Recipe
-    from ...run_recipe import RecipeInputs
-    from ..text import TextModels, models_root
-
     models, tasks = TextModels(params, root), list(cell.tasks)
     evaluation = params.benchmark.evaluation
     reference = json.loads((models_root(params, root) / "references.json").read_text())
@@ -81,11 +76,8 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         return finetuned_reference(tasks, reference, logged)
     recipe = Recipe.parse(cell.recipe)
     states = [models.finetuned(t)[0] for t in tasks]
-    steps = [(s.name, s.params.model_dump()) for s in recipe.steps]
-    index = next(i for i, s in enumerate(recipe.steps) if s.phase == "merge")
-    grid = cell_grid(cell, steps[index][1]["scaling"], scaling)
-
-    trial = recipe_trials(steps, index, models.pretrained, states, RecipeInputs(progress=False, device=device), grid)
+    grid = cell_grid(cell, recipe, scaling)
+    trial = recipe_trials(recipe, models.pretrained, states, RecipeInputs(progress=False, device=device), grid)
 
     def validate(result) -> tuple[float, float]:
         val = models.evaluate(result.state_dict, tasks, "validation", max_items=evaluation.max_validation,
