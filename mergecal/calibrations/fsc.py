@@ -185,15 +185,22 @@ class _Capture:
 def _network_features(model: nn.Module, modules: Mapping[str, nn.Module], run: Callable[[nn.Module, Any], Any],
                       batch: Any) -> dict[str, torch.Tensor]:
     """Each of ``modules`` (submodules of ``model``) output during one run of the whole ``model`` on ``batch``."""
-    captures = {name: _Capture() for name in modules}
-    handles = [modules[name].register_forward_hook(capture) for name, capture in captures.items()]
+    captures = _run_hooked(model, modules, {name: _Capture() for name in modules}, run, batch)
+    return {name: capture.output for name, capture in captures.items()}
+
+
+def _run_hooked(model: nn.Module, modules: Mapping[str, nn.Module], hooks: dict[str, Any],
+                run: Callable[[nn.Module, Any], Any], batch: Any, with_kwargs: bool = False) -> dict[str, Any]:
+    """Run ``model`` on ``batch`` with ``hooks[name]`` as a forward hook on ``modules[name]``, removed afterwards;
+    each hook must have been called once (its ``calls``). Returns ``hooks``."""
+    handles = [modules[name].register_forward_hook(hook, with_kwargs=with_kwargs) for name, hook in hooks.items()]
     try:
         run(model, batch)
     finally:
         for handle in handles:
             handle.remove()
-    _check_called_once({name: capture.calls for name, capture in captures.items()})
-    return {name: capture.output for name, capture in captures.items()}
+    _check_called_once({name: hook.calls for name, hook in hooks.items()})
+    return hooks
 
 
 def _network_ratios(specs: Sequence[ModuleSpec], merged: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor],
@@ -224,13 +231,7 @@ def _replay_ratios(specs: Sequence[ModuleSpec], merged: nn.Module, merged_module
                    run: Callable[[nn.Module, Any], Any], batch: Any, norm: str) -> dict[str, torch.Tensor]:
     """One task's ratio per module by replaying the merged model's input at each module (the authors' code)."""
     probes = {s.name: _Probe(s, base_modules[s.name], task_modules[s.name], norm) for s in specs}
-    handles = [merged_modules[n].register_forward_hook(p, with_kwargs=True) for n, p in probes.items()]
-    try:
-        run(merged, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    _check_called_once({name: probe.calls for name, probe in probes.items()})
+    probes = _run_hooked(merged, merged_modules, probes, run, batch, with_kwargs=True)
     return {name: probe.ratio for name, probe in probes.items()}
 
 
