@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mergecal.calibrations import fsc as fsc_module  # noqa: E402
 from mergecal.pipeline.chains import calibration_name  # noqa: E402
 from mergecal.pipeline.config import parse_params  # noqa: E402
-from mergecal.pipeline.tracks import clip as vision  # noqa: E402
+from mergecal.pipeline.tracks.vision import cells as vision  # noqa: E402
 from mergecal.reports.intervals import paired_interval  # noqa: E402
 
 CHAINS = {"merge": "{merge}", "module_replay": "{merge}>fsc", "network": "{merge}>fsc(task_feature=network)"}

@@ -14,9 +14,10 @@ from safetensors import safe_open
 from local_models import CLIP_ARCH, CLIP_TASKS, perturbed, write_clip_track
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline import local_clip, local_clip_calibration as calibration
+from mergecal.pipeline.tracks.local_clip import calibration
+from mergecal.pipeline.tracks.local_clip import stages as local_clip
 from mergecal.pipeline.config import load_params
-from mergecal.pipeline.tracks import local_clip as track_mod
+from mergecal.pipeline.tracks.local_clip import cells as track_mod
 
 CHAINS = ["{merge}", "{merge}>wsc", "{merge}>dsc", "distac>{merge}", "distac>{merge}>svc>dsc"]
 
@@ -168,7 +169,7 @@ def test_a_distac_file_is_read_only_with_the_step_it_records(tmp_path):
     """The check both CLIP tracks make of a DisTaC stage's file (``vision.check_distac_file``): its ``distac``
     metadata is the expected step; another step, no record or an unreadable file is one line naming the file."""
     from mergecal.checkpoint import save_state_dict
-    from mergecal.pipeline.vision import check_distac_file
+    from mergecal.pipeline.tracks.vision.stages import check_distac_file
 
     step = {"steps": 4, "batch_size": 8}
     path = save_state_dict({"w": torch.zeros(2)}, tmp_path / "SVHN.safetensors", {"distac": json.dumps(step)})
@@ -239,7 +240,7 @@ def test_a_tracks_distac_is_the_papers_preset_unless_it_overrides_it():
 def test_fsc_reads_exactly_the_fsc_steps_sample_count(lab):
     """The count the recipe id states (``fsc(n_samples_per_task=...)``) is the count loaded: no other setting."""
     from mergecal.calibrations.fsc import FscParams
-    from mergecal.pipeline.tracks.local_clip import _fsc_data
+    from mergecal.pipeline.tracks.local_clip.cells import _fsc_data
 
     root, params, track = lab
     tasks = list(track.finetuned)

@@ -15,7 +15,9 @@ import yaml
 
 from mergecal.errors import MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline import llm, text, vision
+from mergecal.pipeline.tracks.llm import stages as llm
+from mergecal.pipeline.tracks.text import stages as text
+from mergecal.pipeline.tracks.vision import stages as vision
 from mergecal.pipeline.config import load_params, parse_params
 from mergecal.pipeline.workspace import PIPELINE_FILES, SMOKE_PARAMS, create_workspace
 
@@ -219,8 +221,11 @@ def test_cell_code_digest_follows_the_modules_each_cell_imports(tmp_path, monkey
     assert svc and svc == {i for i, s in enumerate(steps) if "svc" in s}
     fsc = changed_by("calibrations/fsc.py")
     assert fsc and fsc == {i for i, s in enumerate(steps) if "fsc" in s} and fsc != svc
-    llm = changed_by("pipeline/tracks/llm.py")
+    llm = changed_by("pipeline/tracks/llm/cells.py")
     assert llm and llm == {i for i, c in enumerate(cells) if c.track == "llm"}
+    # a track is one package: an edit to any module of it that computes its cells reruns that track's cells only
+    text_stages = changed_by("pipeline/tracks/text/stages.py")
+    assert text_stages and text_stages == {i for i, c in enumerate(cells) if c.track == "text"}
     for core in ("pipeline/cells.py", "merge.py"):
         assert changed_by(core) == set(range(len(cells))), core
     # the CLIP evaluation: the vision cells', and the LLM cells' through the lazy exports of mergecal.evaluation;

@@ -7,7 +7,7 @@ module is generic. A cell is (track, regime, merge method, calibration chain), p
 denominator of normalized accuracy). A cell's id hashes everything its result depends on: the canonical
 recipe (every hyperparameter), the scaling grid, the evaluation settings, the bytes of every input file
 (checkpoints, heads, DisTaC-conditioned models, sensitivity ranking, data manifest) and the source of the
-modules that compute it (``cell_code_digest``: the shared core, the cell's track and its recipe's steps). Equal
+modules that compute it (``cell_code_digest``: the shared core, the cell's track package and its recipe's steps). Equal
 ids, equal results: an edited method recomputes its own cells instead of reusing results of the old code, and
 no other cell.
 """
@@ -47,7 +47,7 @@ REFERENCES = ("zeroshot", "finetuned")
 
 @dataclass(frozen=True)
 class Cell:
-    track: str  # "vision" | "text" | "llm" | "local_llm:<name>" (a module of pipeline.tracks[:its entry])
+    track: str  # "vision" | "text" | "llm" | "local_llm:<name>" (a package of pipeline.tracks[:its entry])
     backbone: str
     task_set: str
     tasks: tuple[str, ...]
@@ -186,20 +186,27 @@ def step_modules() -> dict[str, str]:
 
 
 def track_modules() -> dict[str, str]:
-    """``Cell.track`` (before any ``:``) -> the module implementing it."""
+    """``Cell.track`` (before any ``:``) -> the module implementing it (its track package's ``cells``)."""
     return {name: f"{tracks.__name__}.{module}" for name, module in tracks.MODULES.items()}
 
 
+def track_package_modules(graph) -> frozenset[str]:
+    """Every module of every registered track package (``tracks/<name>/``): one plug-in family, so a track's
+    modules come into a cell's closure only from its own track (or a track it builds on: local_llm on llm)."""
+    packages = {f"{tracks.__name__}.{module.split('.')[0]}" for module in tracks.MODULES.values()}
+    return frozenset(m for m in graph if any(m == p or m.startswith(p + ".") for p in packages))
+
+
 def cell_code_modules(track: str, recipe: str, graph) -> set[str]:
-    """The modules a cell's result depends on: those that ``cells`` (this module), the cell's track module and
-    the modules of its recipe's steps import (``mergecal.pipeline.imports``). Methods, calibrations and tracks
-    the cell does not name stay out, though their registries import them all; the reports, speed benchmarks and
-    command line (``NOT_CELL_CODE``) too."""
-    steps, tracks = step_modules(), track_modules()
-    named = {tracks[track.split(":", 1)[0]]} | {steps[name] for name in recipe_steps(recipe)}
+    """The modules a cell's result depends on: those that ``cells`` (this module), the cell's track's ``cells``
+    module and the modules of its recipe's steps import (``mergecal.pipeline.imports``). Methods, calibrations
+    and tracks the cell does not name stay out, though their registries import them all; the reports, speed
+    benchmarks and command line (``NOT_CELL_CODE``) too."""
+    steps = step_modules()
+    named = {track_modules()[track.split(":", 1)[0]]} | {steps[name] for name in recipe_steps(recipe)}
     # a step registered from a module outside the package has no source here to hash
     return import_closure(graph, {__name__, *(named & graph.keys())},
-                          plugins=(frozenset(steps.values()), frozenset(tracks.values())), leave_out=_not_cell_code)
+                          plugins=(frozenset(steps.values()), track_package_modules(graph)), leave_out=_not_cell_code)
 
 
 @lru_cache(maxsize=8)

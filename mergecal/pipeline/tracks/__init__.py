@@ -1,8 +1,9 @@
-"""Tracks of the benchmark: a backbone × task set with its own models, inputs and evaluation, one module each,
-behind one small interface, so that the cells, the flow and the reports stay generic and a new track (the LLM
-track, a lab's own checkpoints) is one module plus its params section.
+"""Tracks of the benchmark: a backbone × task set with its own models, inputs and evaluation, one package each
+(``tracks/<name>/``: ``params.py`` its params.yaml section, ``stages.py`` what its DVC stages build, ``cells.py``
+its cells), behind one small interface, so that the cells, the flow and the reports stay generic and a new track
+(the LLM track, a lab's own checkpoints) is one package plus its registry line and its DVC stages.
 
-A track module provides (``Track``, checked for every registered one by tests/test_pipeline.py):
+A track package's ``cells`` module provides (``Track``, checked for every registered one by tests/test_pipeline.py):
 
 * ``NAME``: the value of ``Cell.track`` (and of the ``mergecal.track`` tag); a module of several configured
   tracks (``local_llm``, ``local_clip``: the entries of ``params.<NAME>``) names its cells ``NAME:<track name>``
@@ -32,7 +33,8 @@ if TYPE_CHECKING:  # annotations only: the cells import this registry
 
 @runtime_checkable
 class Track(Protocol):
-    """The interface of a track module (see the module docstring); the registry below maps ``Cell.track`` to it."""
+    """The interface of a track (its package's ``cells`` module; see the module docstring); the registry below
+    maps ``Cell.track`` to it."""
 
     NAME: str
 
@@ -50,15 +52,26 @@ class Track(Protocol):
             scaling: float | None = None) -> CellResult: ...
 
 
-#: Cell.track -> the module implementing it (imported on first use: a track may pull in heavy libraries)
-MODULES = {"vision": "clip", "text": "text", "llm": "llm", "local_llm": "local_llm", "local_clip": "local_clip"}
+#: the registered tracks, in matrix order: Cell.track (before any ``:``) -> its package's module implementing
+#: ``Track`` (imported on first use: a track may pull in heavy libraries)
+MODULES = {"vision": "vision.cells", "text": "text.cells", "llm": "llm.cells", "local_llm": "local_llm.cells",
+           "local_clip": "local_clip.cells"}
+#: and its params.yaml section, keyed by the track's name: the package's ``params.SECTION`` (pydantic models
+#: only, so that loading params.yaml imports no torch; ``mergecal.pipeline.config`` composes them)
+SECTIONS = {"vision": "vision.params", "text": "text.params", "llm": "llm.params", "local_llm": "local_llm.params",
+            "local_clip": "local_clip.params"}
 
 
 def get_track(name: str) -> Track:
-    name = name.split(":", 1)[0]  # "local_llm:<track name>", "local_clip:<...>": one module, several tracks
+    name = name.split(":", 1)[0]  # "local_llm:<track name>", "local_clip:<...>": one package, several tracks
     if name not in MODULES:
         raise KeyError(f"unknown track {name!r}; tracks: {', '.join(MODULES)}")
     return importlib.import_module(f"{__name__}.{MODULES[name]}")
+
+
+def param_sections() -> dict[str, tuple]:
+    """params.yaml key -> (type, default) of every registered track's section, in matrix order."""
+    return {name: importlib.import_module(f"{__name__}.{module}").SECTION for name, module in SECTIONS.items()}
 
 
 def track_of(cell) -> Track:

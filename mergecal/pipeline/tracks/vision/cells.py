@@ -1,22 +1,22 @@
 """The vision track: the project's small open_clip ViT, fine-tuned per task (image encoder only), in three regimes;
-every task scored with its frozen zero-shot head. What its DVC stages build: ``mergecal.pipeline.vision``."""
+every task scored with its frozen zero-shot head. What its DVC stages build: ``.stages``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ...calibrations.probing import SensitivityRanking
-from ...checkpoint import load_state_dict
-from ...data.vision import load_split
-from ...recipe import Recipe
-from ...run_recipe import RecipeInputs
-from ...task_vectors import task_vector
-from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
+from ....calibrations.probing import SensitivityRanking
+from ....checkpoint import load_state_dict
+from ....data.vision import load_split
+from ....recipe import Recipe
+from ....run_recipe import RecipeInputs
+from ....task_vectors import task_vector
+from ...cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
                      jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, recipe_trials,
                      select_scaling, summaries, uses_sensitivity, validation_averages)
-from ..config import Params
-from ..vision import (VisionModels, check_distac_file, distac_params, evaluate_tasks, paths_for, preprocessed,
+from ...config import Params
+from .stages import (VisionModels, check_distac_file, distac_params, evaluate_tasks, paths_for, preprocessed,
                       regime_variants, task_split)
 
 NAME = "vision"

@@ -1,7 +1,7 @@
 """LLM families from local directories (``local_llm:`` in params.yaml), one configured track each: cells named
 ``local_llm:<name>``, the same cells, merges and lm-eval scoring as the embedded LLM track
-(``mergecal.pipeline.tracks.llm``), on the lab's own base and experts, read in place (never copied). What the
-stages record: ``mergecal.pipeline.local_llm``.
+(``mergecal.pipeline.tracks.llm.cells``), on the lab's own base and experts, read in place (never copied). What the
+stages record: ``.stages``.
 
 A cell's inputs are the files of the model directories it reads (the base; the experts unless it is the
 ``zeroshot`` row), the files defining its tasks and its track's references.json, each hashed by content (cached
@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...backbones.hf_causal_lm import model_dir_files
-from ...errors import MergecalError
-from ..cells import Cell, CellResult
-from ..config import LocalLlmTrack, Params
-from ..local_llm import (base_path, check_expert, check_model_dir, expert_path, references_path, scorer, task_files,
+from ....backbones.hf_causal_lm import model_dir_files
+from ....errors import MergecalError
+from ...cells import Cell, CellResult
+from ...config import Params
+from .params import LocalLlmTrack
+from .stages import (base_path, check_expert, check_model_dir, expert_path, references_path, scorer, task_files,
                          work_dir)
-from ..own_models import checked_reference, role_files
-from . import cell_track, configured_track, configured_tracks, llm
+from ...own_models import checked_reference, role_files
+from .. import cell_track, configured_track, configured_tracks
+from ..llm import cells as llm
 
 NAME = "local_llm"
 

@@ -2,7 +2,7 @@
 streaming path (``merge_causal_lms``: key by key, sharded safetensors out, so the same cell code runs a 7B family)
 and scored with lm-eval on the suite's local task YAMLs. Weight-space chains only: DisTaC and MAGIC's
 feature-space steps (FSC, so DSC) have no causal-LM adapter, and their chains are listed as skipped with that
-reason. What its DVC stages build: ``mergecal.pipeline.llm``."""
+reason. What its DVC stages build: ``.stages``."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ...backbones.hf_causal_lm_merge import merge_causal_lms
-from ...recipe import Recipe
-from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, flat_params, jsonable_diagnostics,
+from ....backbones.hf_causal_lm_merge import merge_causal_lms
+from ....recipe import Recipe
+from ...cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, flat_params, jsonable_diagnostics,
                      matrix_chains, per_example_results, recipe_cell, select_scaling)
-from ..config import Params
-from ..llm import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
+from ...config import Params
+from .stages import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
 
 NAME = "llm"
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no causal-LM "
@@ -117,7 +117,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
 def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path], scorer, scratch_root: Path, *,
                     device: str = "cpu", scaling: float | None = None) -> CellResult:
     """Merge the experts checkpoint to checkpoint (weight-space chain) for each scaling of the grid, score them
-    on validation with lm-eval (``scorer``: a ``mergecal.pipeline.llm.LmEval``), keep the best and score it on
+    on validation with lm-eval (``scorer``: a ``.stages.LmEval``), keep the best and score it on
     test. ``reference``: the family's references (base and experts' scores, norms, task configurations)."""
     tasks = list(cell.tasks)
     logged = logged_params(cell, reference)

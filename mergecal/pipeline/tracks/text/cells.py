@@ -1,19 +1,19 @@
 """The text track: the packaged MiniLM encoder, a head per task; merged encoders scored with each task's own head.
 Weight-space chains only: a chain with a step that needs models and data (DisTaC, FSC) has no text adapter yet.
-What its DVC stages build: ``mergecal.pipeline.text``."""
+What its DVC stages build: ``.stages``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ...recipe import Recipe
-from ...run_recipe import RecipeInputs
-from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
+from ....recipe import Recipe
+from ....run_recipe import RecipeInputs
+from ...cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
                      jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, recipe_trials,
                      select_scaling, summaries, validation_averages)
-from ..config import Params
-from ..text import TextModels, data_root, finetuned_path, models_root
+from ...config import Params
+from .stages import TextModels, data_root, finetuned_path, models_root
 
 NAME = "text"
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no text-encoder "

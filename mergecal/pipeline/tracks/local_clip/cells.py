@@ -2,7 +2,7 @@
 ``local_clip:<name>``: the references, then every merge method in every chain of the matrix (``{merge}``,
 ``{merge}>svc``, ``{merge}>wsc``, ``{merge}>dsc``, ``distac>{merge}``, ...), the image encoders merged key by key
 from the lab's checkpoints in place (never copied) and every task scored with its frozen zero-shot head. What
-the stages record: ``mergecal.pipeline.local_clip`` and, for the data chains, ``local_clip_calibration``.
+the stages record: ``.stages`` and, for the data chains, ``.calibration``.
 
 A cell's inputs are its track's references.json (which holds each dataset's digest) and heads, every file
 of the checkpoints it reads (the pretrained model; the fine-tuned ones unless it is the ``zeroshot`` row), each
@@ -21,24 +21,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...calibrations.fsc import calibrate_fsc
-from ...calibrations.probing import SensitivityRanking
-from ...checkpoint import SafetensorsSource, load_state_dict
-from ...errors import CheckpointError, MergecalError
-from ...merge import iter_weight_space
-from ...recipe import Recipe
-from ...task_vectors import TaskVectorSet
-from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
+from ....calibrations.fsc import calibrate_fsc
+from ....calibrations.probing import SensitivityRanking
+from ....checkpoint import SafetensorsSource, load_state_dict
+from ....errors import CheckpointError, MergecalError
+from ....merge import iter_weight_space
+from ....recipe import Recipe
+from ....task_vectors import TaskVectorSet
+from ...cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
                      jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, select_scaling, summaries,
                      uses_sensitivity, validation_averages)
-from ..config import LocalClipTrack, Params
-from ..local_clip import (TaskData, VisualView, arch_of, build_model, checkpoint_files, finetuned_path,
+from ...config import Params
+from .params import LocalClipTrack
+from .stages import (TaskData, VisualView, arch_of, build_model, checkpoint_files, finetuned_path,
                           finetuned_visual, heads_path, load_visual, model_paths, open_checkpoint, pretrained_path,
                           pretrained_visual, references_path, visual_keys)
-from ..local_clip_calibration import distac_dir, read_recorded, sensitivity_path, train_sample
-from ..own_models import checked_reference, role_files
-from ..vision import check_distac_file
-from . import cell_track, configured_track, configured_tracks
+from .calibration import distac_dir, read_recorded, sensitivity_path, train_sample
+from ...own_models import checked_reference, role_files
+from ..vision.stages import check_distac_file
+from .. import cell_track, configured_track, configured_tracks
 
 NAME = "local_clip"
 
@@ -155,7 +156,7 @@ def _fsc_data(params: Params, track: LocalClipTrack, root: Path, tasks: list[str
     import torch
 
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ...backbones.open_clip_vit import preprocess
+    from ....backbones.open_clip_vit import preprocess
 
     n = fsc_params.n_samples_per_task
     data = [preprocess(train_sample(params, track, t, root, n, "the FSC step's n_samples_per_task", size,
@@ -171,7 +172,7 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
     """Merge -> calibrate -> evaluate one cell: DisTaC-conditioned encoders (read from the stage's files) replace
     their checkpoints, the merge and weight-space steps stream into the model, an FSC step hooks a copy of it."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ...backbones.open_clip_vit import image_size
+    from ....backbones.open_clip_vit import image_size
 
     root = Path(root)
     track = configured_track(cell, params)
