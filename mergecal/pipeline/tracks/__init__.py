@@ -13,7 +13,12 @@ A track package's ``cells`` module provides (``Track``, checked for every regist
 * ``inputs(cell, params, root) -> {role: path}``: the files a cell reads (their bytes go into the cell's id);
 * ``cell_fingerprint(cell, params)``: settings beside those files that a cell's result depends on (also hashed
   into the id; a module of several configured tracks gives the cell's own track's);
-* ``run(cell, params, root, *, device, scaling) -> CellResult``: merge, calibrate, evaluate one cell;
+* ``reference(cell, params, root, *, device) -> CellResult``: a ``zeroshot`` or ``finetuned`` row;
+* ``session(cell, recipe, grid, params, root, *, device)``: a context manager of the recipe cell's ``Session``
+  (its models and data loaded once; ``contextlib.nullcontext(Session(...))`` when nothing needs cleaning up):
+  ``merged(scaling)`` the recipe's merged model at a scaling of ``grid``, ``validate(merged)`` its validation
+  score, ``result(merged, scaling, curve)`` the chosen one evaluated on test into a ``CellResult``.
+  ``cells.run_cell`` runs the scaling search over them (``select_scaling``), the same for every track;
 * ``skipped(params) -> [(Cell, reason)]``: chains of the matrix the track cannot run (``[]``: none), which the
   flow records as skipped (with the reason) so that the leaderboard says so instead of leaving them out.
 """
@@ -21,6 +26,9 @@ A track package's ``cells`` module provides (``Track``, checked for every regist
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -29,6 +37,17 @@ from ...errors import MergecalError
 if TYPE_CHECKING:  # annotations only: the cells import this registry
     from ..cells import Cell, CellResult
     from ..config import Params
+    from ...recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Session:
+    """A recipe cell's models and data, loaded once by ``Track.session``: what ``cells.run_cell`` searches the
+    scaling grid with (``select_scaling``: each scaling's ``merged``, scored by ``validate``, the best kept)."""
+
+    merged: Callable[[float], Any]  # the recipe's merged (and calibrated) model at a scaling of the grid
+    validate: Callable[[Any], tuple[float, float]]  # its (avg accuracy, avg normalized accuracy) on validation
+    result: Callable[[Any, float, list], CellResult]  # (chosen model, its scaling, the curve) scored on test
 
 
 @runtime_checkable
@@ -48,8 +67,10 @@ class Track(Protocol):
 
     def cell_fingerprint(self, cell: Cell, params: Params) -> Any: ...
 
-    def run(self, cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
-            scaling: float | None = None) -> CellResult: ...
+    def reference(self, cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult: ...
+
+    def session(self, cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
+                device: str = "cpu") -> AbstractContextManager[Session]: ...
 
 
 #: the registered tracks, in matrix order: Cell.track (before any ``:``) -> its package's module implementing

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ....backbones.hf_causal_lm import model_dir_files
 from ....errors import MergecalError
+from ....recipe import Recipe
 from ...cells import Cell, CellResult
 from ...config import Params
 from .params import LocalLlmTrack
@@ -73,16 +74,31 @@ def _reference(track: LocalLlmTrack, cell: Cell, root: Path) -> dict:
     return checked_reference(references_path(track, root), f"local_llm track {track.name!r}", cell.tasks)
 
 
-def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
-        scaling: float | None = None) -> CellResult:
-    root = Path(root)
-    track = configured_track(cell, params)
-    reference = _reference(track, cell, root)
+def _checked_models(cell: Cell, track: LocalLlmTrack, root: Path) -> tuple[Path, list[Path]]:
+    """The base and the experts' directories, checked again here (a directory may have changed since the stage
+    ran); the experts only when the cell reads them (all but the ``zeroshot`` row)."""
     base = base_path(track, root)
     check_model_dir(base, allow_unsafe_pickle=track.allow_unsafe_pickle)
     experts = [expert_path(track, t, root) for t in cell.tasks]
     if cell.merge != "zeroshot":
-        for expert in experts:  # again here: a directory may have changed since the stage ran
+        for expert in experts:
             check_expert(base, expert, allow_unsafe_pickle=track.allow_unsafe_pickle)
-    return llm.run_family_cell(cell, reference, base, experts, scorer(track, root), work_dir(root) / "merged",
-                               device=device, scaling=scaling)
+    return base, experts
+
+
+def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
+    root = Path(root)
+    track = configured_track(cell, params)
+    reference = _reference(track, cell, root)
+    base, _ = _checked_models(cell, track, root)
+    return llm.family_reference(cell, reference, base, scorer(track, root), device=device)
+
+
+def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
+            device: str = "cpu"):
+    root = Path(root)
+    track = configured_track(cell, params)
+    reference = _reference(track, cell, root)
+    base, experts = _checked_models(cell, track, root)
+    return llm.family_session(cell, recipe, reference, base, experts, scorer(track, root), work_dir(root) / "merged",
+                              device=device)
