@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .errors import ParameterError
-from .merge import iter_weight_space
+from .merge import iter_weight_space, rescaled_model
 from .recipe import Recipe
 from .task_vectors import COMPUTE_DTYPE, TaskVectorSet
 
@@ -120,3 +120,20 @@ def run_recipe(recipe: Recipe | str, pretrained: StateDict, finetuned: Sequence[
         diagnostics["fsc"] = {"ratios": model.ratios, "folded": model.folded, "hooked": model.hooked,
                               "identity": model.identity}
     return RecipeResult(recipe=recipe, state_dict=state, model=model, diagnostics=diagnostics)
+
+
+def recipe_trials(recipe: Recipe, pretrained: StateDict, finetuned: Sequence[StateDict], inputs: RecipeInputs,
+                  grid: Sequence[float]) -> Callable[[float], RecipeResult]:
+    """``value -> RecipeResult`` of ``recipe`` with its merge at that scaling (``Recipe.with_scaling``), for each value
+    of ``grid``. A recipe whose every step after the merge reads it at scaling 1 (none, or SVC's protocol) and is
+    tried at several values is merged and calibrated once, at scaling 1, then rescaled
+    (``mergecal.merge.rescaled_model``), so every state equals the recipe at that value bit for bit."""
+    unit_recipe = recipe.with_scaling(1.0)
+    rescalable = all(s.phase == "merge" or s.at_unit_scaling for s in unit_recipe.steps)
+    if not rescalable or len(grid) == 1:
+        return lambda value: run_recipe(recipe.with_scaling(value), pretrained, finetuned, inputs)
+    tvs = TaskVectorSet.from_models(pretrained, finetuned, device=inputs.device)
+    diagnostics: dict[str, Any] = {}
+    unit = dict(iter_weight_space(unit_recipe, tvs, sensitive=inputs.sensitive, diagnostics=diagnostics))
+    return lambda value: RecipeResult(recipe=recipe.with_scaling(value), diagnostics=diagnostics,
+                                      state_dict=rescaled_model(pretrained, unit, value, inputs.device))

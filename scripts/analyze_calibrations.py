@@ -58,7 +58,7 @@ def distac_table(params, root: Path, regime: str | None) -> None:
 
     import torch
 
-    from mergecal.pipeline.vision import VisionModels, evaluate_tasks, is_visual
+    from mergecal.pipeline.tracks.vision.stages import VisionModels, evaluate_tasks, is_visual
     from mergecal.task_vectors import task_vector
 
     torch.set_num_threads(1)

@@ -21,9 +21,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mergecal.calibrations import fsc as fsc_module  # noqa: E402
+from mergecal.pipeline.cells import run_cell  # noqa: E402
 from mergecal.pipeline.chains import calibration_name  # noqa: E402
 from mergecal.pipeline.config import parse_params  # noqa: E402
-from mergecal.pipeline.tracks import clip as vision  # noqa: E402
+from mergecal.pipeline.tracks.vision import cells as vision  # noqa: E402
 from mergecal.reports.intervals import paired_interval  # noqa: E402
 
 CHAINS = {"merge": "{merge}", "module_replay": "{merge}>fsc", "network": "{merge}>fsc(task_feature=network)"}
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for form, chain in CHAINS.items():
             cell = cells[calibration_name(chain.replace("{merge}", f"{{merge}}(scaling={args.scaling})"))]
-            results[form] = vision.run(cell, params, root, device=args.device)
+            results[form] = run_cell(cell, params, root, device=args.device)
             print(f"{form}: {cell.recipe}", flush=True)
     finally:
         fsc_module.calibrate_fsc = calibrate

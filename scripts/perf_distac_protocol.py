@@ -4,9 +4,10 @@
     .venv/bin/python scripts/perf_distac_protocol.py --root <...> --regime low_confidence --settings paper
 
 Reads (never writes) a full run's pretrained CLIP, heads, fine-tuned models and data under ``--root``, builds the
-task models and the unlabeled data exactly as the `distac` stage does (``mergecal.pipeline.vision.distac``), and
-distils ONE task per regime preset: under ``norm_mismatch`` the task with the longest task vector (the one norm
-matching shrinks), under ``low_confidence`` ``--low-confidence-task`` (default `digits`). Settings:
+task models and the unlabeled data exactly as the `distac` stage does
+(``mergecal.pipeline.tracks.vision.stages.distac``), and distils ONE task per regime preset: under ``norm_mismatch``
+the task with the longest task vector (the one norm matching shrinks), under ``low_confidence``
+``--low-confidence-task`` (default `digits`). Settings:
 
 - ``testbed``: 50 steps, batch 64, lr 1e-4, constant (params.yaml's `distac` section before issue #29);
 - ``paper``: 500 steps, batch 128, lr 1e-5, constant (Appendix B and the authors' code);
@@ -46,7 +47,7 @@ from mergecal.calibrations.distac import (  # noqa: E402
 )
 from mergecal.evaluation.zeroshot import predict_logits  # noqa: E402
 from mergecal.pipeline.config import load_params  # noqa: E402
-from mergecal.pipeline.vision import (  # noqa: E402
+from mergecal.pipeline.tracks.vision.stages import (  # noqa: E402
     TaskHeadModel,
     VisionModels,
     is_visual,

@@ -4,7 +4,7 @@
 
 Writes once into DIR a random open_clip ViT-B-32-quickgelu (full CLIP, safetensors) and K = 8 fine-tuned image
 encoders (pretrained + 1e-3 noise, open_clip layout, 350 MB each). ``plain`` loads the 8 encoders whole (and
-the model); a recipe runs what a cell does (``mergecal.pipeline.tracks.local_clip``): build the one CLIP,
+the model); a recipe runs what a cell does (``mergecal.pipeline.tracks.local_clip.cells``): build the one CLIP,
 stream the merge key by key from the checkpoints into its image encoder. Prints seconds and the peak extra
 anonymous memory (file-backed pages of the mmap'd checkpoints excluded: the kernel drops them at will).
 Run each in a fresh process.
@@ -19,7 +19,7 @@ import torch
 from mergecal.backbones.open_clip_vit import create_clip, save_clip
 from mergecal.checkpoint import load_state_dict, save_state_dict
 from mergecal.perf.memory import peak_anonymous_memory
-from mergecal.pipeline.local_clip import build_model, finetuned_visual, load_visual, open_checkpoint, \
+from mergecal.pipeline.tracks.local_clip.stages import build_model, finetuned_visual, load_visual, open_checkpoint, \
     pretrained_visual
 from mergecal.merge import iter_weight_space
 from mergecal.recipe import Recipe

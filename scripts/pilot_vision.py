@@ -41,7 +41,7 @@ from mergecal.backbones import create_clip, get_tokenizer, load_clip, save_clip,
 from mergecal.data.vision import PROBE_TASK, SMOKE_SUITE, TASK_SETS, SuiteConfig, build_vision_suite, load_split  # noqa: E402
 from mergecal.data.vision import TASKS as ALL_TASKS  # noqa: E402
 from mergecal.evaluation import evaluate as evaluate_on  # noqa: E402
-from mergecal.pipeline.vision import task_split  # noqa: E402  (the one owner of train/validation/test splits)
+from mergecal.pipeline.tracks.vision.stages import task_split  # noqa: E402  (the one owner of train/validation/test splits)
 from mergecal.train import FinetuneConfig, PretrainConfig, finetune, pretrain_clip  # noqa: E402
 from mergecal.train.finetune import SMOKE_FINETUNE  # noqa: E402
 from mergecal.train.pretrain_clip import SMOKE_PRETRAIN  # noqa: E402

@@ -4,7 +4,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline import vision
+    from mergecal.pipeline.tracks.vision import stages as vision
 
     for regime, info in vision.distac(params, root, device=device(params)).items():
         print(f"{regime}: conditioned {', '.join(info['conditioned']) or 'nothing'}")

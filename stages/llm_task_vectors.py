@@ -7,7 +7,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline import llm
+    from mergecal.pipeline.tracks.llm import stages as llm
 
     start = time.perf_counter()
     report = llm.references(params, root, device=device(params))

@@ -8,7 +8,7 @@ from stages._common import run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline import local_llm
+    from mergecal.pipeline.tracks.local_llm import stages as local_llm
 
     recorded = local_llm.record_inputs(params, root)
     for name, track in recorded.items():

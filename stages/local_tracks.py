@@ -10,7 +10,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline import local_llm
+    from mergecal.pipeline.tracks.local_llm import stages as local_llm
 
     start = time.perf_counter()
     for name, report in local_llm.all_references(params, root, device=device(params)).items():

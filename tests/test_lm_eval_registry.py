@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mergecal.errors import CheckpointError, ParameterError, UnknownNameError
-from mergecal.pipeline import local_llm
+from mergecal.pipeline.tracks.local_llm import stages as local_llm
 from mergecal.pipeline.config import parse_params
 
 MICRO = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

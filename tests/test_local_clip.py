@@ -18,7 +18,8 @@ import yaml
 from local_models import CLIP_ARCH, CLIP_TASKS, CreatesAFile, perturbed, write_image_datasets, write_unrelated_files
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline import local_clip, local_llm
+from mergecal.pipeline.tracks.local_clip import stages as local_clip
+from mergecal.pipeline.tracks.local_llm import stages as local_llm
 from mergecal.pipeline.config import load_params, parse_params
 
 ARCH, TASKS = CLIP_ARCH, CLIP_TASKS

@@ -14,9 +14,10 @@ from safetensors import safe_open
 from local_models import CLIP_ARCH, CLIP_TASKS, perturbed, write_clip_track
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline import local_clip, local_clip_calibration as calibration
+from mergecal.pipeline.tracks.local_clip import calibration
+from mergecal.pipeline.tracks.local_clip import stages as local_clip
 from mergecal.pipeline.config import load_params
-from mergecal.pipeline.tracks import local_clip as track_mod
+from mergecal.pipeline.tracks.local_clip import cells as track_mod
 
 CHAINS = ["{merge}", "{merge}>wsc", "{merge}>dsc", "distac>{merge}", "distac>{merge}>svc>dsc"]
 
@@ -124,8 +125,8 @@ def test_a_dsc_cell_reads_the_ranking_and_fsc_changes_the_merge(lab):
     root, params, _ = lab
     inputs = track_mod.inputs(_cell(params, "{merge}>dsc"), params, root)
     assert "sensitivity" in inputs and "distac" not in inputs
-    wsc = track_mod.run(_cell(params, "{merge}>wsc"), params, root, scaling=1.0)
-    dsc = track_mod.run(_cell(params, "{merge}>dsc"), params, root, scaling=1.0)
+    wsc = cells_mod.run_cell(_cell(params, "{merge}>wsc"), params, root, scaling=1.0)
+    dsc = cells_mod.run_cell(_cell(params, "{merge}>dsc"), params, root, scaling=1.0)
     feature = dsc.diagnostics["magic_coefficients"]["feature"]  # FSC's mean ratio per hooked module
     assert any(abs(r - 1) > 1e-3 for r in feature.values())  # the calibrated model differs from WSC's
     assert dsc.diagnostics["sensitivity"]["scores"] and "feature" not in wsc.diagnostics["magic_coefficients"]
@@ -141,8 +142,8 @@ def test_distac_cells_read_the_conditioned_encoder_instead_of_the_checkpoint(lab
     cell = _cell(params, "distac>{merge}")
     inputs = track_mod.inputs(cell, params, root)
     assert inputs[f"distac.{longest}"] == calibration.distac_dir(track, root) / f"{longest}.safetensors"
-    plain = track_mod.run(_cell(params, "{merge}"), params, root, scaling=1.0)
-    result = track_mod.run(cell, params, root, scaling=1.0)
+    plain = cells_mod.run_cell(_cell(params, "{merge}"), params, root, scaling=1.0)
+    result = cells_mod.run_cell(cell, params, root, scaling=1.0)
     assert result.diagnostics["distac"]["conditioned"] == [longest]
     assert result.diagnostics["task_vectors"][longest]["norm"] == pytest.approx(info["norms"][longest]["after"])
     assert result.diagnostics["task_vectors"][longest]["norm"] < plain.diagnostics["task_vectors"][longest]["norm"]
@@ -150,7 +151,7 @@ def test_distac_cells_read_the_conditioned_encoder_instead_of_the_checkpoint(lab
     # its own grid (calibrated_scaling: grid): FSC measured on each merge of the grid, the chosen one rebuilt
     searched = params.model_copy(update={"benchmark": params.benchmark.model_copy(
         update={"calibrated_scaling": "grid"})})
-    full = track_mod.run(_cell(searched, "distac>{merge}>svc>dsc"), searched, root)
+    full = cells_mod.run_cell(_cell(searched, "distac>{merge}>svc>dsc"), searched, root)
     assert full.diagnostics["distac"]["conditioned"] == [longest]
     assert "feature" in full.diagnostics["magic_coefficients"]
     assert len(full.diagnostics["scaling_curve"]) == 2 and 0 <= full.metrics["avg_norm_acc"]
@@ -161,14 +162,14 @@ def test_a_cell_refuses_distac_files_of_other_parameters(lab):
     other = params.model_copy(update={"local_clip": [params.local_clip[0].model_copy(
         update={"distac": {"steps": 4, "batch_size": 8}})]})
     with pytest.raises(CheckpointError, match="DisTaC parameters differ from the cell's recipe"):
-        track_mod.run(_cell(other, "distac>{merge}"), other, root, scaling=1.0)
+        cells_mod.run_cell(_cell(other, "distac>{merge}"), other, root, scaling=1.0)
 
 
 def test_a_distac_file_is_read_only_with_the_step_it_records(tmp_path):
     """The check both CLIP tracks make of a DisTaC stage's file (``vision.check_distac_file``): its ``distac``
     metadata is the expected step; another step, no record or an unreadable file is one line naming the file."""
     from mergecal.checkpoint import save_state_dict
-    from mergecal.pipeline.vision import check_distac_file
+    from mergecal.pipeline.tracks.vision.stages import check_distac_file
 
     step = {"steps": 4, "batch_size": 8}
     path = save_state_dict({"w": torch.zeros(2)}, tmp_path / "SVHN.safetensors", {"distac": json.dumps(step)})
@@ -239,7 +240,7 @@ def test_a_tracks_distac_is_the_papers_preset_unless_it_overrides_it():
 def test_fsc_reads_exactly_the_fsc_steps_sample_count(lab):
     """The count the recipe id states (``fsc(n_samples_per_task=...)``) is the count loaded: no other setting."""
     from mergecal.calibrations.fsc import FscParams
-    from mergecal.pipeline.tracks.local_clip import _fsc_data
+    from mergecal.pipeline.tracks.local_clip.cells import _fsc_data
 
     root, params, track = lab
     tasks = list(track.finetuned)

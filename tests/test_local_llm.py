@@ -16,7 +16,7 @@ import yaml
 from local_models import CreatesAFile, write_unrelated_files
 from mergecal.errors import CheckpointError, MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline import local_llm
+from mergecal.pipeline.tracks.local_llm import stages as local_llm
 from mergecal.pipeline.config import load_params, parse_params
 
 MICRO = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -70,7 +70,7 @@ def test_a_disabled_track_has_no_cells_and_a_cell_names_its_own_track():
     """Cells are named local_llm:<track name> and read their own track's settings; a cell of a track that
     params.yaml no longer has is one line."""
     from mergecal.errors import MergecalError
-    from mergecal.pipeline.tracks import local_llm as track_mod
+    from mergecal.pipeline.tracks.local_llm import cells as track_mod
 
     lab, off = (_track(name, {"maximum": "m", "sentiment": "s"}, **extra)
                 for name, extra in (("lab", {}), ("lab-off", {"enabled": False})))

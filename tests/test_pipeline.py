@@ -15,7 +15,9 @@ import yaml
 
 from mergecal.errors import MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline import llm, text, vision
+from mergecal.pipeline.tracks.llm import stages as llm
+from mergecal.pipeline.tracks.text import stages as text
+from mergecal.pipeline.tracks.vision import stages as vision
 from mergecal.pipeline.config import load_params, parse_params
 from mergecal.pipeline.workspace import PIPELINE_FILES, SMOKE_PARAMS, create_workspace
 
@@ -219,8 +221,11 @@ def test_cell_code_digest_follows_the_modules_each_cell_imports(tmp_path, monkey
     assert svc and svc == {i for i, s in enumerate(steps) if "svc" in s}
     fsc = changed_by("calibrations/fsc.py")
     assert fsc and fsc == {i for i, s in enumerate(steps) if "fsc" in s} and fsc != svc
-    llm = changed_by("pipeline/tracks/llm.py")
+    llm = changed_by("pipeline/tracks/llm/cells.py")
     assert llm and llm == {i for i, c in enumerate(cells) if c.track == "llm"}
+    # a track is one package: an edit to any module of it that computes its cells reruns that track's cells only
+    text_stages = changed_by("pipeline/tracks/text/stages.py")
+    assert text_stages and text_stages == {i for i, c in enumerate(cells) if c.track == "text"}
     for core in ("pipeline/cells.py", "merge.py"):
         assert changed_by(core) == set(range(len(cells))), core
     # the CLIP evaluation: the vision cells', and the LLM cells' through the lazy exports of mergecal.evaluation;
@@ -623,11 +628,11 @@ def test_a_calibrated_cell_calibrates_the_merge_at_the_given_scaling(built):
                                     "iso_c", "iso_cts"])
 def test_a_grid_merged_once_and_rescaled_equals_merging_at_each_value(method, pretrained, finetuned):
     from mergecal.recipe import Recipe
-    from mergecal.run_recipe import RecipeInputs, run_recipe
+    from mergecal.run_recipe import RecipeInputs, recipe_trials, run_recipe
 
     grid = (0.3, 0.7, 1.5)
     steps = [(method, {"scaling": grid[0]})]
-    trial = cells_mod.recipe_trials(Recipe(steps), pretrained, finetuned, RecipeInputs(progress=False), grid)
+    trial = recipe_trials(Recipe(steps), pretrained, finetuned, RecipeInputs(progress=False), grid)
     for value in grid:
         direct = run_recipe(Recipe([(method, {"scaling": value})]), pretrained, finetuned, RecipeInputs(progress=False))
         rescaled = trial(value).state_dict
@@ -728,3 +733,78 @@ def test_every_registered_track_implements_the_track_protocol():
         track = get_track(name)
         assert isinstance(track, Track), name
         assert track.NAME == name
+        assert callable(track.reference) and callable(track.session), name  # #33: the search is the cells'
+
+
+def test_no_track_runs_the_scaling_search_itself():
+    """#33: the scaling search lives once, in cells.run_cell: no track package imports the search, the grid or
+    the recipe's trials from the cells (a track offers models, cells.py calls them; never the other way back)."""
+    import ast
+
+    from mergecal.pipeline import tracks
+
+    search = {"select_scaling", "cell_grid", "recipe_trials"}
+    for path in sorted(Path(tracks.__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and node.module in ("cells", "mergecal.pipeline.cells") and node.level != 1 for alias in node.names}
+        assert not names & search, (path.name, names & search)
+
+
+def test_run_cell_searches_the_grid_on_the_session_its_track_opens(monkeypatch):
+    """#33: run_cell dispatches a reference row to ``Track.reference`` and runs a recipe cell's search itself on
+    ``Track.session``: each scaling merged then validated in grid order, the first best kept (ties: the first),
+    the curve logged, the chosen merge evaluated once, inside the session (closed after)."""
+    from contextlib import contextmanager
+
+    from mergecal.pipeline.tracks import Session
+    from mergecal.recipe import Recipe
+
+    calls = []
+    scores = {0.3: 0.5, 0.7: 0.9, 1.0: 0.9}  # 0.7 and 1.0 tie: 0.7, the first, wins
+
+    @contextmanager
+    def session(cell, recipe, grid, params, root, *, device):
+        calls.append(("open", grid, recipe.id, device))
+
+        def merged(value):
+            calls.append(("merged", value))
+            return f"model@{value}"
+
+        def validate(model):
+            calls.append(("validate", model))
+            value = float(model.split("@")[1])
+            return value, scores[value]
+
+        def result(model, value, curve):
+            calls.append(("result", model, value))
+            return cells_mod.CellResult({"selected_scaling": value}, {}, {"scaling_curve": curve})
+
+        yield Session(merged, validate, result)
+        calls.append(("closed",))
+
+    def reference(cell, params, root, *, device):
+        calls.append(("reference", cell.merge))
+        return cells_mod.CellResult({}, {})
+
+    class FakeTrack:
+        pass
+
+    track = FakeTrack()
+    track.session, track.reference = session, reference
+    monkeypatch.setattr(cells_mod, "track_of", lambda cell: track)
+    recipe = Recipe.parse("task_arithmetic(scaling=0.3)")
+    cell = cells_mod.Cell("fake", "b", "t", ("a", "b"), "standard", "task_arithmetic", "{merge}", recipe.id,
+                          (0.3, 0.7, 1.0))
+    out = cells_mod.run_cell(cell, None, "root", device="cuda")
+    assert calls == [("open", (0.3, 0.7, 1.0), recipe.id, "cuda"),
+                     ("merged", 0.3), ("validate", "model@0.3"), ("merged", 0.7), ("validate", "model@0.7"),
+                     ("merged", 1.0), ("validate", "model@1.0"), ("result", "model@0.7", 0.7), ("closed",)]
+    assert [point["scaling"] for point in out.diagnostics["scaling_curve"]] == [0.3, 0.7, 1.0]
+    calls.clear()  # a given scaling: one merge, no validation spent
+    assert cells_mod.run_cell(cell, None, "root", scaling=1.0).metrics == {"selected_scaling": 1.0}
+    assert calls == [("open", (1.0,), recipe.id, "cpu"), ("merged", 1.0), ("result", "model@1.0", 1.0), ("closed",)]
+    calls.clear()
+    for merge in ("zeroshot", "finetuned"):
+        cells_mod.run_cell(cells_mod.Cell("fake", "b", "t", ("a",), "standard", merge, ""), None, "root")
+    assert calls == [("reference", "zeroshot"), ("reference", "finetuned")]

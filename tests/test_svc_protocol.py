@@ -13,7 +13,7 @@ from mergecal.pipeline import cells as cells_mod
 from mergecal.pipeline.chains import calibration_name, scaling_source
 from mergecal.pipeline.config import parse_params
 from mergecal.recipe import Recipe
-from mergecal.run_recipe import RecipeInputs, run_recipe
+from mergecal.run_recipe import RecipeInputs, recipe_trials, run_recipe
 
 SVC_KEYS = ("visual.blocks.0.attn.in_proj_weight", "visual.blocks.0.mlp.c_fc.weight",
             "visual.blocks.0.mlp.c_proj.weight")  # the 2-D keys of conftest's model that the authors' key rule takes
@@ -56,8 +56,7 @@ def test_the_api_the_command_line_and_a_pipeline_trial_give_the_same_model(pretr
                  "--out", str(tmp_path / "out")]) == 0
     cli = load_state_dict(tmp_path / "out")
     api = run_recipe(recipe, pretrained, finetuned, RecipeInputs(progress=False)).state_dict
-    trial = cells_mod.recipe_trials(Recipe.parse(recipe), pretrained, finetuned, RecipeInputs(progress=False),
-                                    (0.1, 0.3, 1.0))
+    trial = recipe_trials(Recipe.parse(recipe), pretrained, finetuned, RecipeInputs(progress=False), (0.1, 0.3, 1.0))
     pipeline = trial(0.3)  # merged and calibrated once at scaling 1, then rescaled
     assert pipeline.diagnostics["svc"]  # the spectra of the unit merge reach the cell's artifacts
     for key in api:

@@ -12,7 +12,7 @@ from mergecal.backbones import get_tokenizer, load_clip, zero_shot_head
 from mergecal.backbones.open_clip_vit import logits, preprocess
 from mergecal.checkpoint import load_state_dict
 from mergecal.data.vision import TASK_SETS, TASKS
-from mergecal.pipeline.vision import task_split
+from mergecal.pipeline.tracks.vision.stages import task_split
 
 ARCH = "mergecal-vit-tiny-p8"
 torch.set_num_threads(1)

@@ -11,7 +11,7 @@ from mergecal.backbones import get_tokenizer, load_clip, zero_shot_head
 from mergecal.checkpoint import load_state_dict
 from mergecal.data.vision import TASKS
 from mergecal.evaluation import evaluate
-from mergecal.pipeline.vision import task_split
+from mergecal.pipeline.tracks.vision.stages import task_split
 
 p = argparse.ArgumentParser()
 p.add_argument("pilot_json")

@@ -7,7 +7,7 @@ module is generic. A cell is (track, regime, merge method, calibration chain), p
 denominator of normalized accuracy). A cell's id hashes everything its result depends on: the canonical
 recipe (every hyperparameter), the scaling grid, the evaluation settings, the bytes of every input file
 (checkpoints, heads, DisTaC-conditioned models, sensitivity ranking, data manifest) and the source of the
-modules that compute it (``cell_code_digest``: the shared core, the cell's track and its recipe's steps). Equal
+modules that compute it (``cell_code_digest``: the shared core, the cell's track package and its recipe's steps). Equal
 ids, equal results: an edited method recomputes its own cells instead of reusing results of the old code, and
 no other cell.
 """
@@ -30,12 +30,9 @@ from ..calibrations import registry
 from ..calibrations.registry import get_calibration
 from ..checkpoint import atomic_write_text
 from ..errors import CheckpointError, MergecalError
-from ..merge import iter_weight_space, rescaled_model
 from ..methods import MERGE_METHODS
 from ..perf.memory import peak_memory
 from ..recipe import Recipe
-from ..run_recipe import RecipeResult, run_recipe
-from ..task_vectors import TaskVectorSet
 from . import tracks
 from .chains import calibration_name, fixed_chain, scaling_source
 from .config import Params
@@ -47,7 +44,7 @@ REFERENCES = ("zeroshot", "finetuned")
 
 @dataclass(frozen=True)
 class Cell:
-    track: str  # "vision" | "text" | "llm" | "local_llm:<name>" (a module of pipeline.tracks[:its entry])
+    track: str  # "vision" | "text" | "llm" | "local_llm:<name>" (a package of pipeline.tracks[:its entry])
     backbone: str
     task_set: str
     tasks: tuple[str, ...]
@@ -186,20 +183,27 @@ def step_modules() -> dict[str, str]:
 
 
 def track_modules() -> dict[str, str]:
-    """``Cell.track`` (before any ``:``) -> the module implementing it."""
+    """``Cell.track`` (before any ``:``) -> the module implementing it (its track package's ``cells``)."""
     return {name: f"{tracks.__name__}.{module}" for name, module in tracks.MODULES.items()}
 
 
+def track_package_modules(graph) -> frozenset[str]:
+    """Every module of every registered track package (``tracks/<name>/``): one plug-in family, so a track's
+    modules come into a cell's closure only from its own track (or a track it builds on: local_llm on llm)."""
+    packages = {f"{tracks.__name__}.{module.split('.')[0]}" for module in tracks.MODULES.values()}
+    return frozenset(m for m in graph if any(m == p or m.startswith(p + ".") for p in packages))
+
+
 def cell_code_modules(track: str, recipe: str, graph) -> set[str]:
-    """The modules a cell's result depends on: those that ``cells`` (this module), the cell's track module and
-    the modules of its recipe's steps import (``mergecal.pipeline.imports``). Methods, calibrations and tracks
-    the cell does not name stay out, though their registries import them all; the reports, speed benchmarks and
-    command line (``NOT_CELL_CODE``) too."""
-    steps, tracks = step_modules(), track_modules()
-    named = {tracks[track.split(":", 1)[0]]} | {steps[name] for name in recipe_steps(recipe)}
+    """The modules a cell's result depends on: those that ``cells`` (this module), the cell's track's ``cells``
+    module and the modules of its recipe's steps import (``mergecal.pipeline.imports``). Methods, calibrations
+    and tracks the cell does not name stay out, though their registries import them all; the reports, speed
+    benchmarks and command line (``NOT_CELL_CODE``) too."""
+    steps = step_modules()
+    named = {track_modules()[track.split(":", 1)[0]]} | {steps[name] for name in recipe_steps(recipe)}
     # a step registered from a module outside the package has no source here to hash
     return import_closure(graph, {__name__, *(named & graph.keys())},
-                          plugins=(frozenset(steps.values()), frozenset(tracks.values())), leave_out=_not_cell_code)
+                          plugins=(frozenset(steps.values()), track_package_modules(graph)), leave_out=_not_cell_code)
 
 
 @lru_cache(maxsize=8)
@@ -358,22 +362,6 @@ def select_scaling(grid: tuple[float, ...], trial, validate) -> tuple[float, Any
     return best[1], best[2], curve
 
 
-def recipe_trials(recipe: Recipe, pretrained, states, inputs, grid):
-    """``value -> RecipeResult`` of ``recipe`` with its merge at that scaling (``Recipe.with_scaling``). A recipe
-    whose every step after the merge reads it at scaling 1 (none, or SVC's protocol) and is tried at several
-    values is merged and calibrated once, at scaling 1, then rescaled (``mergecal.merge.rescaled_model``), so every
-    state equals the recipe at that value bit for bit."""
-    unit_recipe = recipe.with_scaling(1.0)
-    rescalable = all(s.phase == "merge" or s.at_unit_scaling for s in unit_recipe.steps)
-    if not rescalable or len(grid) == 1:
-        return lambda value: run_recipe(recipe.with_scaling(value), pretrained, states, inputs)
-    tvs = TaskVectorSet.from_models(pretrained, states, device=inputs.device)
-    diagnostics: dict[str, Any] = {}
-    unit = dict(iter_weight_space(unit_recipe, tvs, sensitive=inputs.sensitive, diagnostics=diagnostics))
-    return lambda value: RecipeResult(recipe=recipe.with_scaling(value), diagnostics=diagnostics,
-                                      state_dict=rescaled_model(pretrained, unit, value, inputs.device))
-
-
 def validation_averages(val: dict[str, dict[str, float]], reference: dict, tasks: list[str]) -> tuple[float, float]:
     avg_acc = sum(val[t]["accuracy"] for t in tasks) / len(tasks)
     avg_norm = sum(val[t]["accuracy"] / max(reference[t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
@@ -391,9 +379,19 @@ def cell_grid(cell: Cell, recipe: Recipe, scaling: float | None) -> tuple[float,
 
 def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str = "cpu",
              scaling: float | None = None) -> CellResult:
-    """Merge → calibrate → evaluate one cell, by its track. ``scaling``: the value chosen by the cell's scaling
-    source (required exactly when ``cell.scaling_from`` is set); otherwise the cell searches its own grid."""
-    return track_of(cell).run(cell, params, root, device=device, scaling=scaling)
+    """Merge → calibrate → evaluate one cell. A reference row is its track's (``Track.reference``); a recipe cell's
+    scaling search runs here, the same for every track, on what its track loaded once (``Track.session``): the
+    merged model at each scaling of the cell's grid, its validation score, and the chosen one evaluated on test.
+    ``scaling``: the value chosen by the cell's scaling source (required exactly when ``cell.scaling_from`` is
+    set); otherwise the cell searches its own grid."""
+    track = track_of(cell)
+    if cell.merge in REFERENCES:
+        return track.reference(cell, params, root, device=device)
+    recipe = Recipe.parse(cell.recipe)
+    grid = cell_grid(cell, recipe, scaling)
+    with track.session(cell, recipe, grid, params, root, device=device) as session:
+        chosen, merged, curve = select_scaling(grid, session.merged, session.validate)
+        return session.result(merged, chosen, curve)
 
 
 def base_params(cell: Cell) -> dict[str, str]:

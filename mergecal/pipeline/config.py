@@ -17,494 +17,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from ..config_types import (ConfigValueError, Count, NonNegativeInt, NonNegativeReal, PositiveReal, ThreadCount,
-                            WorkerCount, check_config)
+                            WorkerCount)
 from ..errors import MergecalError, ParameterError
-from ..regimes import DISTAC_PRESETS, OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime
 
 
-class Strict(BaseModel):
-    # strict: "120" is no count and "yes" no flag; reals use config_types.Real, which reads YAML's 1e-5 text
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-def _check_dataclass(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
-    """Validate a section against the library's dataclass config (its fields carry the types and ranges: one
-    source of truth), so a wrong name or value fails at load time naming ``where.field``. Returns the values
-    given, as validated (YAML's text "1e-5" becomes the number)."""
-    try:
-        built = check_config(cls, values)
-    except ConfigValueError as err:
-        raise ConfigValueError(f"{where}.{err.key}" if err.key else where, str(err)) from None
-    return {name: getattr(built, name) for name in values}
-
-
-def _library_default(module: str, cls: str, field: str) -> Any:
-    """A default the schema shares with a library config dataclass: read from it, not written twice."""
-    import dataclasses
-    import importlib
-
-    config = getattr(importlib.import_module(f"mergecal.{module}"), cls)
-    return next(f.default for f in dataclasses.fields(config) if f.name == field)
-
-
-def _known_tasks(tasks: list[str], allowed, listing: str) -> list[str]:
-    """``tasks`` if each is one of ``allowed`` and there are at least two, distinct; else a ValueError naming
-    the first unknown one and ``listing: <allowed>``."""
-    unknown = [t for t in tasks if t not in allowed]
-    if unknown:
-        raise ValueError(f"unknown task {unknown[0]!r}; {listing}: {', '.join(allowed)}")
-    return _distinct(tasks, "tasks", at_least=2)
-
-
-def _distinct(values: list[str], what: str, at_least: int = 1) -> list[str]:
-    if len(values) < at_least:
-        raise ValueError(f"expected at least {at_least} {what}, got {len(values)}")
-    repeated = sorted({v for v in values if values.count(v) > 1})
-    if repeated:
-        raise ValueError(f"{what} must be distinct; {repeated[0]!r} is listed twice")
-    return values
-
-
-class VisionTrack(Strict):
-    """The open_clip track: a small ViT pretrained by the project, fine-tuned per task (image encoder only)."""
-
-    enabled: bool = True  # False leaves the track's cells out of the matrix (its DVC stages still build it)
-    backbone: str = Field("clip-tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a directory name under models/
-    arch: str = Field(default_factory=lambda: _library_default("train.pretrain_clip", "PretrainConfig", "arch"))
-    # which procedural datasets are generated and what pretraining shows (mergecal.data.vision.TASK_SETS)
-    task_set: str = Field(default_factory=lambda: _library_default("data.vision", "SuiteConfig", "task_set"))
-    tasks: list[str] | None = None  # None: every task of the task set
-    regimes: list[Regime] = Field(default_factory=lambda: list(REGIMES))
-    # fine-tuned for every task (DVC stage `finetune`); `norm_mismatch` adds one task at a higher lr
-    finetune_variants: list[Objective] = Field(
-        default_factory=lambda: ["standard", "low_confidence"])
-    norm_mismatch_task: str | None = None  # None: the first task
-    norm_mismatch_lr_multiplier: PositiveReal = 10.0
-    data: dict[str, Any] = Field(default_factory=dict)
-    pretrain: dict[str, Any] = Field(default_factory=dict)
-    finetune: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("arch")
-    @classmethod
-    def _arch(cls, arch: str) -> str:
-        from ..backbones.architectures import ARCHITECTURES
-
-        if arch not in ARCHITECTURES:  # the track pretrains its own CLIP: one of the project's architectures
-            raise ValueError(f"unknown architecture {arch!r}; choose from: {', '.join(ARCHITECTURES)}")
-        return arch
-
-    @field_validator("task_set")
-    @classmethod
-    def _task_set(cls, task_set: str) -> str:
-        from ..data.vision import TASK_SETS
-
-        if task_set not in TASK_SETS:
-            raise ValueError(f"unknown task set {task_set!r}; choose from: {', '.join(TASK_SETS)}")
-        return task_set
-
-    @model_validator(mode="after")
-    def _tasks(self) -> "VisionTrack":
-        from ..data.vision import TASK_SETS
-
-        allowed = TASK_SETS[self.task_set]
-        if self.tasks is None:
-            self.tasks = list(allowed)
-        unknown = [t for t in self.tasks if t not in allowed]
-        if unknown:  # only the task set's datasets are generated
-            raise ConfigValueError("tasks", f"unknown task {unknown[0]!r} in task set {self.task_set!r}; "
-                                            f"choose from: {', '.join(allowed)}")
-        try:
-            _distinct(self.tasks, "tasks", at_least=2)
-        except ValueError as err:
-            raise ConfigValueError("tasks", str(err)) from None
-        if self.norm_mismatch_task is None:
-            self.norm_mismatch_task = self.tasks[0]
-        return self
-
-    @field_validator("regimes", "finetune_variants")
-    @classmethod
-    def _lists(cls, values: list[str]) -> list[str]:
-        return _distinct(values, "entries")
-
-    @model_validator(mode="after")
-    def _check(self) -> "VisionTrack":
-        from ..data.vision import SuiteConfig
-        from ..train.finetune import FinetuneConfig
-        from ..train.pretrain_clip import PretrainConfig
-
-        for regime in self.regimes:
-            if OBJECTIVE_OF_REGIME[regime] not in self.finetune_variants:
-                raise ValueError(f"regime {regime!r} needs {OBJECTIVE_OF_REGIME[regime]!r} in finetune_variants")
-        if "norm_mismatch" in self.regimes and self.norm_mismatch_task not in self.tasks:
-            raise ValueError(f"norm_mismatch_task {self.norm_mismatch_task!r} is not one of the track's tasks")
-        if "task_set" in self.data:
-            raise ConfigValueError("data.task_set", "set the task set once, as 'task_set' of the track")
-        self.data = _check_dataclass(SuiteConfig, self.data, "data")
-        if "arch" in self.pretrain:
-            raise ConfigValueError("pretrain.arch", "set the architecture once, as 'arch' of the track")
-        self.pretrain = _check_dataclass(PretrainConfig, self.pretrain, "pretrain")
-        if "regime" in self.finetune:
-            raise ConfigValueError("finetune.regime", "regimes are listed in 'regimes', not set per fine-tune")
-        self.finetune = _check_dataclass(FinetuneConfig, self.finetune, "finetune")
-        return self
-
-
-def _library_default_tasks() -> tuple[str, ...]:
-    from ..data.text import DEFAULT_TASKS
-
-    return DEFAULT_TASKS
-
-
-class TextTrack(Strict):
-    """The MiniLM track: the packaged pretrained encoder, a head per task, merged encoders scored per head."""
-
-    enabled: bool = True  # as vision: False leaves the cells out; the text stages always build the track
-    backbone: str = Field("minilm", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    task_set: str = "text4"
-    tasks: list[str] = Field(default_factory=lambda: list(_library_default_tasks()))
-    regimes: list[Objective] = Field(default_factory=lambda: ["standard"])  # no norm-mismatch variant here
-    data: dict[str, Any] = Field(default_factory=dict)
-    finetune: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("tasks")
-    @classmethod
-    def _tasks(cls, tasks: list[str]) -> list[str]:
-        from ..data.text import ALL_TASKS
-
-        return _known_tasks(tasks, ALL_TASKS, "choose from")
-
-    @field_validator("regimes")
-    @classmethod
-    def _regimes(cls, regimes: list[str]) -> list[str]:
-        return _distinct(regimes, "regimes")
-
-    @model_validator(mode="after")
-    def _check(self) -> "TextTrack":
-        from ..data.text import TextSuiteConfig
-        from ..train.finetune_text import TextFinetuneConfig
-
-        self.data = _check_dataclass(TextSuiteConfig, self.data, "data")
-        self.finetune = _check_dataclass(TextFinetuneConfig, self.finetune, "finetune")
-        return self
-
-
-class LlmEvaluation(Strict):
-    """lm-eval settings of the LLM track: documents per task on validation (choosing the scaling; all of them
-    when larger than the split) and the batch size of each lm-eval scoring call."""
-
-    max_validation: Count = 150
-    batch_size: Count = 32
-
-
-class LlmTrack(Strict):
-    """The LLM track: a tiny Llama pretrained by the project on the synthetic corpus, one fine-tuned expert
-    per task, merged experts scored with lm-eval on the suite's local task YAMLs."""
-
-    enabled: bool = True  # as vision: False leaves the cells out; the LLM stages always build the track
-    backbone: str = Field("tiny-llama", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    task_set: str = "llm3"
-    tasks: list[str] = Field(default_factory=lambda: list(_library_default_llm_tasks()))
-    regimes: list[Literal["standard"]] = Field(default_factory=lambda: ["standard"])  # no regime variants yet
-    data: dict[str, Any] = Field(default_factory=dict)  # mergecal.data.llm.LlmSuiteConfig
-    shape: dict[str, Any] = Field(default_factory=dict)  # mergecal.train.lm.TinyLlamaShape
-    pretrain: dict[str, Any] = Field(default_factory=dict)  # mergecal.train.lm.LmTrainConfig
-    finetune: dict[str, Any] = Field(default_factory=dict)  # LmTrainConfig of every expert ...
-    finetune_per_task: dict[str, dict[str, Any]] = Field(default_factory=dict)  # ... with per-task changes
-    evaluation: LlmEvaluation = Field(default_factory=LlmEvaluation)
-
-    @field_validator("tasks")
-    @classmethod
-    def _tasks(cls, tasks: list[str]) -> list[str]:
-        from ..data.llm import TASKS
-
-        return _known_tasks(tasks, TASKS, "the LLM suite's tasks are")
-
-    @field_validator("regimes")
-    @classmethod
-    def _regimes(cls, regimes: list[str]) -> list[str]:
-        return _distinct(regimes, "regimes")
-
-    @model_validator(mode="after")
-    def _check(self) -> "LlmTrack":
-        from ..data.llm import LlmSuiteConfig
-        from ..train.lm import LmTrainConfig, TinyLlamaShape
-
-        self.data = _check_dataclass(LlmSuiteConfig, self.data, "data")
-        self.shape = _check_dataclass(TinyLlamaShape, self.shape, "shape")
-        self.pretrain = _check_dataclass(LmTrainConfig, self.pretrain, "pretrain")
-        self.finetune = _check_dataclass(LmTrainConfig, self.finetune, "finetune")
-        for task, values in self.finetune_per_task.items():
-            if task not in self.tasks:
-                raise ConfigValueError(f"finetune_per_task.{task}", f"not one of the track's tasks "
-                                                                    f"({', '.join(self.tasks)})")
-            self.finetune_per_task[task] = _check_dataclass(LmTrainConfig, {**self.finetune, **values},
-                                                            f"finetune_per_task.{task}")
-            self.finetune_per_task[task] = {k: self.finetune_per_task[task][k] for k in values}
-        return self
-
-    def finetune_config(self, task: str, seed: int) -> dict[str, Any]:
-        """The LmTrainConfig values of one task's expert."""
-        return {"seed": seed, **self.finetune, **self.finetune_per_task.get(task, {})}
-
-
-def _library_default_llm_tasks() -> tuple[str, ...]:
-    from ..data.llm import TASKS
-
-    return tuple(TASKS)
-
-
-# Fewest test examples (images, documents) per task an own-model track is scored on (`min_test`): at 50 an
-# accuracy near 0.5 has a binomial standard error of sqrt(0.25 / 50) = 0.07 (a 95% interval of +-14 points);
-# below it a score says little (one image scores 0 or 1).
-MIN_TEST_EXAMPLES = 50
-
-
-class LocalLmTask(Strict):
-    """A task of a user's lm-eval YAML directory: the metric the leaderboard reads (as lm-eval names it, e.g.
-    ``acc`` or ``exact_match``) and the lm-eval task scoring the validation split (the scaling is chosen on
-    it); by convention ``<task>_validation``."""
-
-    metric: str = Field(min_length=1)
-    validation: str | None = None
-
-
-class LocalLlmTrack(Strict):
-    """An LLM family from local Hugging Face directories (a lab's own checkpoints): a base model and one expert
-    fine-tuned from it per task, merged checkpoint to checkpoint and scored with lm-eval, as the embedded LLM
-    track. Tasks come from the suite (``task_dir`` unset: expert keys are suite task names, whose data the
-    ``local_tracks`` stage generates with ``data``) or from a directory of the user's lm-eval YAMLs
-    (``task_dir``, with ``tasks.<task>.metric`` and ``.validation``) or from lm-eval's own registry
-    (``task_source: registry``, with ``tasks.<task>.metric``: expert keys are registry task names whose datasets
-    must be in the local HF datasets cache; splits: ``mergecal.evaluation.lm_eval_registry``). Relative paths
-    are relative to the repository root. Nothing is downloaded and nothing is copied: the stages record each
-    file's size and sha256. Pickled weights (pytorch_model*.bin) are never unpickled: without
-    ``allow_unsafe_pickle`` such an expert is refused; with it, the error names the file and how to convert it
-    to safetensors. A task YAML with ``!function`` entries (lm-eval imports and runs the Python file beside it)
-    is refused unless ``trust_task_code`` (as ``trust_remote_code``: for a folder you trust). A task with fewer
-    than ``min_test`` test documents is refused (``MIN_TEST_EXAMPLES``)."""
-
-    enabled: bool = True
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the backbone label of the leaderboard
-    task_set: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    base: str = Field(min_length=1)
-    experts: dict[str, str]
-    task_dir: str | None = None
-    task_source: Literal["suite", "task_dir", "registry"] | None = None  # unset: task_dir if given, else suite
-    tasks: dict[str, LocalLmTask] = Field(default_factory=dict)  # with task_dir: one entry per expert
-    data: dict[str, Any] = Field(default_factory=dict)  # without task_dir: mergecal.data.llm.LlmSuiteConfig
-    evaluation: LlmEvaluation = Field(default_factory=LlmEvaluation)
-    allow_unsafe_pickle: bool = False
-    trust_task_code: bool = False  # task_dir only: let lm-eval run the `!function` code of the task YAMLs
-    min_test: Count = MIN_TEST_EXAMPLES
-
-    @field_validator("experts")
-    @classmethod
-    def _experts(cls, experts: dict[str, str]) -> dict[str, str]:
-        if len(experts) < 2:
-            raise ValueError(f"expected at least 2 experts (task: model directory), got {len(experts)}")
-        for task, path in experts.items():
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", task):
-                raise ConfigValueError(task, "a task name: letters, digits, '.', '_' or '-'")
-            if not path:
-                raise ConfigValueError(task, "expected a model directory")
-        return experts
-
-    @model_validator(mode="after")
-    def _check(self) -> "LocalLlmTrack":
-        from ..data.llm import TASKS, LlmSuiteConfig
-
-        if self.task_source == "task_dir" and self.task_dir is None:
-            raise ConfigValueError("task_dir", "missing: task_source: task_dir names a directory of lm-eval YAMLs")
-        if self.task_source == "suite" and self.task_dir is not None:
-            raise ConfigValueError("task_dir", "not with task_source: suite (the suite's own YAMLs)")
-        if self.trust_task_code and self.source != "task_dir":
-            raise ConfigValueError("trust_task_code", "only with task_dir (the suite's YAMLs hold no code; registry "
-                                                      "tasks run lm-eval's own)")
-        if self.source == "registry":
-            return self._check_registry()
-        if self.task_dir is None:
-            unknown = [t for t in self.experts if t not in TASKS]
-            if unknown:
-                raise ConfigValueError(f"experts.{unknown[0]}", f"not a task of the LLM suite ({', '.join(TASKS)});"
-                                                                " for your own lm-eval YAMLs set task_dir")
-            if self.tasks:
-                raise ConfigValueError("tasks", "only with task_dir (the suite's tasks have their own metric)")
-            self.data = _check_dataclass(LlmSuiteConfig, self.data, "data")
-            n_test = LlmSuiteConfig(**self.data).n_test
-            if n_test < self.min_test:
-                raise ConfigValueError("data.n_test", f"{n_test} test documents per task, fewer than min_test "
-                                                      f"{self.min_test}")
-            return self
-        if self.data:
-            raise ConfigValueError("data", "only without task_dir (data of the suite's tasks)")
-        for task in self.experts:
-            if task not in self.tasks:
-                raise ConfigValueError(f"tasks.{task}", "missing: give the metric (and the validation task) of "
-                                                        "every expert's task")
-            if self.tasks[task].validation is None:
-                self.tasks[task].validation = f"{task}_validation"
-        extra = [t for t in self.tasks if t not in self.experts]
-        if extra:
-            raise ConfigValueError(f"tasks.{extra[0]}", "no expert for this task")
-        return self
-
-    def _check_registry(self) -> "LocalLlmTrack":
-        """lm-eval's registry tasks: a metric per expert, no task_dir, data or validation name (the split the
-        scaling is chosen on follows from the task's splits). Whether each name is a registry task with its
-        dataset cached is checked when the track is scored (indexing the registry takes tens of seconds)."""
-        for key in ("task_dir", "data"):
-            if getattr(self, key):
-                raise ConfigValueError(key, "not with task_source: registry (lm-eval's own task definitions)")
-        for task in self.experts:
-            if task not in self.tasks:
-                raise ConfigValueError(f"tasks.{task}", "missing: give the metric of every expert's task")
-            if self.tasks[task].validation is not None:
-                raise ConfigValueError(f"tasks.{task}.validation", "not with task_source: registry (the scaling is "
-                                                                   "chosen on the task's validation or train split)")
-        extra = [t for t in self.tasks if t not in self.experts]
-        if extra:
-            raise ConfigValueError(f"tasks.{extra[0]}", "no expert for this task")
-        return self
-
-    @property
-    def source(self) -> str:
-        """Where the tasks come from: suite, task_dir or registry."""
-        return self.task_source or ("suite" if self.task_dir is None else "task_dir")
-
-    @property
-    def task_names(self) -> list[str]:
-        return list(self.experts)
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")  # a file; anything else is a directory
-
-
-class LocalClipEvaluation(Strict):
-    """Images per task of a local CLIP track: a seeded subset of validation (choosing the scaling) and of test
-    (``max_test: null``: the whole test split), and the evaluation batch size."""
-
-    batch_size: Count = 128
-    max_validation: Count = 512
-    max_test: Count | None = None
-
-
-class LocalClipModel(Strict):
-    """The pretrained CLIP of a local track: an open_clip weights file with its architecture (``arch``, e.g.
-    ViT-B-32-quickgelu for OpenAI's weights), or a Hugging Face CLIP directory (``arch`` unset: read from its
-    config.json)."""
-
-    pretrained: str = Field(min_length=1)
-    arch: str | None = Field(None, min_length=1)
-
-    @model_validator(mode="after")
-    def _arch(self) -> "LocalClipModel":
-        is_file = self.pretrained.endswith(WEIGHT_SUFFIXES)
-        if is_file and self.arch is None:
-            raise ConfigValueError("arch", "required with a weights file: its open_clip architecture, e.g. "
-                                           "ViT-B-32-quickgelu")
-        if not is_file and self.arch is not None:
-            raise ConfigValueError("arch", "only with a weights file (a Hugging Face directory names its own)")
-        return self
-
-
-class LocalClipTrack(Strict):
-    """A lab's own CLIP checkpoints and datasets: the pretrained model, one fine-tuned checkpoint per task (an
-    open_clip state dict in safetensors, a Hugging Face CLIP(Vision)Model directory, or, with
-    ``allow_unsafe_pickle``, a pickled file such as task_vectors' finetuned.pt) and one local dataset per task
-    (the data location holding it in any layout ``mergecal.data.real_vision`` reads). Tasks are the eight
-    standard vision tasks (their names as ``real_vision`` spells them, case ignored); ``class_names`` and
-    ``templates`` replace a task's standard ones in its zero-shot head (as many names as the task's classes).
-    Relative paths are relative to the repository root. Nothing is copied or downloaded. A task with fewer
-    than ``min_test`` test images is refused (``MIN_TEST_EXAMPLES``)."""
-
-    enabled: bool = True
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the backbone label of the leaderboard
-    task_set: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    model: LocalClipModel
-    finetuned: dict[str, str]
-    datasets: dict[str, str]
-    class_names: dict[str, list[str]] = Field(default_factory=dict)
-    templates: dict[str, list[str]] = Field(default_factory=dict)
-    evaluation: LocalClipEvaluation = Field(default_factory=LocalClipEvaluation)
-    # DisTaC of the track's `distac>` chains: the paper's norm_mismatch preset (500 steps, batch 128, lr 1e-5),
-    # these values overriding it (not the shared `distac:` section, which is the embedded testbed's)
-    distac: dict[str, Any] = Field(default_factory=dict)
-    allow_unsafe_pickle: bool = False
-    min_test: Count = MIN_TEST_EXAMPLES
-
-    @field_validator("distac")
-    @classmethod
-    def _distac(cls, values: dict[str, Any]) -> dict[str, Any]:
-        from ..calibrations.distac import DistacStepParams
-        from ..methods.base import build_params
-
-        try:
-            build_params(DistacStepParams, "distac", {"preset": "norm_mismatch", **values})
-        except MergecalError as err:
-            raise ValueError(str(err)) from None
-        return values
-
-    def distac_step(self):
-        """The track's DisTaC step: the paper's preset for models without a known failure mode (the vision
-        track's standard regime: norm matching, ``mergecal.regimes.DISTAC_PRESETS``), then ``distac``."""
-        from ..calibrations.distac import DistacStepParams
-        from ..methods.base import build_params
-
-        return build_params(DistacStepParams, "distac", {"preset": DISTAC_PRESETS["standard"], **self.distac})
-
-    @field_validator("finetuned")
-    @classmethod
-    def _finetuned(cls, finetuned: dict[str, str]) -> dict[str, str]:
-        from ..data.real_vision import canonical_task
-        from ..data.real_vision_metadata import REAL_TASKS
-
-        if len(finetuned) < 2:
-            raise ValueError(f"expected at least 2 fine-tuned checkpoints (task: path), got {len(finetuned)}")
-        for task, path in finetuned.items():
-            try:
-                canonical_task(task)
-            except MergecalError:
-                raise ConfigValueError(task, f"not one of the vision tasks ({', '.join(REAL_TASKS)})") from None
-            if not path:
-                raise ConfigValueError(task, "expected a checkpoint file or directory")
-        return finetuned
-
-    @model_validator(mode="after")
-    def _check(self) -> "LocalClipTrack":
-        from ..data.real_vision import canonical_task
-        from ..data.real_vision_metadata import CLASSNAMES
-
-        for task in self.finetuned:
-            if not self.datasets.get(task):
-                raise ConfigValueError(f"datasets.{task}", "missing: the data location holding this task's dataset")
-        for section in ("datasets", "class_names", "templates"):
-            extra = [t for t in getattr(self, section) if t not in self.finetuned]
-            if extra:
-                raise ConfigValueError(f"{section}.{extra[0]}", "no fine-tuned checkpoint for this task")
-        canonical = [canonical_task(t) for t in self.finetuned]
-        if len(set(canonical)) != len(canonical):
-            raise ConfigValueError("finetuned", "two entries name the same task")
-        if self.evaluation.max_test is not None and self.evaluation.max_test < self.min_test:
-            raise ConfigValueError("evaluation.max_test", f"{self.evaluation.max_test} images, fewer than min_test "
-                                                          f"{self.min_test}")
-        for task, names in self.class_names.items():
-            expected = len(CLASSNAMES[canonical_task(task)])
-            if len(names) != expected or not all(names):
-                raise ConfigValueError(f"class_names.{task}", f"{len(names)} names, but {canonical_task(task)} has "
-                                                              f"{expected} classes (labels of its dataset)")
-        for task, templates in self.templates.items():
-            bad = next((t for t in templates if t.count("{}") != 1), None) if templates else "(none)"
-            if bad is not None:
-                raise ConfigValueError(f"templates.{task}", f"each template needs one '{{}}' for the class name, "
-                                                            f"got {bad!r}")
-        return self
-
-    @property
-    def task_names(self) -> list[str]:
-        return list(self.finetuned)
+from .params_base import Strict
+from .tracks import param_sections
 
 
 class Probing(Strict):
@@ -682,30 +203,17 @@ class Runner(Strict):
     address: str | None = None
 
 
-class Params(Strict):
-    seed: NonNegativeInt = 0
-    device: str = "auto"
-    # torch's threads in every stage that trains or evaluates (a model's bits depend on it; mergecal.pipeline.threads)
-    threads: ThreadCount = 2
-    vision: VisionTrack = Field(default_factory=VisionTrack)
-    text: TextTrack = Field(default_factory=TextTrack)
-    llm: LlmTrack = Field(default_factory=LlmTrack)
-    local_llm: list[LocalLlmTrack] = Field(default_factory=list)  # LLM families from local directories
-    local_clip: list[LocalClipTrack] = Field(default_factory=list)  # CLIP checkpoints and datasets from local files
-    distac: dict[str, Any] = Field(default_factory=dict)
-    probing: Probing = Field(default_factory=Probing)
-    benchmark: Benchmark = Field(default_factory=Benchmark)
-    tracking: Tracking = Field(default_factory=Tracking)
-    runner: Runner = Field(default_factory=Runner)
+class _ParamsChecks(Strict):
+    """The checks of the top level; its fields are composed below (``Params``)."""
 
-    @field_validator("device")
+    @field_validator("device", check_fields=False)
     @classmethod
     def _device(cls, device: str) -> str:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {device!r}")
         return device
 
-    @field_validator("distac")
+    @field_validator("distac", check_fields=False)
     @classmethod
     def _distac(cls, values: dict[str, Any]) -> dict[str, Any]:
         from ..calibrations.distac import DistacStepParams
@@ -719,15 +227,36 @@ class Params(Strict):
 
     @model_validator(mode="after")
     def _local_names(self) -> "Params":
-        taken = {self.vision.backbone, self.text.backbone, self.llm.backbone}
+        # a single track's name is its backbone; a list section (local_llm, local_clip) names each of its tracks
+        sections = [name for name in TRACK_SECTIONS if isinstance(getattr(self, name), list)]
+        taken = {getattr(self, name).backbone for name in TRACK_SECTIONS if name not in sections}
         seen: set[str] = set()
-        for section in ("local_llm", "local_clip"):
+        for section in sections:
             for i, track in enumerate(getattr(self, section)):
                 if track.name in taken or track.name in seen:
                     raise ConfigValueError(f"{section}.{i}.name", f"{track.name!r} is already the name of another "
                                                                   "track (the leaderboard groups rows by it)")
                 seen.add(track.name)
         return self
+
+
+#: each registered track's section (``mergecal.pipeline.tracks``), in matrix order: key -> (type, default)
+TRACK_SECTIONS = param_sections()
+
+#: params.yaml: the core sections around the tracks' (this order is the order ``model_dump`` writes)
+Params = create_model(
+    "Params", __base__=_ParamsChecks, __module__=__name__,
+    seed=(NonNegativeInt, 0),
+    device=(str, "auto"),
+    # torch's threads in every stage that trains or evaluates (a model's bits depend on it; mergecal.pipeline.threads)
+    threads=(ThreadCount, 2),
+    **TRACK_SECTIONS,
+    distac=(dict[str, Any], Field(default_factory=dict)),
+    probing=(Probing, Field(default_factory=Probing)),
+    benchmark=(Benchmark, Field(default_factory=Benchmark)),
+    tracking=(Tracking, Field(default_factory=Tracking)),
+    runner=(Runner, Field(default_factory=Runner)),
+)
 
 
 def _one_line(err: ValidationError, source: str) -> str:

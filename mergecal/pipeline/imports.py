@@ -21,13 +21,14 @@ PROJECT_PACKAGES = ("mergecal", "flows", "stages")
 
 #: modules that import others by a name computed at run time (``importlib.import_module``), and where those
 #: names are written: ("dict", <module-level dict whose values are module names>, <their package>) or
-#: ("calls", <function whose first argument is a module name>, <its package>). A test checks that every
+#: ("calls", <function whose first argument is a module name>, <its package>); a "dict" rule may name several dicts.
+#: A test checks that every
 #: ``import_module`` call of the project is in this table.
 LAZY_IMPORTS = {
     "mergecal": ("exports", "_EXPORTS", "mergecal"),
     "mergecal.calibrations.registry": ("dict", "MODULES", "mergecal.calibrations"),
-    "mergecal.pipeline.tracks": ("dict", "MODULES", "mergecal.pipeline.tracks"),
-    "mergecal.pipeline.config": ("calls", "_library_default", "mergecal"),
+    "mergecal.pipeline.tracks": ("dict", ("MODULES", "SECTIONS"), "mergecal.pipeline.tracks"),
+    "mergecal.pipeline.tracks.vision.params": ("calls", "_library_default", "mergecal"),
 }
 
 Graph = Mapping[str, frozenset[str]]
@@ -73,11 +74,12 @@ def lazy_names(tree: ast.Module, rule: tuple[str, str, str]) -> set[str]:
     kind, name, package = rule
     values: list = []
     if kind in ("dict", "exports"):
+        names = (name,) if isinstance(name, str) else name
         for node in tree.body:
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
-            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                values = list(ast.literal_eval(node.value).values())
+            if any(isinstance(t, ast.Name) and t.id in names for t in targets):
+                values += list(ast.literal_eval(node.value).values())
     else:
         values = [node.args[0].value for node in ast.walk(tree)
                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
@@ -173,14 +175,21 @@ def import_closure(graph: Graph, roots: Iterable[str], plugins: Iterable[frozens
 #: registry -> the package of its members: a registry imports every member so that its name resolves
 REGISTRIES = {"mergecal.methods": "mergecal.methods", "mergecal.calibrations.registry": "mergecal.calibrations",
               "mergecal.pipeline.tracks": "mergecal.pipeline.tracks"}
-#: the params.yaml validation, and the packages it imports only to check settings (a merge's or calibration's
-#: parameters, a chain's recipe), never to compute with them
+#: the params.yaml validation (and each track's section, ``tracks/<name>/params.py``), and the packages it
+#: imports only to check settings (a merge's or calibration's parameters, a chain's recipe), never to compute
 PARAMS_VALIDATION = ("mergecal.pipeline.config", ("mergecal.methods", "mergecal.calibrations", "mergecal.recipe",
                                                    "mergecal.pipeline.chains"))
+TRACK_PACKAGES = REGISTRIES["mergecal.pipeline.tracks"]
 
 
 def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
+
+
+def is_track_section(module: str) -> bool:
+    """A track's params.yaml section (``tracks/<name>/params.py``): part of the params validation."""
+    return _within(module, TRACK_PACKAGES) and module.count(".") == TRACK_PACKAGES.count(".") + 2 \
+        and module.endswith(".params")
 
 
 def registry_members(graph: Graph) -> set[str]:
@@ -194,15 +203,17 @@ def registry_members(graph: Graph) -> set[str]:
 def stage_closure(graph: Graph, module: str, *, runs_every_member: bool = False) -> set[str]:
     """The modules a DVC stage whose command runs ``module`` depends on: its import closure, less two kinds of
     import that compute nothing the stage writes: a registry importing its members (so that names resolve) and
-    the params validation importing a method's or calibration's parameter classes. A member comes in when a
+    the params validation (``config`` and the tracks' sections) importing a method's or calibration's parameter
+    classes. A member comes in when a
     module the stage runs imports it directly (the DisTaC stage and ``calibrations/distac.py``), or, with
     ``runs_every_member`` (the benchmark stage, which dispatches every cell through the registries), always."""
     validator, validated = PARAMS_VALIDATION
 
     def skip(source: str, target: str) -> bool:
         if source in REGISTRIES and _within(target, REGISTRIES[source]) and target != source:
-            return target.rpartition(".")[2] != "base"
-        return source == validator and any(_within(target, p) for p in validated)
+            # the tracks' sections are the params schema every stage reads (``config`` composes them)
+            return target.rpartition(".")[2] != "base" and not is_track_section(target)
+        return (source == validator or is_track_section(source)) and any(_within(target, p) for p in validated)
 
     roots = {module} | (registry_members(graph) if runs_every_member else set())
     return import_closure(graph, roots, skip_edge=skip)

@@ -32,9 +32,9 @@ from ..reports.intervals import stratified_interval, weighted_means
 from ..reports.stability import section_markdown
 from .cells import per_example_results
 from .config import Params
-from .llm import base_dir, expert_dir, lm_eval_setup, work_dir
-from .text import TextModels
-from .vision import VisionModels, evaluate_tasks
+from .tracks.llm.stages import base_dir, expert_dir, lm_eval_setup, work_dir
+from .tracks.text.stages import TextModels
+from .tracks.vision.stages import VisionModels, evaluate_tasks
 
 RELATIVE_SIZE = 1e-6  # float32 round-off is ~6e-8 relative: a few ulps, what another CPU or thread count changes
 SEEDS = (0, 1, 2)

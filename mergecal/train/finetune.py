@@ -15,7 +15,8 @@ DisTaC's norm-mismatch condition is a ``standard`` fine-tune at a multiple of th
 ``lr`` (the pipeline from ``vision.norm_mismatch_lr_multiplier``); the trainer has no multiplier of its own.
 
 Splits are the caller's: every image given is trained on, and the accuracy reported at the end is measured on the
-``validation`` images given (the pipeline passes its held-out validation split, ``pipeline.vision.task_split``).
+``validation`` images given (the pipeline passes its held-out validation split,
+``pipeline.tracks.vision.stages.task_split``).
 """
 
 from __future__ import annotations

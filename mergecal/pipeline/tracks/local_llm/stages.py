@@ -29,18 +29,19 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..backbones.hf_causal_lm import check_same_family, model_dir_files, weight_format
-from ..checkpoint import SafetensorsSource, atomic_write_text
-from ..data.llm import LlmSuiteConfig, build_llm_suite
-from ..errors import CheckpointError, MergecalError, ParameterError
-from ..evaluation.lm_eval_registry import config_digest, write_variant_yamls
-from ..evaluation.lm_eval_tasks import task_sources as sources
-from . import local_clip
-from .cells import HASH_CACHE
-from .config import LocalLlmTrack, Params
-from .llm import LmEval, expert_reference, suite_config_digests, suite_lm_eval
-from .own_models import check_test_counts, content_records, inputs_path, loaded_files, name_under, resolve, tracks_dir
-from .results import one_line
+from ....backbones.hf_causal_lm import check_same_family, model_dir_files, weight_format
+from ....checkpoint import SafetensorsSource, atomic_write_text
+from ....data.llm import LlmSuiteConfig, build_llm_suite
+from ....errors import CheckpointError, MergecalError, ParameterError
+from ....evaluation.lm_eval_registry import config_digest, write_variant_yamls
+from ....evaluation.lm_eval_tasks import task_sources as sources
+from ..local_clip import stages as local_clip
+from ...cells import HASH_CACHE
+from ...config import Params
+from .params import LocalLlmTrack
+from ..llm.stages import LmEval, expert_reference, suite_config_digests, suite_lm_eval
+from ...own_models import check_test_counts, content_records, inputs_path, loaded_files, name_under, resolve, tracks_dir
+from ...results import one_line
 
 WORK = Path(".mergecal") / "local"
 CONVERT_HINT = ("convert it once to safetensors: python -c \"from mergecal.backbones.hf_causal_lm import "
@@ -224,7 +225,7 @@ def record_inputs(params: Params, root: str | Path = ".") -> dict:
                 out[track.name]["registry"] = task_config_digests(track, root)
             except MergecalError as err:  # an unknown task: local_tracks records the error for the track's cells
                 out[track.name]["registry"] = {"error": str(err)}
-    for index, track in enumerate(params.local_clip):  # CLIP tracks (mergecal.pipeline.local_clip)
+    for index, track in enumerate(params.local_clip):  # CLIP tracks (mergecal.pipeline.tracks.local_clip)
         found = local_clip.input_files(track, root, f"params.yaml: local_clip.{index}.")
         out[track.name] = {"settings": track.model_dump(mode="json"), "files": content_records(found, cache)}
     atomic_write_text(inputs_path(root), json.dumps(out, indent=2, sort_keys=True))

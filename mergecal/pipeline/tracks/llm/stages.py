@@ -20,12 +20,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import SafetensorsSource, atomic_write_text
-from ..data.llm import TASKS, LlmSuiteConfig, build_llm_suite, load_records, split_path
-from ..errors import MergecalError
-from ..evaluation.lm_eval_tasks import evaluate_lm, task_config, task_name, write_task_yamls
-from ..train.lm import LmTrainConfig, TinyLlamaShape, finetune_lm, pretrain_lm, read_metadata
-from .config import Params
+from ....checkpoint import SafetensorsSource, atomic_write_text
+from ....data.llm import TASKS, LlmSuiteConfig, build_llm_suite, load_records, split_path
+from ....errors import MergecalError
+from ....evaluation.lm_eval_tasks import evaluate_lm, task_config, task_name, write_task_yamls
+from ....train.lm import LmTrainConfig, TinyLlamaShape, finetune_lm, pretrain_lm, read_metadata
+from ...config import Params
 
 WORK = Path(".mergecal") / "llm"
 
@@ -96,7 +96,7 @@ def task_config_digests(params: Params, root: str | Path) -> dict[str, str]:
 class LmEval:
     """How a track scores models with lm-eval: the YAML directory, the lm-eval task name of each (task, split),
     the metric read per task, the response-cache directory, the validation limit (None: every document) and
-    the batch size. Shared by the embedded LLM track and the local ones (``mergecal.pipeline.local_llm``)."""
+    the batch size. Shared by the embedded LLM track and the local ones (``mergecal.pipeline.tracks.local_llm``)."""
 
     task_dir: Path
     names: dict[str, dict[str, str]]  # {task: {split: lm-eval task name}}

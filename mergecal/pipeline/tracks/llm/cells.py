@@ -2,21 +2,24 @@
 streaming path (``merge_causal_lms``: key by key, sharded safetensors out, so the same cell code runs a 7B family)
 and scored with lm-eval on the suite's local task YAMLs. Weight-space chains only: DisTaC and MAGIC's
 feature-space steps (FSC, so DSC) have no causal-LM adapter, and their chains are listed as skipped with that
-reason. What its DVC stages build: ``mergecal.pipeline.llm``."""
+reason. What its DVC stages build: ``.stages``."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from ...backbones.hf_causal_lm_merge import merge_causal_lms
-from ...recipe import Recipe
-from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, flat_params, jsonable_diagnostics,
-                     matrix_chains, per_example_results, recipe_cell, select_scaling)
-from ..config import Params
-from ..llm import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
+from ....backbones.hf_causal_lm_merge import merge_causal_lms
+from ....recipe import Recipe
+from ...cells import (REFERENCES, Cell, CellResult, base_params, flat_params, jsonable_diagnostics, matrix_chains,
+                     per_example_results, recipe_cell)
+from ...config import Params
+from .. import Session
+from .stages import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
 
 NAME = "llm"
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no causal-LM "
@@ -106,67 +109,83 @@ def logged_params(cell: Cell, reference: dict) -> dict[str, str]:
     return logged
 
 
-def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
-        scaling: float | None = None) -> CellResult:
+def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
     root = Path(root)
     reference = json.loads(diagnostics_path(params, root).read_text())
-    return run_family_cell(cell, reference, base_dir(params, root), [expert_dir(params, root, t) for t in cell.tasks],
-                           lm_eval_setup(params, root), work_dir(root) / "merged", device=device, scaling=scaling)
+    return family_reference(cell, reference, base_dir(params, root), lm_eval_setup(params, root), device=device)
 
 
-def run_family_cell(cell: Cell, reference: dict, base: Path, experts: list[Path], scorer, scratch_root: Path, *,
-                    device: str = "cpu", scaling: float | None = None) -> CellResult:
-    """Merge the experts checkpoint to checkpoint (weight-space chain) for each scaling of the grid, score them
-    on validation with lm-eval (``scorer``: a ``mergecal.pipeline.llm.LmEval``), keep the best and score it on
-    test. ``reference``: the family's references (base and experts' scores, norms, task configurations)."""
+def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
+            device: str = "cpu"):
+    root = Path(root)
+    reference = json.loads(diagnostics_path(params, root).read_text())
+    return family_session(cell, recipe, reference, base_dir(params, root),
+                          [expert_dir(params, root, t) for t in cell.tasks], lm_eval_setup(params, root),
+                          work_dir(root) / "merged", device=device)
+
+
+def family_reference(cell: Cell, reference: dict, base: Path, scorer, *, device: str = "cpu") -> CellResult:
+    """The ``zeroshot`` row (the base scored on test with lm-eval, ``scorer``: a ``.stages.LmEval``) or the
+    ``finetuned`` row (each expert's own score, from the family's references)."""
     tasks = list(cell.tasks)
     logged = logged_params(cell, reference)
-    examples: dict[str, list[float]] = {}  # per-document test scores, for the leaderboard's intervals
     if cell.merge == "zeroshot":
+        examples: dict[str, list[float]] = {}  # per-document test scores, for the leaderboard's intervals
         return CellResult(summaries(tasks, scorer.score(base, tasks, "test", device=device, examples=examples),
                                     reference, scorer.metrics), logged, examples=examples)
-    if cell.merge == "finetuned":
-        test = {t: reference["tasks"][t]["test_accuracy"] for t in tasks}
-        norms = {t: {"norm": reference["tasks"][t]["norm"]} for t in tasks}
-        return CellResult(summaries(tasks, test, reference, scorer.metrics), logged, {"task_vectors": norms},
-                          examples=per_example_results(tasks, reference["tasks"], "test_correct"))
+    test = {t: reference["tasks"][t]["test_accuracy"] for t in tasks}
+    norms = {t: {"norm": reference["tasks"][t]["norm"]} for t in tasks}
+    return CellResult(summaries(tasks, test, reference, scorer.metrics), logged, {"task_vectors": norms},
+                      examples=per_example_results(tasks, reference["tasks"], "test_correct"))
 
-    recipe = Recipe.parse(cell.recipe)
-    grid = cell_grid(cell, recipe, scaling)
+
+@contextmanager
+def family_session(cell: Cell, recipe: Recipe, reference: dict, base: Path, experts: list[Path], scorer,
+                   scratch_root: Path, *, device: str = "cpu") -> Iterator[Session]:
+    """A recipe cell of a family: the experts merged checkpoint to checkpoint (weight-space chain) into a scratch
+    directory for each scaling, scored on validation with lm-eval (``scorer``: a ``.stages.LmEval``); only the
+    best merge so far stays on disk, and the scratch directory goes when the cell ends. ``reference``: the
+    family's references (base and experts' scores, norms, task configurations)."""
+    tasks = list(cell.tasks)
     scratch_root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="cell-", dir=scratch_root))
+
+    def merged(value: float):
+        diagnostics: dict = {}
+        out = merge_causal_lms(base, experts, recipe.with_scaling(value), scratch / f"scaling-{value:g}",
+                               device=device, diagnostics=diagnostics)
+        return out, diagnostics
+
+    best: list = []  # [avg normalized score, directory] of the best merge so far: the only one kept on disk
+
+    def validate(outcome) -> tuple[float, float]:
+        val = scorer.score(outcome[0], tasks, "validation", device=device, cache=False)  # scored once
+        avg = sum(val.values()) / len(tasks)
+        norm = sum(val[t] / max(reference["tasks"][t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
+        if not best or norm > best[0]:  # select_scaling's rule: the first of equal scores wins
+            if best:
+                shutil.rmtree(best[1])
+            best[:] = [norm, outcome[0]]
+        else:
+            shutil.rmtree(outcome[0])
+        return avg, norm
+
+    def result(outcome, scaling: float, curve: list) -> CellResult:
+        directory, diagnostics = outcome
+        examples: dict[str, list[float]] = {}  # per-document test scores, for the leaderboard's intervals
+        test = scorer.score(directory, tasks, "test", device=device, cache=False, examples=examples)
+        metrics = {**summaries(tasks, test, reference, scorer.metrics), "selected_scaling": float(scaling)}
+        logged = {**logged_params(cell, reference), "grid": json.dumps(list(cell.grid)),
+                  f"{recipe.merge.name}.scaling": json.dumps(scaling), "scaling_from": cell.scaling_from or "own grid"}
+        for step in recipe.steps:
+            logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+        artifacts = jsonable_diagnostics(diagnostics, None)
+        if curve:
+            artifacts["scaling_curve"] = curve
+        artifacts["task_vectors"] = {t: {"norm": reference["tasks"][t]["norm"]} for t in tasks}
+        return CellResult(metrics, logged, artifacts, examples=examples)
+
     try:
-        def trial(value: float):
-            diagnostics: dict = {}
-            out = merge_causal_lms(base, experts, recipe.with_scaling(value), scratch / f"scaling-{value:g}",
-                                   device=device, diagnostics=diagnostics)
-            return out, diagnostics
-
-        best: list = []  # [avg normalized score, directory] of the best merge so far: the only one kept on disk
-
-        def validate(outcome) -> tuple[float, float]:
-            val = scorer.score(outcome[0], tasks, "validation", device=device, cache=False)  # scored once
-            avg = sum(val.values()) / len(tasks)
-            norm = sum(val[t] / max(reference["tasks"][t]["val_accuracy"], 1e-12) for t in tasks) / len(tasks)
-            if not best or norm > best[0]:  # select_scaling's rule: the first of equal scores wins
-                if best:
-                    shutil.rmtree(best[1])
-                best[:] = [norm, outcome[0]]
-            else:
-                shutil.rmtree(outcome[0])
-            return avg, norm
-
-        chosen_scaling, (merged, diagnostics), curve = select_scaling(grid, trial, validate)
-        test = scorer.score(merged, tasks, "test", device=device, cache=False, examples=examples)
+        yield Session(merged, validate, result)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    metrics = {**summaries(tasks, test, reference, scorer.metrics), "selected_scaling": float(chosen_scaling)}
-    logged = {**logged, "grid": json.dumps(list(cell.grid)), f"{recipe.merge.name}.scaling": json.dumps(chosen_scaling),
-              "scaling_from": cell.scaling_from or "own grid"}
-    for step in recipe.steps:
-        logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
-    artifacts = jsonable_diagnostics(diagnostics, None)
-    if curve:
-        artifacts["scaling_curve"] = curve
-    artifacts["task_vectors"] = {t: {"norm": reference["tasks"][t]["norm"]} for t in tasks}
-    return CellResult(metrics, logged, artifacts, examples=examples)

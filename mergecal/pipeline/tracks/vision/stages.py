@@ -29,18 +29,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..calibrations.distac import DistacStepParams, condition_models
-from ..calibrations.probing import make_accuracy_probe, make_probe, probe_sensitivity
-from ..checkpoint import atomic_write_text, load_state_dict, save_state_dict
-from ..data.vision import PROBE_TASK, TASKS, SuiteConfig, build_vision_suite, load_split, validation_indices
-from ..errors import CheckpointError
-from ..methods.base import build_params
-from ..regimes import DISTAC_PRESETS
-from ..task_vectors import relative_norms, task_vector
-from ..train.finetune import FinetuneConfig
-from ..train.finetune import finetune as finetune_clip
-from ..train.pretrain_clip import PretrainConfig, pretrain_clip
-from .config import Params, VisionTrack
+from ....calibrations.distac import DistacStepParams, condition_models
+from ....calibrations.probing import make_accuracy_probe, make_probe, probe_sensitivity
+from ....checkpoint import atomic_write_text, load_state_dict, save_state_dict
+from ....data.vision import PROBE_TASK, TASKS, SuiteConfig, build_vision_suite, load_split, validation_indices
+from ....errors import CheckpointError
+from ....methods.base import build_params
+from ....regimes import DISTAC_PRESETS
+from ....task_vectors import relative_norms, task_vector
+from ....train.finetune import FinetuneConfig
+from ....train.finetune import finetune as finetune_clip
+from ....train.pretrain_clip import PretrainConfig, pretrain_clip
+from ...config import Params
+from .params import VisionTrack
 
 VISUAL_PREFIX = "visual."
 
@@ -122,10 +123,10 @@ def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", pro
     """Pretrain the CLIP, then cache every task's zero-shot head (the text tower is never fine-tuned, so the
     heads hold for every fine-tuned and merged model) and score the zero-shot model."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ..backbones.open_clip_vit import get_tokenizer, save_clip, zero_shot_head
+    from ....backbones.open_clip_vit import get_tokenizer, save_clip, zero_shot_head
 
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ..evaluation.zeroshot import evaluate
+    from ....evaluation.zeroshot import evaluate
 
     track, paths = params.vision, paths_for(params, root)
     config = PretrainConfig(**{"seed": params.seed, **track.pretrain, "arch": track.arch})
@@ -155,7 +156,7 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
              progress: bool = True) -> dict:
     """Fine-tune one task in one variant (Ilharco et al.: image encoder only, frozen zero-shot head)."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ..backbones.open_clip_vit import load_clip
+    from ....backbones.open_clip_vit import load_clip
 
     track, paths = params.vision, paths_for(params, root)
     if task not in track.tasks:
@@ -233,7 +234,7 @@ class VisionModels:
 
     def model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-        from ..backbones.open_clip_vit import load_clip
+        from ....backbones.open_clip_vit import load_clip
 
         return load_clip(self.track.arch, self.full_state(state))
 
@@ -252,7 +253,7 @@ class TaskHeadModel(torch.nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-        from ..backbones.open_clip_vit import logits
+        from ....backbones.open_clip_vit import logits
 
         return logits(self.clip, self.head, images)
 
@@ -268,7 +269,7 @@ class TaskHeadModel(torch.nn.Module):
 
 def preprocessed(images: np.ndarray, arch: str) -> torch.Tensor:
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ..backbones.open_clip_vit import ARCHITECTURES, preprocess
+    from ....backbones.open_clip_vit import ARCHITECTURES, preprocess
 
     size = ARCHITECTURES[arch]["vision_cfg"]["image_size"] if arch in ARCHITECTURES else None
     return preprocess(images, size)
@@ -278,7 +279,7 @@ def evaluate_tasks(model: torch.nn.Module, heads: dict[str, torch.Tensor], data_
                    split: str, *, max_items: int | None = None, batch_size: int = 256,
                    device: str = "cpu", per_example: bool = False) -> dict[str, dict[str, float]]:
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ..evaluation.zeroshot import evaluate
+    from ....evaluation.zeroshot import evaluate
 
     out = {}
     for task in tasks:
@@ -354,9 +355,10 @@ def distac(params: Params, root: str | Path = ".", *, device: str = "cpu", progr
 
 
 def check_distac_file(path: Path, expected: dict, against: str) -> None:
-    """A DisTaC stage's conditioned checkpoint (this module's ``distac``, ``mergecal.pipeline.local_clip_calibration``)
-    whose recorded step (its ``distac`` metadata) is ``expected``: one CheckpointError naming ``path`` otherwise
-    (``against``: where ``expected`` comes from, for the message)."""
+    """A DisTaC stage's conditioned checkpoint (this module's ``distac``,
+    ``mergecal.pipeline.tracks.local_clip.calibration``) whose recorded step (its ``distac`` metadata) is
+    ``expected``: one CheckpointError naming ``path`` otherwise (``against``: where ``expected`` comes from, for
+    the message)."""
     from safetensors import SafetensorError, safe_open
 
     try:

@@ -29,18 +29,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..backbones.clip_layouts import OpenClipLayoutSource
-from ..backbones.loading import load_weights_file
-from ..checkpoint import (INDEX_SUFFIX, PICKLE_SUFFIXES, DictSource, SafetensorsSource, atomic_write_text,
+from ....backbones.clip_layouts import OpenClipLayoutSource
+from ....backbones.loading import load_weights_file
+from ....checkpoint import (INDEX_SUFFIX, PICKLE_SUFFIXES, DictSource, SafetensorsSource, atomic_write_text,
                           safetensors_files, save_state_dict, weights_candidates)
-from ..data.real_vision import (DatasetError, canonical_task, expected_layouts, find_layout, load_real_split,
+from ....data.real_vision import (DatasetError, canonical_task, expected_layouts, find_layout, load_real_split,
                                 task_metadata)
-from ..data.real_vision import dataset_files as split_files
-from ..errors import CheckpointError, MergecalError
-from .cells import HASH_CACHE, file_digest
-from .config import LocalClipTrack
-from .own_models import check_test_counts, loaded_files, name_under, resolve, tracks_dir
-from .results import one_line
+from ....data.real_vision import dataset_files as split_files
+from ....errors import CheckpointError, MergecalError
+from ...cells import HASH_CACHE, file_digest
+from .params import LocalClipTrack
+from ...own_models import check_test_counts, loaded_files, name_under, resolve, tracks_dir
+from ...results import one_line
 
 VISUAL = "visual."
 PROJECTION = "visual.proj"  # absent from a CLIPVisionModel: the pretrained one is kept
@@ -188,7 +188,7 @@ def finetuned_visual(pre, path: Path, *, allow_unsafe_pickle: bool = False) -> V
 def build_model(arch: str, pre) -> torch.nn.Module:
     """``arch`` with the pretrained weights, copied key by key into the model (no second copy in memory)."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ..backbones.open_clip_vit import create_clip
+    from ....backbones.open_clip_vit import create_clip
 
     try:
         model = create_clip(arch, seed=0)
@@ -252,7 +252,7 @@ class TaskData:
     def score(self, model, head: torch.Tensor, task: str, split: str, device: str = "cpu", *,
               per_example: bool = False) -> dict[str, float]:
         # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-        from ..evaluation.zeroshot import logit_scores, predict_logits
+        from ....evaluation.zeroshot import logit_scores, predict_logits
 
         batch = self.track.evaluation.batch_size
         if split == "validation":
@@ -378,7 +378,7 @@ def references(track: LocalClipTrack, root: str | Path = ".", *, seed: int = 0, 
     is the track's error; an unusable task (checkpoint, dataset) that task's; both one line, and the stage
     goes on with the other tasks and tracks."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ..backbones.open_clip_vit import get_tokenizer, image_size, zero_shot_head
+    from ....backbones.open_clip_vit import get_tokenizer, image_size, zero_shot_head
 
     root = Path(root)
     report: dict = {"name": track.name, "kind": "clip", "tasks": {}}

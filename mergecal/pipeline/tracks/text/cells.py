@@ -1,19 +1,21 @@
 """The text track: the packaged MiniLM encoder, a head per task; merged encoders scored with each task's own head.
 Weight-space chains only: a chain with a step that needs models and data (DisTaC, FSC) has no text adapter yet.
-What its DVC stages build: ``mergecal.pipeline.text``."""
+What its DVC stages build: ``.stages``."""
 
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
-from ...recipe import Recipe
-from ...run_recipe import RecipeInputs
-from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
-                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, recipe_trials,
-                     select_scaling, summaries, validation_averages)
-from ..config import Params
-from ..text import TextModels, data_root, finetuned_path, models_root
+from ....recipe import Recipe
+from ....run_recipe import RecipeInputs, recipe_trials
+from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
+                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, summaries,
+                     validation_averages)
+from ...config import Params
+from .. import Session
+from .stages import TextModels, data_root, finetuned_path, models_root
 
 NAME = "text"
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no text-encoder "
@@ -62,37 +64,44 @@ def cell_fingerprint(cell: Cell, params: Params):
     return fingerprint(params)
 
 
-def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
-        scaling: float | None = None) -> CellResult:
-    """Merge the task encoders (weight-space chain), score every task with its own head."""
+def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
+    """The ``zeroshot`` row (the pretrained encoder with each task's head: no zero-shot head exists) or the
+    ``finetuned`` row (the references)."""
+    models, tasks = TextModels(params, root), list(cell.tasks)
+    reference = json.loads((models_root(params, root) / "references.json").read_text())
+    logged = base_params(cell)
+    if cell.merge == "zeroshot":
+        test = models.evaluate(models.pretrained, tasks, "test", device=device, per_example=True)
+        return CellResult(summaries(tasks, test, reference), logged, examples=per_example_results(tasks, test))
+    return finetuned_reference(tasks, reference, logged)
+
+
+def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
+            device: str = "cpu") -> nullcontext[Session]:
+    """A recipe cell: the task encoders merged (weight-space chain), every task scored with its own head."""
     models, tasks = TextModels(params, root), list(cell.tasks)
     evaluation = params.benchmark.evaluation
     reference = json.loads((models_root(params, root) / "references.json").read_text())
-    logged = base_params(cell)
-    if cell.merge == "zeroshot":  # the pretrained encoder with each task's head (no zero-shot head exists)
-        test = models.evaluate(models.pretrained, tasks, "test", device=device, per_example=True)
-        return CellResult(summaries(tasks, test, reference), logged, examples=per_example_results(tasks, test))
-    if cell.merge == "finetuned":
-        return finetuned_reference(tasks, reference, logged)
-    recipe = Recipe.parse(cell.recipe)
     states = [models.finetuned(t)[0] for t in tasks]
-    grid = cell_grid(cell, recipe, scaling)
-    trial = recipe_trials(recipe, models.pretrained, states, RecipeInputs(progress=False, device=device), grid)
+    merged = recipe_trials(recipe, models.pretrained, states, RecipeInputs(progress=False, device=device), grid)
 
-    def validate(result) -> tuple[float, float]:
-        val = models.evaluate(result.state_dict, tasks, "validation", max_items=evaluation.max_validation,
+    def validate(trial) -> tuple[float, float]:
+        val = models.evaluate(trial.state_dict, tasks, "validation", max_items=evaluation.max_validation,
                               device=device)
         return validation_averages(val, reference, tasks)
 
-    scaling, result, curve = select_scaling(grid, trial, validate)
-    test = models.evaluate(result.state_dict, tasks, "test", device=device, per_example=True)
-    metrics = {**summaries(tasks, test, reference), "selected_scaling": float(scaling)}
-    logged = {**logged, "grid": json.dumps(list(cell.grid)), f"{recipe.merge.name}.scaling": json.dumps(scaling),
-              "scaling_from": cell.scaling_from or "own grid"}
-    for step in recipe.steps:
-        logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
-    artifacts = jsonable_diagnostics(result.diagnostics, None)
-    if curve:
-        artifacts["scaling_curve"] = curve
-    artifacts["task_vectors"] = {t: {"norm": reference[t]["norm"], "entropy": reference[t]["entropy"]} for t in tasks}
-    return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))
+    def result(chosen, scaling: float, curve: list) -> CellResult:
+        test = models.evaluate(chosen.state_dict, tasks, "test", device=device, per_example=True)
+        metrics = {**summaries(tasks, test, reference), "selected_scaling": float(scaling)}
+        logged = {**base_params(cell), "grid": json.dumps(list(cell.grid)),
+                  f"{recipe.merge.name}.scaling": json.dumps(scaling), "scaling_from": cell.scaling_from or "own grid"}
+        for step in recipe.steps:
+            logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+        artifacts = jsonable_diagnostics(chosen.diagnostics, None)
+        if curve:
+            artifacts["scaling_curve"] = curve
+        artifacts["task_vectors"] = {t: {"norm": reference[t]["norm"], "entropy": reference[t]["entropy"]}
+                                     for t in tasks}
+        return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))
+
+    return nullcontext(Session(merged, validate, result))

@@ -1,7 +1,7 @@
 """LLM families from local directories (``local_llm:`` in params.yaml), one configured track each: cells named
 ``local_llm:<name>``, the same cells, merges and lm-eval scoring as the embedded LLM track
-(``mergecal.pipeline.tracks.llm``), on the lab's own base and experts, read in place (never copied). What the
-stages record: ``mergecal.pipeline.local_llm``.
+(``mergecal.pipeline.tracks.llm.cells``), on the lab's own base and experts, read in place (never copied). What the
+stages record: ``.stages``.
 
 A cell's inputs are the files of the model directories it reads (the base; the experts unless it is the
 ``zeroshot`` row), the files defining its tasks and its track's references.json, each hashed by content (cached
@@ -13,14 +13,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...backbones.hf_causal_lm import model_dir_files
-from ...errors import MergecalError
-from ..cells import Cell, CellResult
-from ..config import LocalLlmTrack, Params
-from ..local_llm import (base_path, check_expert, check_model_dir, expert_path, references_path, scorer, task_files,
+from ....backbones.hf_causal_lm import model_dir_files
+from ....errors import MergecalError
+from ....recipe import Recipe
+from ...cells import Cell, CellResult
+from ...config import Params
+from .params import LocalLlmTrack
+from .stages import (base_path, check_expert, check_model_dir, expert_path, references_path, scorer, task_files,
                          work_dir)
-from ..own_models import checked_reference, role_files
-from . import cell_track, configured_track, configured_tracks, llm
+from ...own_models import checked_reference, role_files
+from .. import cell_track, configured_track, configured_tracks
+from ..llm import cells as llm
 
 NAME = "local_llm"
 
@@ -71,16 +74,31 @@ def _reference(track: LocalLlmTrack, cell: Cell, root: Path) -> dict:
     return checked_reference(references_path(track, root), f"local_llm track {track.name!r}", cell.tasks)
 
 
-def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
-        scaling: float | None = None) -> CellResult:
-    root = Path(root)
-    track = configured_track(cell, params)
-    reference = _reference(track, cell, root)
+def _checked_models(cell: Cell, track: LocalLlmTrack, root: Path) -> tuple[Path, list[Path]]:
+    """The base and the experts' directories, checked again here (a directory may have changed since the stage
+    ran); the experts only when the cell reads them (all but the ``zeroshot`` row)."""
     base = base_path(track, root)
     check_model_dir(base, allow_unsafe_pickle=track.allow_unsafe_pickle)
     experts = [expert_path(track, t, root) for t in cell.tasks]
     if cell.merge != "zeroshot":
-        for expert in experts:  # again here: a directory may have changed since the stage ran
+        for expert in experts:
             check_expert(base, expert, allow_unsafe_pickle=track.allow_unsafe_pickle)
-    return llm.run_family_cell(cell, reference, base, experts, scorer(track, root), work_dir(root) / "merged",
-                               device=device, scaling=scaling)
+    return base, experts
+
+
+def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
+    root = Path(root)
+    track = configured_track(cell, params)
+    reference = _reference(track, cell, root)
+    base, _ = _checked_models(cell, track, root)
+    return llm.family_reference(cell, reference, base, scorer(track, root), device=device)
+
+
+def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
+            device: str = "cpu"):
+    root = Path(root)
+    track = configured_track(cell, params)
+    reference = _reference(track, cell, root)
+    base, experts = _checked_models(cell, track, root)
+    return llm.family_session(cell, recipe, reference, base, experts, scorer(track, root), work_dir(root) / "merged",
+                              device=device)

@@ -2,7 +2,7 @@
 ``local_clip:<name>``: the references, then every merge method in every chain of the matrix (``{merge}``,
 ``{merge}>svc``, ``{merge}>wsc``, ``{merge}>dsc``, ``distac>{merge}``, ...), the image encoders merged key by key
 from the lab's checkpoints in place (never copied) and every task scored with its frozen zero-shot head. What
-the stages record: ``mergecal.pipeline.local_clip`` and, for the data chains, ``local_clip_calibration``.
+the stages record: ``.stages`` and, for the data chains, ``.calibration``.
 
 A cell's inputs are its track's references.json (which holds each dataset's digest) and heads, every file
 of the checkpoints it reads (the pretrained model; the fine-tuned ones unless it is the ``zeroshot`` row), each
@@ -19,26 +19,28 @@ pretrained CLIP, one fine-tuned CLIP reloaded per task, and the calibrated copy 
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
-from ...calibrations.fsc import calibrate_fsc
-from ...calibrations.probing import SensitivityRanking
-from ...checkpoint import SafetensorsSource, load_state_dict
-from ...errors import CheckpointError, MergecalError
-from ...merge import iter_weight_space
-from ...recipe import Recipe
-from ...task_vectors import TaskVectorSet
-from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
-                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, select_scaling, summaries,
+from ....calibrations.fsc import calibrate_fsc
+from ....calibrations.probing import SensitivityRanking
+from ....checkpoint import SafetensorsSource, load_state_dict
+from ....errors import CheckpointError, MergecalError
+from ....merge import iter_weight_space
+from ....recipe import Recipe
+from ....task_vectors import TaskVectorSet
+from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
+                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, summaries,
                      uses_sensitivity, validation_averages)
-from ..config import LocalClipTrack, Params
-from ..local_clip import (TaskData, VisualView, arch_of, build_model, checkpoint_files, finetuned_path,
+from ...config import Params
+from .params import LocalClipTrack
+from .stages import (TaskData, VisualView, arch_of, build_model, checkpoint_files, finetuned_path,
                           finetuned_visual, heads_path, load_visual, model_paths, open_checkpoint, pretrained_path,
                           pretrained_visual, references_path, visual_keys)
-from ..local_clip_calibration import distac_dir, read_recorded, sensitivity_path, train_sample
-from ..own_models import checked_reference, role_files
-from ..vision import check_distac_file
-from . import cell_track, configured_track, configured_tracks
+from .calibration import distac_dir, read_recorded, sensitivity_path, train_sample
+from ...own_models import checked_reference, role_files
+from ..vision.stages import check_distac_file
+from .. import Session, cell_track, configured_track, configured_tracks
 
 NAME = "local_clip"
 
@@ -155,7 +157,7 @@ def _fsc_data(params: Params, track: LocalClipTrack, root: Path, tasks: list[str
     import torch
 
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ...backbones.open_clip_vit import preprocess
+    from ....backbones.open_clip_vit import preprocess
 
     n = fsc_params.n_samples_per_task
     data = [preprocess(train_sample(params, track, t, root, n, "the FSC step's n_samples_per_task", size,
@@ -166,27 +168,39 @@ def _fsc_data(params: Params, track: LocalClipTrack, root: Path, tasks: list[str
     return [mixed[torch.randperm(len(mixed), generator=torch.Generator().manual_seed(params.seed))]]
 
 
-def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
-        scaling: float | None = None) -> CellResult:
-    """Merge -> calibrate -> evaluate one cell: DisTaC-conditioned encoders (read from the stage's files) replace
-    their checkpoints, the merge and weight-space steps stream into the model, an FSC step hooks a copy of it."""
+def _logged(cell: Cell, reference: dict) -> dict[str, str]:
+    """The params every cell of the track logs: the architecture, open_clip's version, each dataset's digest."""
+    logged = {**base_params(cell), "arch": reference["arch"], "open_clip_version": _open_clip_version()}
+    for task in cell.tasks:
+        logged[f"data.{task}"] = reference["tasks"][task]["data_digest"][:16]
+    return logged
+
+
+def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
+    """The ``zeroshot`` and ``finetuned`` rows: scored by the stage, read from the references."""
+    track = configured_track(cell, params)
+    reference = _reference(track, cell, Path(root))
+    tasks, per_task = list(cell.tasks), reference["tasks"]
+    logged = _logged(cell, reference)
+    if cell.merge == "zeroshot":
+        test = {t: per_task[t]["zeroshot"]["test"] for t in tasks}
+        return CellResult(summaries(tasks, test, per_task), logged, examples=per_example_results(tasks, test))
+    return finetuned_reference(tasks, {t: per_task[t] for t in tasks}, logged)
+
+
+def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
+            device: str = "cpu") -> nullcontext[Session]:
+    """A recipe cell: DisTaC-conditioned encoders (read from the stage's files) replace their checkpoints, the
+    merge and weight-space steps stream into the model, an FSC step hooks a copy of it."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ...backbones.open_clip_vit import image_size
+    from ....backbones.open_clip_vit import image_size
 
     root = Path(root)
     track = configured_track(cell, params)
     reference = _reference(track, cell, root)
     tasks, per_task = list(cell.tasks), reference["tasks"]
-    logged = {**base_params(cell), "arch": reference["arch"], "open_clip_version": _open_clip_version()}
-    for task in tasks:
-        logged[f"data.{task}"] = per_task[task]["data_digest"][:16]
-    if cell.merge == "zeroshot":  # the references are scored by the stage, on the cells' rows
-        test = {t: per_task[t]["zeroshot"]["test"] for t in tasks}
-        return CellResult(summaries(tasks, test, per_task), logged, examples=per_example_results(tasks, test))
-    if cell.merge == "finetuned":
-        return finetuned_reference(tasks, {t: per_task[t] for t in tasks}, logged)
+    logged = _logged(cell, reference)
 
-    recipe = Recipe.parse(cell.recipe)
     pre = open_checkpoint(pretrained_path(track, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
     pre_visual = pretrained_visual(pre)
     finetuned = [finetuned_visual(pre, finetuned_path(track, t, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
@@ -215,10 +229,9 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         task_models = _ReloadedModels(build_model(arch, pre).to(device), finetuned)
         fsc_data = _fsc_data(params, track, root, tasks, image_size(model), fsc_params)
 
-    grid = cell_grid(cell, recipe, scaling)
     loaded: list = [None, model]  # the scaling whose merge the model holds, and the model scored
 
-    def trial(value: float):
+    def merged(value: float):
         diagnostics: dict = {}
         updates = iter_weight_space(recipe.with_scaling(value), tvs, sensitive=sensitive, diagnostics=diagnostics)
         load_visual(model, ((k, tvs.load_pretrained(k) + u) for k, u in updates))
@@ -234,22 +247,26 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         val = {t: data.score(loaded[1], heads[t], t, "validation", device) for t in tasks}
         return validation_averages(val, per_task, tasks)
 
-    chosen_scaling, (_, diagnostics), curve = select_scaling(grid, trial, validate)
-    if loaded[0] != chosen_scaling:  # the model holds the grid's last merge: stream the chosen one again
-        _, diagnostics = trial(chosen_scaling)
-    test = {t: data.score(loaded[1], heads[t], t, "test", device, per_example=True) for t in tasks}
-    metrics = {**summaries(tasks, test, per_task), "selected_scaling": float(chosen_scaling)}
-    logged = {**logged, "grid": json.dumps(list(cell.grid)), f"{recipe.merge.name}.scaling": json.dumps(chosen_scaling),
-              "scaling_from": cell.scaling_from or "own grid"}
-    for step in recipe.steps:
-        logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
-    artifacts = jsonable_diagnostics(diagnostics, sensitivity_file)
-    if curve:
-        artifacts["scaling_curve"] = curve
-    norms = {t: per_task[t]["norm"] for t in tasks}
-    if conditioned:
-        info = json.loads((distac_dir(track, root) / "distac.json").read_text())
-        artifacts["distac"] = {"kappas": info["kappas"], "conditioned": list(conditioned)}
-        norms.update({t: info["norms"][t]["after"] for t in conditioned})
-    artifacts["task_vectors"] = {t: {"norm": norms[t], "entropy": per_task[t]["entropy"]} for t in tasks}
-    return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))
+    def result(outcome, scaling: float, curve: list) -> CellResult:
+        _, diagnostics = outcome
+        if loaded[0] != scaling:  # the model holds the grid's last merge: stream the chosen one again
+            _, diagnostics = merged(scaling)
+        test = {t: data.score(loaded[1], heads[t], t, "test", device, per_example=True) for t in tasks}
+        metrics = {**summaries(tasks, test, per_task), "selected_scaling": float(scaling)}
+        cell_logged = {**logged, "grid": json.dumps(list(cell.grid)),
+                       f"{recipe.merge.name}.scaling": json.dumps(scaling),
+                       "scaling_from": cell.scaling_from or "own grid"}
+        for step in recipe.steps:
+            cell_logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+        artifacts = jsonable_diagnostics(diagnostics, sensitivity_file)
+        if curve:
+            artifacts["scaling_curve"] = curve
+        norms = {t: per_task[t]["norm"] for t in tasks}
+        if conditioned:
+            info = json.loads((distac_dir(track, root) / "distac.json").read_text())
+            artifacts["distac"] = {"kappas": info["kappas"], "conditioned": list(conditioned)}
+            norms.update({t: info["norms"][t]["after"] for t in conditioned})
+        artifacts["task_vectors"] = {t: {"norm": norms[t], "entropy": per_task[t]["entropy"]} for t in tasks}
+        return CellResult(metrics, cell_logged, artifacts, per_example_results(tasks, test))
+
+    return nullcontext(Session(merged, validate, result))

@@ -1,22 +1,24 @@
 """The vision track: the project's small open_clip ViT, fine-tuned per task (image encoder only), in three regimes;
-every task scored with its frozen zero-shot head. What its DVC stages build: ``mergecal.pipeline.vision``."""
+every task scored with its frozen zero-shot head. What its DVC stages build: ``.stages``."""
 
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
-from ...calibrations.probing import SensitivityRanking
-from ...checkpoint import load_state_dict
-from ...data.vision import load_split
-from ...recipe import Recipe
-from ...run_recipe import RecipeInputs
-from ...task_vectors import task_vector
-from ..cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, finetuned_reference, flat_params,
-                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, recipe_trials,
-                     select_scaling, summaries, uses_sensitivity, validation_averages)
-from ..config import Params
-from ..vision import (VisionModels, check_distac_file, distac_params, evaluate_tasks, paths_for, preprocessed,
+from ....calibrations.probing import SensitivityRanking
+from ....checkpoint import load_state_dict
+from ....data.vision import load_split
+from ....recipe import Recipe
+from ....run_recipe import RecipeInputs, recipe_trials
+from ....task_vectors import task_vector
+from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
+                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, summaries,
+                     uses_sensitivity, validation_averages)
+from ...config import Params
+from .. import Session
+from .stages import (VisionModels, check_distac_file, distac_params, evaluate_tasks, paths_for, preprocessed,
                       regime_variants, task_split)
 
 NAME = "vision"
@@ -73,25 +75,29 @@ def cell_fingerprint(cell: Cell, params: Params):
     return fingerprint(params)
 
 
-def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
-        scaling: float | None = None) -> CellResult:
-    """Merge → calibrate → evaluate one cell: a DisTaC step reads the models its stage conditioned, the merge and
-    weight-space steps stream, FSC hooks the merged model; every task scored with its frozen zero-shot head."""
+def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
+    """The ``zeroshot`` row (the pretrained encoder scored on test) or the ``finetuned`` row (the references)."""
+    models = VisionModels(params, Path(root))
+    paths, tasks = models.paths, list(cell.tasks)
+    reference = json.loads((paths.task_vectors(cell.regime) / "diagnostics.json").read_text())
+    logged = base_params(cell)
+    if cell.merge == "zeroshot":
+        test = evaluate_tasks(models.model({}), models.heads, paths.data, tasks, "test",
+                              batch_size=params.benchmark.evaluation.batch_size, device=device, per_example=True)
+        return CellResult(summaries(tasks, test, reference), logged, examples=per_example_results(tasks, test))
+    return finetuned_reference(tasks, reference, logged)
+
+
+def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
+            device: str = "cpu") -> nullcontext[Session]:
+    """A recipe cell: a DisTaC step reads the models its stage conditioned, the merge and weight-space steps
+    stream, FSC hooks the merged model; every task scored with its frozen zero-shot head."""
     root = Path(root)
     models = VisionModels(params, root)
     paths, tasks = models.paths, list(cell.tasks)
     evaluation = params.benchmark.evaluation
     reference = json.loads((paths.task_vectors(cell.regime) / "diagnostics.json").read_text())
-    logged = base_params(cell)
 
-    if cell.merge == "zeroshot":
-        test = evaluate_tasks(models.model({}), models.heads, paths.data, tasks, "test",
-                              batch_size=evaluation.batch_size, device=device, per_example=True)
-        return CellResult(summaries(tasks, test, reference), logged, examples=per_example_results(tasks, test))
-    if cell.merge == "finetuned":
-        return finetuned_reference(tasks, reference, logged)
-
-    recipe = Recipe.parse(cell.recipe)
     pre_steps = recipe.phase("pre")
     if pre_steps:  # DisTaC ran once in its DVC stage with exactly these parameters (checked here)
         states = []
@@ -114,11 +120,9 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         agnostic = preprocessed(mixed, params.vision.arch)
     inputs = RecipeInputs(build_model=models.model, fsc_data=fsc_data, fsc_agnostic_data=agnostic, sensitive=sensitive,
                           progress=False, device=device)
-
-    grid = cell_grid(cell, recipe, scaling)
     run_trial = recipe_trials(recipe.without_pre_merge(), pre_visual, states, inputs, grid)
 
-    def trial(value: float):
+    def merged(value: float):
         result = run_trial(value)
         return (result.model if result.model is not None else models.model(result.state_dict)), result.diagnostics
 
@@ -127,22 +131,26 @@ def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
                              max_items=evaluation.max_validation, batch_size=evaluation.batch_size, device=device)
         return validation_averages(val, reference, tasks)
 
-    scaling, (model, diagnostics), curve = select_scaling(grid, trial, validate)
-    test = evaluate_tasks(model, models.heads, paths.data, tasks, "test", batch_size=evaluation.batch_size,
-                          device=device, per_example=True)
-    metrics = summaries(tasks, test, reference)
-    metrics["selected_scaling"] = float(scaling)
-    logged = {**logged, "grid": json.dumps(list(cell.grid)), "scaling_from": cell.scaling_from or "own grid"}
-    for step in recipe.steps:
-        logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
-    logged[f"{recipe.merge.name}.scaling"] = json.dumps(scaling)
-    artifacts = jsonable_diagnostics(diagnostics, sensitivity_path)
-    if curve:
-        artifacts["scaling_curve"] = curve
-    if pre_steps:
-        info = json.loads((paths.distac(cell.regime) / "distac.json").read_text())
-        artifacts["distac"] = {"kappas": info["kappas"], "conditioned": info["conditioned"]}
-    norms = {t: float(sum(v.double().pow(2).sum() for v in task_vector(s, pre_visual).values()) ** 0.5)
-             for t, s in zip(tasks, states)}
-    artifacts["task_vectors"] = {t: {"norm": norms[t], "entropy": reference[t]["entropy"]} for t in tasks}
-    return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))
+    def result(outcome, scaling: float, curve: list) -> CellResult:
+        model, diagnostics = outcome
+        test = evaluate_tasks(model, models.heads, paths.data, tasks, "test", batch_size=evaluation.batch_size,
+                              device=device, per_example=True)
+        metrics = summaries(tasks, test, reference)
+        metrics["selected_scaling"] = float(scaling)
+        logged = {**base_params(cell), "grid": json.dumps(list(cell.grid)),
+                  "scaling_from": cell.scaling_from or "own grid"}
+        for step in recipe.steps:
+            logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+        logged[f"{recipe.merge.name}.scaling"] = json.dumps(scaling)
+        artifacts = jsonable_diagnostics(diagnostics, sensitivity_path)
+        if curve:
+            artifacts["scaling_curve"] = curve
+        if pre_steps:
+            info = json.loads((paths.distac(cell.regime) / "distac.json").read_text())
+            artifacts["distac"] = {"kappas": info["kappas"], "conditioned": info["conditioned"]}
+        norms = {t: float(sum(v.double().pow(2).sum() for v in task_vector(s, pre_visual).values()) ** 0.5)
+                 for t, s in zip(tasks, states)}
+        artifacts["task_vectors"] = {t: {"norm": norms[t], "entropy": reference[t]["entropy"]} for t in tasks}
+        return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))
+
+    return nullcontext(Session(merged, validate, result))

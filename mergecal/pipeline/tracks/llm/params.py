@@ -1,0 +1,81 @@
+"""The LLM track's params.yaml section (``llm:``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ....config_types import ConfigValueError, Count
+from ...params_base import Strict, _check_dataclass, _distinct, _known_tasks
+
+
+class LlmEvaluation(Strict):
+    """lm-eval settings of the LLM track: documents per task on validation (choosing the scaling; all of them
+    when larger than the split) and the batch size of each lm-eval scoring call."""
+
+    max_validation: Count = 150
+    batch_size: Count = 32
+
+
+
+class LlmTrack(Strict):
+    """The LLM track: a tiny Llama pretrained by the project on the synthetic corpus, one fine-tuned expert
+    per task, merged experts scored with lm-eval on the suite's local task YAMLs."""
+
+    enabled: bool = True  # as vision: False leaves the cells out; the LLM stages always build the track
+    backbone: str = Field("tiny-llama", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    task_set: str = "llm3"
+    tasks: list[str] = Field(default_factory=lambda: list(_library_default_llm_tasks()))
+    regimes: list[Literal["standard"]] = Field(default_factory=lambda: ["standard"])  # no regime variants yet
+    data: dict[str, Any] = Field(default_factory=dict)  # mergecal.data.llm.LlmSuiteConfig
+    shape: dict[str, Any] = Field(default_factory=dict)  # mergecal.train.lm.TinyLlamaShape
+    pretrain: dict[str, Any] = Field(default_factory=dict)  # mergecal.train.lm.LmTrainConfig
+    finetune: dict[str, Any] = Field(default_factory=dict)  # LmTrainConfig of every expert ...
+    finetune_per_task: dict[str, dict[str, Any]] = Field(default_factory=dict)  # ... with per-task changes
+    evaluation: LlmEvaluation = Field(default_factory=LlmEvaluation)
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, tasks: list[str]) -> list[str]:
+        from ....data.llm import TASKS
+
+        return _known_tasks(tasks, TASKS, "the LLM suite's tasks are")
+
+    @field_validator("regimes")
+    @classmethod
+    def _regimes(cls, regimes: list[str]) -> list[str]:
+        return _distinct(regimes, "regimes")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LlmTrack":
+        from ....data.llm import LlmSuiteConfig
+        from ....train.lm import LmTrainConfig, TinyLlamaShape
+
+        self.data = _check_dataclass(LlmSuiteConfig, self.data, "data")
+        self.shape = _check_dataclass(TinyLlamaShape, self.shape, "shape")
+        self.pretrain = _check_dataclass(LmTrainConfig, self.pretrain, "pretrain")
+        self.finetune = _check_dataclass(LmTrainConfig, self.finetune, "finetune")
+        for task, values in self.finetune_per_task.items():
+            if task not in self.tasks:
+                raise ConfigValueError(f"finetune_per_task.{task}", f"not one of the track's tasks "
+                                                                    f"({', '.join(self.tasks)})")
+            self.finetune_per_task[task] = _check_dataclass(LmTrainConfig, {**self.finetune, **values},
+                                                            f"finetune_per_task.{task}")
+            self.finetune_per_task[task] = {k: self.finetune_per_task[task][k] for k in values}
+        return self
+
+    def finetune_config(self, task: str, seed: int) -> dict[str, Any]:
+        """The LmTrainConfig values of one task's expert."""
+        return {"seed": seed, **self.finetune, **self.finetune_per_task.get(task, {})}
+
+
+def _library_default_llm_tasks() -> tuple[str, ...]:
+    from ....data.llm import TASKS
+
+    return tuple(TASKS)
+
+
+
+#: its section of ``Params`` (``mergecal.pipeline.config``, key: the track's name): (type, default)
+SECTION = (LlmTrack, Field(default_factory=LlmTrack))
