@@ -14,7 +14,7 @@ from pathlib import Path
 from ....backbones.hf_causal_lm_merge import merge_causal_lms
 from ....recipe import Recipe
 from ...cells import (REFERENCES, Cell, CellResult, base_params, cell_grid, flat_params, jsonable_diagnostics,
-                     matrix_chains, per_example_results, recipe_cell, select_scaling)
+                     matrix_chains, per_example_results, per_seed, per_seed_skipped, recipe_cell, select_scaling)
 from ...config import Params
 from .stages import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
 
@@ -48,12 +48,12 @@ def family_skipped(params: Params, track: str, backbone: str, task_set: str, tas
 
 def cells(params: Params) -> list[Cell]:
     track = params.llm
-    return family_cells(params, NAME, track.backbone, track.task_set, track.tasks)
+    return per_seed(family_cells(params, NAME, track.backbone, track.task_set, track.tasks), params.seeds)
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
     track = params.llm
-    return family_skipped(params, NAME, track.backbone, track.task_set, track.tasks)
+    return per_seed_skipped(family_skipped(params, NAME, track.backbone, track.task_set, track.tasks), params.seeds)
 
 
 def model_files(models: dict[str, Path]) -> dict[str, Path]:
@@ -66,10 +66,10 @@ def model_files(models: dict[str, Path]) -> dict[str, Path]:
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
-    files = {"data_manifest": data_root(root) / "manifest.json", "reference": diagnostics_path(params, root)}
+    files = {"data_manifest": data_root(root) / "manifest.json", "reference": diagnostics_path(params, root, cell.seed)}
     models = {"base": base_dir(params, root)}
     if cell.merge != "zeroshot":
-        models.update({f"expert.{t}": expert_dir(params, root, t) for t in cell.tasks})
+        models.update({f"expert.{t}": expert_dir(params, root, t, cell.seed) for t in cell.tasks})
     return {**files, **model_files(models)}
 
 
@@ -109,8 +109,9 @@ def logged_params(cell: Cell, reference: dict) -> dict[str, str]:
 def run(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu",
         scaling: float | None = None) -> CellResult:
     root = Path(root)
-    reference = json.loads(diagnostics_path(params, root).read_text())
-    return run_family_cell(cell, reference, base_dir(params, root), [expert_dir(params, root, t) for t in cell.tasks],
+    reference = json.loads(diagnostics_path(params, root, cell.seed).read_text())
+    experts = [expert_dir(params, root, t, cell.seed) for t in cell.tasks]
+    return run_family_cell(cell, reference, base_dir(params, root), experts,
                            lm_eval_setup(params, root), work_dir(root) / "merged", device=device, scaling=scaling)
 
 
