@@ -217,6 +217,8 @@ class _ParamsChecks(Strict):
     @classmethod
     def _seeds(cls, seeds: list[int]) -> list[int]:
         # the fine-tuning seeds: each repeats the fine-tunes and every stage and cell downstream of them
+        if not seeds:
+            raise ValueError("expected at least one fine-tuning seed, e.g. [0]")
         return _distinct(seeds, "seeds")
 
     @field_validator("distac", check_fields=False)

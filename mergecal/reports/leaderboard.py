@@ -230,6 +230,8 @@ def build_tables(cells: pd.DataFrame, examples: dict[str, Examples | None] | Non
     (``runs.load_examples``), from which the intervals come."""
     examples = examples or {}
     tables = []
+    if SEED not in cells:  # cells read without the seed's column: one (unnamed) seed
+        cells = cells.assign(**{SEED: ""})
     group_by = [*GROUP, SEED]
     seeds = seeds_of(cells)
     keys = sorted({tuple(r) for r in cells[group_by].itertuples(index=False)},
