@@ -30,14 +30,17 @@ def run(stage: Callable, argv: list[str] | None = None, *, threads: bool = False
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--task")
     parser.add_argument("--variant")
+    parser.add_argument("--seed", type=int, help="a per-seed stage's fine-tuning seed (one of params.yaml's seeds)")
     args = parser.parse_args(argv)
     root = Path(args.root).resolve()
     setup_env(root)
-    from mergecal.errors import MergecalError
+    from mergecal.errors import MergecalError, ParameterError
     from mergecal.pipeline.config import load_params
 
     try:
         params = load_params(root / args.params)
+        if args.seed is not None and args.seed not in params.seeds:
+            raise ParameterError(f"--seed {args.seed}: not one of {args.params}'s seeds {params.seeds}")
         if threads:
             from mergecal.pipeline.threads import pin_threads
 

@@ -6,7 +6,7 @@ from stages._common import device, run
 def stage(params, root, args):
     from mergecal.pipeline.tracks.vision import stages as vision
 
-    vision.finetune_all(params, root, device=device(params), progress=False)
+    vision.finetune_all(params, root, seed=args.seed, device=device(params), progress=False)
 
 
 if __name__ == "__main__":

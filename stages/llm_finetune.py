@@ -9,7 +9,7 @@ def stage(params, root, args):
     from mergecal.pipeline.tracks.llm import stages as llm
 
     start = time.perf_counter()  # printed to the stage log only: outputs carry no wall-clock figure
-    meta = llm.finetune(params, args.task, root, device=device(params))
+    meta = llm.finetune(params, args.task, root, seed=args.seed, device=device(params))
     print(f"{args.task}: loss {meta['first_loss']:.2f} -> {meta['final_loss']:.2f} in "
           f"{time.perf_counter() - start:.0f} s")
 

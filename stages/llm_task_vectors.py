@@ -10,7 +10,7 @@ def stage(params, root, args):
     from mergecal.pipeline.tracks.llm import stages as llm
 
     start = time.perf_counter()
-    report = llm.references(params, root, device=device(params))
+    report = llm.references(params, root, seed=args.seed, device=device(params))
     base = report["base"]["test"]
     for task, info in report["tasks"].items():
         print(f"{task}: expert {info['test_accuracy']:.3f}, base {base[task]:.3f}; |tau| {info['norm']:.2f} "

@@ -6,7 +6,7 @@ from stages._common import device, run
 def stage(params, root, args):
     from mergecal.pipeline.tracks.vision import stages as vision
 
-    for regime, keys in vision.probe(params, root, device=device(params)).items():
+    for regime, keys in vision.probe(params, root, seed=args.seed, device=device(params)).items():
         print(f"{regime}: most sensitive {', '.join(keys[:3])}")
 
 

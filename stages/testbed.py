@@ -7,12 +7,12 @@ from stages._common import device, run
 
 def stage(params, root, args):
     from mergecal.checkpoint import atomic_write_text
-    from mergecal.pipeline.testbed import health_markdown, vision_health
+    from mergecal.pipeline.testbed import testbed_document, testbed_markdown
 
     results = json.loads((root / "results" / "benchmark.json").read_text())
-    health = vision_health(params, root, results, device=device(params))
+    health = testbed_document(params, root, results, device=device(params))  # every fine-tuning seed's
     atomic_write_text(root / "reports" / "testbed.json", json.dumps(health, indent=2, sort_keys=True) + "\n")
-    text = health_markdown(health)
+    text = testbed_markdown(health)
     atomic_write_text(root / "reports" / "testbed.md", text)
     print(text)
 

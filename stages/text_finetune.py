@@ -9,7 +9,7 @@ def stage(params, root, args):
     from mergecal.pipeline.tracks.text import stages as text
 
     start = time.perf_counter()  # printed to the stage log only: outputs carry no wall-clock figure
-    meta = text.finetune(params, args.task, root, device=device(params))
+    meta = text.finetune(params, args.task, root, seed=args.seed, device=device(params))
     print(f"{args.task}: validation accuracy {meta['val_accuracy']:.3f} in {time.perf_counter() - start:.0f} s")
 
 

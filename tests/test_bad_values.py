@@ -68,3 +68,25 @@ def test_cli_refuses_nan_scaling_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("mergecal: error: ties: parameter 'scaling'") and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value, message", [
+    ("[]", r"seeds: expected at least one fine-tuning seed, e.g. \[0\]$"),
+    ("[0, 1, 0]", r"seeds: seeds must be distinct; 0 is listed twice$"),
+    ("[-1]", r"seeds\.0: Input should be greater than or equal to 0$"),
+    ("[1.5]", r"seeds\.0: Input should be a valid integer"),
+    ("[true]", r"seeds\.0: Input should be a valid integer"),
+    ("3", r"seeds: Input should be a valid list"),
+])
+def test_params_seeds_must_be_distinct_non_negative_integers(tmp_path, value, message):
+    from pathlib import Path
+
+    from mergecal.pipeline.config import load_params
+
+    text = (Path(__file__).resolve().parents[1] / "params.yaml").read_text()
+    assert "\nseeds: [0]\n" in text
+    path = tmp_path / "params.yaml"
+    path.write_text(text.replace("\nseeds: [0]\n", f"\nseeds: {value}\n"))
+    with pytest.raises(ParameterError, match=message) as info:
+        load_params(path)
+    assert str(info.value).startswith(f"{path}: seeds") and "\n" not in str(info.value)

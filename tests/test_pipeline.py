@@ -42,7 +42,7 @@ def test_repository_params_yaml_is_valid_and_complete_for_dvc():
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"vison": {}}, r"vison: unknown key; allowed: seed, device, threads, vision"),
+    ({"vison": {}}, r"vison: unknown key; allowed: seed, seeds, device, threads, vision"),
     ({"vision": {"tasks": ["shapes", "sahpes"]}}, r"vision.tasks: unknown task 'sahpes' in task set 'vision8'; "
                                                   r"choose from: shapes"),
     ({"benchmark": {"merges": {"tie": {}}}}, r"unknown merge method 'tie'; choose from: .*ties"),
@@ -687,8 +687,8 @@ def test_committed_stage_outputs_carry_no_wall_clock_figures(built):
 
     root, params = built
     paths = vision.paths_for(params, root)
-    files = [paths.models / "pretrained.json", *sorted(paths.models.glob("finetuned/*/*.json")),
-             *sorted((root / "models" / params.text.backbone).glob("finetuned/*/*.json"))]
+    files = [paths.models / "pretrained.json", *sorted(paths.seeded.glob("finetuned/*/*.json")),
+             *sorted((root / "models" / params.text.backbone).glob("seeds/*/finetuned/*/*.json"))]
     assert len(files) > 3
     timing = re.compile(r"second|time|date|elapsed|host", re.I)
     for path in files:
@@ -720,7 +720,7 @@ def test_stages_write_only_what_a_later_stage_reads(built):
     """Regression (#18 defect 5): the task_vectors stage wrote tau safetensors that nothing read (cells, DisTaC
     and probing compute tau from the checkpoints); it writes its diagnostics only."""
     root, params = built
-    out = vision.paths_for(params, root).models / "task_vectors"
+    out = vision.paths_for(params, root).seeded / "task_vectors"
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["diagnostics.json"] * len(params.vision.regimes)
 
 

@@ -80,3 +80,69 @@ def test_seed_spread_refuses_bad_items_in_one_line(tmp_path, capsys):
     out = tmp_path / "seeds.md"
     assert script.main([f"0={good}", f"1={good}", "--out", str(out)]) == 0
     assert out.read_text().startswith("## Across seeds (0, 1)")
+
+
+# --- one run with several fine-tuning seeds (`seeds:` in params.yaml): the leaderboard's "Across seeds" section ---
+
+def _seeded_store(tmp_path, seeds):
+    """A tmp MLflow store with one finished invocation whose cells carry the ``mergecal.seed`` tag of each seed."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("mergecal", artifact_location=str(tmp_path / "artifacts"))
+    start = 1_790_000_000_000
+    parent = client.create_run(exp, start_time=start, tags={"mergecal.kind": "invocation",
+                                                            "mergecal.invocation_id": "inv"})
+    cells = {"zeroshot": ("zeroshot", "none", 0.40), "finetuned": ("finetuned", "none", 0.90),
+             "task_arithmetic": ("task_arithmetic", "none", 0.70),
+             "task_arithmetic>svc": ("task_arithmetic", "svc", 0.72)}
+    for seed in seeds:
+        for j, (recipe, (merge, calibration, acc)) in enumerate(cells.items()):
+            acc += 0.01 * seed  # each seed's models score a little differently
+            run = client.create_run(exp, start_time=start + j + 1, tags={
+                "mlflow.parentRunId": parent.info.run_id, "mergecal.kind": "cell", "mergecal.invocation_id": "inv",
+                "mergecal.cell_id": f"{recipe}-{seed}", "mergecal.status": "ok", "mergecal.backbone": "vit",
+                "mergecal.task_set": "two", "mergecal.regime": "standard", "mergecal.merge": merge,
+                "mergecal.calibration": calibration, "mergecal.recipe": recipe, "mergecal.tasks": "a,b",
+                "mergecal.seed": str(seed)})
+            metrics = [Metric(n, acc, start, 0) for n in ("acc.a", "acc.b", "avg_acc")]
+            client.log_batch(run.info.run_id, metrics=metrics + [Metric("avg_norm_acc", acc / 0.9, start, 0)])
+            client.set_terminated(run.info.run_id, "FINISHED", end_time=start + 100)
+    client.set_terminated(parent.info.run_id, end_time=start + 200)
+    return uri
+
+
+@pytest.mark.integration
+def test_a_run_with_two_seeds_reports_each_seeds_tables_and_the_across_seeds_section(tmp_path):
+    pytest.importorskip("mlflow")
+    from mergecal.reports import write_reports
+
+    out = tmp_path / "reports"
+    write_reports(_seeded_store(tmp_path, (0, 1)), "mergecal", out)
+    document = json.loads((out / "leaderboard.json").read_text())
+    assert sorted(document["leaderboard"]) == ["seed_0", "seed_1"]
+    seed_1 = document["leaderboard"]["seed_1"]["vit"]["two"]["standard"]
+    assert seed_1["task_arithmetic"]["values"]["avg_acc"] == pytest.approx(0.71)
+    across = {r["row"]: r for r in document["across_seeds"]["rows"]}
+    assert document["across_seeds"]["seeds"] == [0, 1]
+    assert across["task_arithmetic"]["values"] == pytest.approx({"0": 70.0, "1": 71.0})
+    assert across["task_arithmetic"]["mean"] == pytest.approx(70.5)
+    assert across["task_arithmetic>svc"]["changes"] == pytest.approx({"0": 2.0, "1": 2.0})
+    markdown = (out / "leaderboard.md").read_text()
+    assert "## vit · two · standard · seed 1" in markdown and "## Across seeds (0, 1)" in markdown
+    assert 'id="across-seeds"' in (out / "leaderboard.html").read_text()
+
+
+@pytest.mark.integration
+def test_a_run_with_one_seed_keeps_the_leaderboard_as_it_was(tmp_path):
+    pytest.importorskip("mlflow")
+    from mergecal.reports import write_reports
+
+    out = tmp_path / "reports"
+    write_reports(_seeded_store(tmp_path, (0,)), "mergecal", out)
+    document = json.loads((out / "leaderboard.json").read_text())
+    assert list(document["leaderboard"]) == ["vit"] and "across_seeds" not in document
+    markdown = (out / "leaderboard.md").read_text()
+    assert "## vit · two · standard\n" in markdown and "Across seeds" not in markdown

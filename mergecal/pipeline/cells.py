@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -54,9 +54,10 @@ class Cell:
     recipe: str = ""  # canonical recipe id at the grid's first scaling
     grid: tuple[float, ...] = ()  # scalings tried on validation (empty: the method's own value)
     calibration: str = "none"  # the chain without the merge, e.g. "svc", "distac>svc>dsc"
-    # calibrated_scaling 'selected': the chain whose cell (same track, regime, merge) chooses the scaling this
-    # cell calibrates; "" when the cell searches its own grid
+    # calibrated_scaling 'selected': the chain whose cell (same track, regime, merge, seed) chooses the scaling
+    # this cell calibrates; "" when the cell searches its own grid
     scaling_from: str = ""
+    seed: int = 0  # the fine-tuning seed of the models it merges (``seeds`` in params.yaml)
 
     @property
     def label(self) -> str:
@@ -99,6 +100,16 @@ def matrix_chains(params: Params):
                            for chain in protocol.chains]
         for chain, chain_values, chain_grid in chains:
             yield merge, chain, chain_values, chain_grid, Recipe.parse(chain.replace("{merge}", merge))
+
+
+def per_seed(cells: list[Cell], seeds) -> list[Cell]:
+    """A track's cells once per fine-tuning seed, seed by seed: every seed has the same matrix."""
+    return [replace(cell, seed=seed) for seed in seeds for cell in cells]
+
+
+def per_seed_skipped(skipped: list[tuple[Cell, str]], seeds) -> list[tuple[Cell, str]]:
+    """``per_seed`` of a track's skipped chains (each with its reason)."""
+    return [(replace(cell, seed=seed), reason) for seed in seeds for cell, reason in skipped]
 
 
 def enumerate_cells(params: Params) -> list[Cell]:
@@ -254,13 +265,13 @@ def cell_id(cell: Cell, params: Params, root: str | Path, source_id: str | None 
 
 def source_index(cells: list[Cell]) -> list[int | None]:
     """For each cell, the index of the cell that chooses its scaling (None: it chooses its own)."""
-    where = {(c.track, c.regime, c.merge, c.chain): i for i, c in enumerate(cells)}
+    where = {(c.track, c.regime, c.merge, c.chain, c.seed): i for i, c in enumerate(cells)}
     out = []
     for cell in cells:
         if not cell.scaling_from:
             out.append(None)
             continue
-        index = where.get((cell.track, cell.regime, cell.merge, cell.scaling_from))
+        index = where.get((cell.track, cell.regime, cell.merge, cell.scaling_from, cell.seed))
         if index is None:
             raise MergecalError(f"cell {cell.label!r} ({cell.regime}): its scaling source {cell.scaling_from!r} "
                                 "is not in the matrix")
@@ -397,7 +408,8 @@ def run_cell(cell: Cell, params: Params, root: str | Path = ".", *, device: str 
 def base_params(cell: Cell) -> dict[str, str]:
     """The MLflow params every cell of any track logs."""
     return {"track": cell.track, "backbone": cell.backbone, "regime": cell.regime, "recipe": cell.recipe,
-            "mergecal_version": __version__, "mergecal_code": cell_code_digest(cell.track, cell.recipe)[:16]}
+            "mergecal_version": __version__, "mergecal_code": cell_code_digest(cell.track, cell.recipe)[:16],
+            "seed": str(cell.seed)}
 
 
 def recipe_cell(params: Params, track: str, backbone: str, task_set: str, tasks, regime: str, merge: str, chain: str,

@@ -24,7 +24,7 @@ from ..config_types import (ConfigValueError, Count, NonNegativeInt, NonNegative
 from ..errors import MergecalError, ParameterError
 
 
-from .params_base import Strict
+from .params_base import Strict, _distinct
 from .tracks import param_sections
 
 
@@ -213,6 +213,14 @@ class _ParamsChecks(Strict):
             raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {device!r}")
         return device
 
+    @field_validator("seeds", check_fields=False)
+    @classmethod
+    def _seeds(cls, seeds: list[int]) -> list[int]:
+        # the fine-tuning seeds: each repeats the fine-tunes and every stage and cell downstream of them
+        if not seeds:
+            raise ValueError("expected at least one fine-tuning seed, e.g. [0]")
+        return _distinct(seeds, "seeds")
+
     @field_validator("distac", check_fields=False)
     @classmethod
     def _distac(cls, values: dict[str, Any]) -> dict[str, Any]:
@@ -246,7 +254,8 @@ TRACK_SECTIONS = param_sections()
 #: params.yaml: the core sections around the tracks' (this order is the order ``model_dump`` writes)
 Params = create_model(
     "Params", __base__=_ParamsChecks, __module__=__name__,
-    seed=(NonNegativeInt, 0),
+    seed=(NonNegativeInt, 0),  # the data's and the pretrained backbones' (shared by every fine-tuning seed)
+    seeds=(list[NonNegativeInt], Field(default_factory=lambda: [0])),  # the fine-tuning seeds (docs/pipeline.md)
     device=(str, "auto"),
     # torch's threads in every stage that trains or evaluates (a model's bits depend on it; mergecal.pipeline.threads)
     threads=(ThreadCount, 2),
@@ -257,6 +266,18 @@ Params = create_model(
     tracking=(Tracking, Field(default_factory=Tracking)),
     runner=(Runner, Field(default_factory=Runner)),
 )
+
+
+def fine_tuning_seed(params: Params, seed: int | None = None) -> int:
+    """``seed``, or else the first of ``params.seeds``: the seed whose models a caller that names none reads (the
+    stability stage, the own-model tracks' cells)."""
+    return params.seeds[0] if seed is None else seed
+
+
+def seed_dir(models: Path, seed: int) -> Path:
+    """Where one fine-tuning seed's models and what is built from them lie under a backbone's ``models``
+    directory: the same layout for every seed."""
+    return models / "seeds" / str(seed)
 
 
 def _one_line(err: ValidationError, source: str) -> str:

@@ -28,7 +28,7 @@ def summary_row(cell, cell_id: str, metrics: dict[str, float] | None = None, err
                 skipped: str | None = None) -> dict:
     """One row of ``benchmark.json``: the cell's identity and headline figures, its error, or why it is skipped."""
     row = {"cell_id": cell_id, "track": cell.track, "label": cell.label, "regime": cell.regime, "merge": cell.merge,
-           "calibration": cell.calibration}
+           "calibration": cell.calibration, "seed": cell.seed}
     if error is not None:
         return {**row, "error": error}
     if skipped is not None:
@@ -48,15 +48,18 @@ def write_results(output: Path, experiment: str, n_cells: int, failed: int, rows
     """Write ``output`` (benchmark.json) and, beside it, invocation.json, metrics.json and leaderboard.csv;
     returns the summary the flow returns (the two JSON documents together)."""
     outcome = {"experiment": experiment, "cells": n_cells, "failed": failed,
-               "rows": sorted(rows, key=lambda r: (r["track"], r["regime"], r["label"]))}
+               "rows": sorted(rows, key=lambda r: (r["track"], r["regime"], r["label"], r.get("seed", 0)))}
     atomic_write_text(output, json.dumps(outcome, indent=2))
     atomic_write_text(output.with_name(INVOCATION_FILE), json.dumps(invocation, indent=2))
+    # with several fine-tuning seeds a row's key names its seed (one seed: the keys as they always were)
+    several = len({r.get("seed", 0) for r in rows}) > 1
+    regime = (lambda r: f"{r['regime']}@seed{r.get('seed', 0)}") if several else (lambda r: r["regime"])
     metrics = {"cells": n_cells, "failed": failed,
-               **{f"{r['track']}/{r['regime']}/{r['label']}": round(r["avg_norm_acc"], 4)  # tracks share labels
+               **{f"{r['track']}/{regime(r)}/{r['label']}": round(r["avg_norm_acc"], 4)  # tracks share labels
                   for r in outcome["rows"] if "avg_norm_acc" in r}}
     atomic_write_text(output.with_name("metrics.json"), json.dumps(metrics, indent=2, sort_keys=True))
     csv = ["track,regime,label,avg_acc,avg_norm_acc"] + [
-        f"{r['track']},{r['regime']},{r['label']},{r['avg_acc']:.4f},{r['avg_norm_acc']:.4f}"
+        f"{r['track']},{regime(r)},{r['label']},{r['avg_acc']:.4f},{r['avg_norm_acc']:.4f}"
         for r in outcome["rows"] if "avg_acc" in r]
     atomic_write_text(output.with_name("leaderboard.csv"), "\n".join(csv) + "\n")
     return {**invocation, **outcome}

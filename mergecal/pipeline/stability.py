@@ -114,10 +114,12 @@ def track_stability(evaluate: Callable[[int | None], Examples], seeds: Sequence[
     return move_summary(baseline, [evaluate(seed) for seed in seeds])
 
 
-def chosen_scaling(results: dict, track: str, label: str = MERGE, regime: str = REGIME) -> float | None:
-    """The scaling the benchmark chose for the ``label`` row of ``track`` (``results``: benchmark.json)."""
+def chosen_scaling(results: dict, track: str, label: str = MERGE, regime: str = REGIME,
+                   seed: int = 0) -> float | None:
+    """The scaling the benchmark chose for the ``label`` row of ``track`` with fine-tuning seed ``seed``
+    (``results``: benchmark.json; a row written before seeds were recorded is seed 0's)."""
     for row in results.get("rows", []):
-        if (row.get("track"), row.get("regime"), row.get("label")) == (track, regime, label):
+        if (row.get("track"), row.get("regime"), row.get("label"), row.get("seed", 0)) == (track, regime, label, seed):
             return row.get("selected_scaling")
     return None
 
@@ -189,7 +191,8 @@ def _track_settings(params: Params, track: str):
 
 
 def measure(params: Params, root: str | Path, results: dict, *, device: str = "cpu") -> dict:
-    """The stability document (``reports/stability.json``) of every enabled track among ``TRACKS``."""
+    """The stability document (``reports/stability.json``) of every enabled track among ``TRACKS``, on the models
+    of the first fine-tuning seed (``params.seeds``; the document names it when there are several)."""
     root = Path(root)
     entries = []
     for track in TRACKS:
@@ -198,7 +201,7 @@ def measure(params: Params, root: str | Path, results: dict, *, device: str = "c
             continue
         entry = {"track": track, "backbone": settings.backbone, "task_set": settings.task_set, "recipe": MERGE,
                  "regime": REGIME}
-        scaling = chosen_scaling(results, track)
+        scaling = chosen_scaling(results, track, seed=params.seeds[0])
         if scaling is None:
             entries.append({**entry, "stable": None, "not_measured": f"results/benchmark.json has no {MERGE} row "
                             f"with a chosen scaling for the {REGIME} regime"})
@@ -214,7 +217,10 @@ def measure(params: Params, root: str | Path, results: dict, *, device: str = "c
             evaluation = vision_evaluation if track == "vision" else text_evaluation
             figures = track_stability(evaluation(params, root, scaling, device))
         entries.append({**entry, "scaling": scaling, **figures})
-    return {"relative_size": RELATIVE_SIZE, "seeds": list(SEEDS), "tracks": entries}
+    document = {"relative_size": RELATIVE_SIZE, "seeds": list(SEEDS), "tracks": entries}
+    if len(params.seeds) > 1:  # one seed's models measure the pipeline's stability; the others are not measured
+        document["fine_tuning_seed"] = params.seeds[0]
+    return document
 
 
 def read_results(path: Path) -> dict:
@@ -235,6 +241,9 @@ def stability_markdown(document: dict) -> str:
     lines = [section_markdown(document),
              "| track | recipe | scaling | avg acc % | 95 % half-width | largest avg move | per seed | "
              "largest task move | outcomes changed % | verdict |", "|---|---|---|---:|---:|---:|---|---|---:|---|"]
+    if "fine_tuning_seed" in document:
+        lines[:0] = [f"Measured on the models of fine-tuning seed {document['fine_tuning_seed']} (the first of "
+                     "`seeds`); the other seeds' models are not measured.", ""]
     for e in document["tracks"]:
         if e.get("stable") is None:
             continue

@@ -57,14 +57,17 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _rows(results: dict, track: str) -> dict[tuple[str, str], dict]:
-    return {(r["regime"], r["label"]): r for r in results.get("rows", []) if r.get("track", track) == track}
+def _rows(results: dict, track: str, seed: int) -> dict[tuple[str, str], dict]:
+    """The track's rows of one fine-tuning seed (a row written before seeds were recorded is seed 0's)."""
+    return {(r["regime"], r["label"]): r for r in results.get("rows", [])
+            if r.get("track", track) == track and r.get("seed", 0) == seed}
 
 
 def vision_health(params: Params, root: str | Path = ".", results: dict | None = None, *,
-                  device: str = "cpu") -> dict:
-    """The measured criteria of the vision track (``results``: the benchmark flow's summary, for the merge cells)."""
-    track, paths = params.vision, paths_for(params, root)
+                  device: str = "cpu", seed: int | None = None) -> dict:
+    """The measured criteria of the vision track on the models of fine-tuning seed ``seed`` (None: the first of
+    ``params.seeds``; ``results``: the benchmark flow's summary, for the merge cells)."""
+    track, paths = params.vision, paths_for(params, root, seed)
     tasks = list(track.tasks)
     zeroshot = _load(paths.models / "pretrained.json")["zeroshot"]
     diagnostics = {r: _load(paths.task_vectors(r) / "diagnostics.json") for r in track.regimes}
@@ -78,7 +81,7 @@ def vision_health(params: Params, root: str | Path = ".", results: dict | None =
         "min_finetuned": min(ft.values()), "avg_finetuned": float(np.mean(list(ft.values()))),
         "zeroshot_gap": float(np.mean(list(ft.values())) - np.mean(list(zs.values()))),
     }
-    rows = _rows(results or {}, "vision")
+    rows = _rows(results or {}, "vision", paths.seed)
     merges: dict[str, dict] = {}
     for name, values in params.benchmark.merges.items():
         grid = values.get("scaling") if isinstance(values, dict) else None
@@ -108,7 +111,7 @@ def vision_health(params: Params, root: str | Path = ".", results: dict | None =
                                     "relative_norm": mismatch[hot]["relative_norms"]["all"]}
         if ta and ta["scaling"] is not None:
             # DisTaC's Fig. 1 setting: the scaling tuned on the standard models, applied to the mismatched set
-            models = VisionModels(params, root)
+            models = VisionModels(params, root, paths.seed)
             state = merge_models(models.visual_pretrained(), models.finetuned("norm_mismatch"),
                                  TaskArithmetic(scaling=ta["scaling"]))
             test = evaluate_tasks(models.model(state), models.heads, paths.data, tasks, "test",
@@ -142,9 +145,24 @@ def vision_health(params: Params, root: str | Path = ".", results: dict | None =
     checks = [{"key": c.key, "description": c.description, "threshold": c.threshold,
                "direction": ">=" if c.higher_is_better else "<=", "value": measured.get(c.key),
                "holds": c.holds(measured.get(c.key))} for c in CRITERIA]
-    return {"backbone": track.backbone, "arch": track.arch, "seed": params.seed, "tasks": per_task,
+    return {"backbone": track.backbone, "arch": track.arch, "seed": paths.seed, "tasks": per_task,
             "merges": merges, "regimes": regimes, "probe": probe, "criteria": checks,
             "healthy": all(c["holds"] for c in checks)}
+
+
+def testbed_document(params: Params, root: str | Path = ".", results: dict | None = None, *,
+                     device: str = "cpu") -> dict:
+    """reports/testbed.json: the health of the one fine-tuning seed (as it always was), or with several seeds
+    ``{"seeds": {seed: health}, "healthy": every seed's verdict}``."""
+    healths = [vision_health(params, root, results, device=device, seed=s) for s in params.seeds]
+    if len(healths) == 1:
+        return healths[0]
+    return {"seeds": {str(h["seed"]): h for h in healths}, "healthy": all(h["healthy"] for h in healths)}
+
+
+def testbed_markdown(document: dict) -> str:
+    """reports/testbed.md: ``health_markdown`` of each seed's health (each titled with its seed)."""
+    return "\n".join(health_markdown(h) for h in document.get("seeds", {"": document}).values())
 
 
 def _fmt(value) -> str:

@@ -27,7 +27,7 @@ EXAMPLES = f"{EXAMPLES_DIR}/{EXAMPLES_SPLIT}.json"
 # Every tag the pipeline writes, named once here; the reports read them by these names (mergecal.reports.runs).
 PREFIX = "mergecal."
 TAGS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
-        "regime", "merge", "calibration", "recipe", "recipe_id", "tasks", "track", "device")
+        "regime", "merge", "calibration", "recipe", "recipe_id", "tasks", "track", "device", "seed")
 
 
 def tag(name: str) -> str:
@@ -41,7 +41,8 @@ def cell_tags(cell) -> dict[str, str]:
     """The tags that identify a cell's run (a ``mergecal.pipeline.cells.Cell``)."""
     return {tag("backbone"): cell.backbone, tag("task_set"): cell.task_set, tag("regime"): cell.regime,
             tag("merge"): cell.merge, tag("calibration"): cell.calibration, tag("recipe"): cell.label,
-            tag("recipe_id"): cell.recipe or cell.merge, tag("tasks"): ",".join(cell.tasks), tag("track"): cell.track}
+            tag("recipe_id"): cell.recipe or cell.merge, tag("tasks"): ",".join(cell.tasks), tag("track"): cell.track,
+            tag("seed"): str(cell.seed)}
 
 
 def store_dir(root: str | Path, store: str) -> Path:

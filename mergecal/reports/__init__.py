@@ -23,7 +23,9 @@ from .history import DEFAULT_METRIC, DEFAULT_THRESHOLD, find_regressions, histor
     history_markdown, history_plots
 from .leaderboard import Table, build_tables, table_html, table_markdown, tables_json
 from .plots import Plot, diagnostic_plots, slug
-from .runs import cells_of, invocations, load_diagnostics, load_examples, load_runs, pick_invocation
+from .runs import SEED, cells_of, invocations, load_diagnostics, load_examples, load_runs, pick_invocation, seeds_of
+from .seeds import documents_by_seed, rows_json, seed_rows
+from .seeds import markdown as seeds_markdown
 from .stability import section_markdown, table_warning
 
 HISTORY_FILES = ("history.md", "history.html")  # beside the leaderboard, not DVC outputs
@@ -116,6 +118,8 @@ def markdown_html(text: str) -> str:
         flush()
         if line.startswith("## "):
             out.append(f"<h2>{esc(line[3:])}</h2>")
+        elif line.startswith("### "):
+            out.append(f"<h3>{esc(line[4:])}</h3>")
         elif line.strip():
             out.append(f"<p>{esc(line)}</p>")
     flush()
@@ -123,7 +127,7 @@ def markdown_html(text: str) -> str:
 
 
 def _html_page(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None,
-               stability: str | None = None) -> str:
+               stability: str | None = None, across_seeds: str | None = None) -> str:
     esc = html.escape
     anchors = [(slug(t.title), t.title) for t in tables]
     body = ["<h1>mergecal leaderboard</h1>", f'<p class="meta">{esc(_meta_line(meta).replace("`", ""))}</p>',
@@ -134,9 +138,13 @@ def _html_page(meta: dict, tables: list[Table], plots: list[Plot], testbed: str 
         body.append(f'<section id="stability">\n{markdown_html(stability)}</section>')
     body.append("<ul>")
     body += [f'<li><a href="#{a}">{esc(t)}</a></li>' for a, t in anchors]
+    if across_seeds:
+        body.append('<li><a href="#across-seeds">Across seeds</a></li>')
     body += ['<li><a href="#diagnostics">Diagnostics</a></li>', '<li><a href="history.html">History</a></li>', "</ul>"]
     for (anchor, _), table in zip(anchors, tables):
         body.append(f'<section id="{anchor}">\n{table_html(table)}</section>')
+    if across_seeds:
+        body.append(f'<section id="across-seeds">\n{markdown_html(across_seeds)}</section>')
     body.append('<section id="diagnostics"><h2>Diagnostics</h2>')
     if not plots:
         body.append("<p>No diagnostic artifacts in this invocation.</p>")
@@ -154,13 +162,15 @@ def _page(title: str, body: list[str]) -> str:
 
 
 def _markdown(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None,
-              stability: str | None = None) -> str:
+              stability: str | None = None, across_seeds: str | None = None) -> str:
     parts = ["# mergecal leaderboard", "", _meta_line(meta), "", LEGEND.replace("is marked", "is in bold"), ""]
     if testbed:
         parts += [testbed]
     if stability:
         parts += [stability]
     parts += [table_markdown(t) for t in tables]
+    if across_seeds:
+        parts += [across_seeds]
     if plots:
         parts += ["## Diagnostics", ""] + [f"![{p.title}](plots/{p.name}.svg)\n" for p in plots]
     return "\n".join(parts)
@@ -186,8 +196,12 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
     tables = [replace(t, warning=table_warning(stability, t.backbone, t.task_set))
               for t in build_tables(cells, examples)]
     section = section_markdown(stability) if stability else None
-    diagnostics = {rid: load_diagnostics(tracking_uri, uri) for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
-    plots = diagnostic_plots(cells, diagnostics)
+    seeds = seeds_of(cells)
+    # with several fine-tuning seeds the diagnostic plots show the first seed's cells (one series per recipe)
+    shown = cells[cells[SEED] == seeds[0]] if len(seeds) > 1 else cells
+    first = shown[shown["status"] == "ok"]
+    diagnostics = {rid: load_diagnostics(tracking_uri, uri) for rid, uri in zip(first["run_id"], first["artifact_uri"])}
+    plots = diagnostic_plots(shown, diagnostics)
     trend = history_plots(runs, metric)
 
     written: dict[str, Path] = {}
@@ -197,12 +211,17 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
         if f"plots/{stale.name}" not in written:
             stale.unlink()
     document = {"results": meta, "leaderboard": tables_json(tables)}
+    across = None
+    if len(seeds) > 1:  # mean and spread across the fine-tuning seeds, each calibration's verdict across them
+        rows = seed_rows(documents_by_seed(document["leaderboard"]))
+        document["across_seeds"] = {"seeds": [int(s) for s in seeds], "rows": rows_json(rows)}
+        across = seeds_markdown(rows, [int(s) for s in seeds])
     written["leaderboard.json"] = atomic_write_text(out / "leaderboard.json",
                                                     json.dumps(document, indent=2, sort_keys=True) + "\n")
     written["leaderboard.md"] = atomic_write_text(out / "leaderboard.md",
-                                                  _markdown(meta, tables, plots, testbed, section))
+                                                  _markdown(meta, tables, plots, testbed, section, across))
     written["leaderboard.html"] = atomic_write_text(out / "leaderboard.html",
-                                                    _html_page(meta, tables, plots, testbed, section))
+                                                    _html_page(meta, tables, plots, testbed, section, across))
     written["history.md"] = atomic_write_text(out / "history.md", history_markdown(runs, metric, threshold))
     history_body = ['<p><a href="leaderboard.html">Leaderboard</a></p>', history_html(runs, metric, threshold)]
     written["history.html"] = atomic_write_text(out / "history.html", _page(

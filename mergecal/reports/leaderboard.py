@@ -19,7 +19,7 @@ import pandas as pd
 
 from ..regimes import REGIMES
 from .intervals import Interval, paired_interval, significance, stratified_interval
-from .runs import GROUP, metric
+from .runs import GROUP, SEED, metric, seeds_of
 
 REFERENCES = ("zeroshot", "finetuned")
 MERGE_ORDER = ("weight_averaging", "task_arithmetic", "ties", "dare", "consensus", "tsv_m", "iso_c", "iso_cts")
@@ -69,11 +69,13 @@ class Table:
     backbone: str
     task_set: str
     regime: str
+    seed: str  # the fine-tuning seed of its models
     tasks: tuple[str, ...]
     rows: tuple[Row, ...]
     failures: tuple[Failure, ...]
     best: dict[str, str] = field(default_factory=dict)  # column -> the recipe significantly best in it
     warning: str = ""  # shown under the title: the track is unstable (mergecal.reports.stability.table_warning)
+    several_seeds: bool = False  # the invocation has several fine-tuning seeds: the title names this one's
 
     @property
     def columns(self) -> list[tuple[str, str]]:
@@ -82,7 +84,8 @@ class Table:
 
     @property
     def title(self) -> str:
-        return f"{self.backbone} · {self.task_set} · {self.regime}"
+        seed = f" · seed {self.seed}" if self.several_seeds else ""  # one seed: the title as it always was
+        return f"{self.backbone} · {self.task_set} · {self.regime}{seed}"
 
     @property
     def ill_posed(self) -> list[str]:
@@ -222,14 +225,19 @@ def _base_key(merge: str, calibration: str) -> tuple[str, str]:
 
 
 def build_tables(cells: pd.DataFrame, examples: dict[str, Examples | None] | None = None) -> list[Table]:
-    """One table per (backbone, task set, regime) of the invocation's ``cells``, in a fixed order. ``examples``:
-    per run id, the cell's per-example test results (``runs.load_examples``), from which the intervals come."""
+    """One table per (backbone, task set, regime, fine-tuning seed) of the invocation's ``cells``, in a fixed order
+    (a regime's seeds side by side). ``examples``: per run id, the cell's per-example test results
+    (``runs.load_examples``), from which the intervals come."""
     examples = examples or {}
     tables = []
-    keys = sorted({tuple(r) for r in cells[list(GROUP)].itertuples(index=False)},
-                  key=lambda k: (k[0], k[1], rank(REGIME_ORDER, k[2])))
+    if SEED not in cells:  # cells read without the seed's column: one (unnamed) seed
+        cells = cells.assign(**{SEED: ""})
+    group_by = [*GROUP, SEED]
+    seeds = seeds_of(cells)
+    keys = sorted({tuple(r) for r in cells[group_by].itertuples(index=False)},
+                  key=lambda k: (k[0], k[1], rank(REGIME_ORDER, k[2]), seeds.index(k[3])))
     for key in keys:
-        group = cells[(cells[list(GROUP)] == pd.Series(key, index=list(GROUP))).all(axis=1)]
+        group = cells[(cells[group_by] == pd.Series(key, index=group_by)).all(axis=1)]
         tasks = _tasks(group[group["status"] == "ok"]) or _tasks(group)
         names = [f"acc.{t}" for t in tasks] + [m for m, _ in SUMMARY]
         ordered = sorted((r for _, r in group.iterrows()), key=_row_key)
@@ -255,7 +263,8 @@ def build_tables(cells: pd.DataFrame, examples: dict[str, Examples | None] | Non
             rows.append(Row(r["recipe"], r["merge"], r["calibration"], role, r["cell_id"], r["run_id"],
                             bool(r["cached"]), values, deltas, intervals, delta_intervals,
                             ill_posed(r["merge"], r["calibration"]) if role != "reference" else ""))
-        tables.append(Table(*key, tasks, tuple(rows), tuple(failures), significant_best(rows, names, samples)))
+        tables.append(Table(*key, tasks, tuple(rows), tuple(failures), significant_best(rows, names, samples),
+                            several_seeds=len(seeds) > 1))
     return tables
 
 
@@ -360,13 +369,20 @@ def _rounded(interval: Interval) -> list[float]:
     return [round(interval[0], 6) + 0.0, round(interval[1], 6) + 0.0]
 
 
+def seed_key(seed: str) -> str:
+    """leaderboard.json's key of one fine-tuning seed's tables (when there are several)."""
+    return f"seed_{seed}"
+
+
 def tables_json(tables: list[Table]) -> dict:
-    """``{backbone: {task_set: {regime: {recipe: row}}}}``: nested so DVC can read it as metrics.
+    """``{backbone: {task_set: {regime: {recipe: row}}}}``: nested so DVC can read it as metrics; with several
+    fine-tuning seeds, that structure per seed: ``{"seed_<s>": {backbone: ...}}``.
 
     No key is called ``error``: DVC takes such a key for a failure to read the file."""
     out: dict = {}
     for table in tables:
-        slot = out.setdefault(table.backbone, {}).setdefault(table.task_set, {}).setdefault(table.regime, {})
+        top = out.setdefault(seed_key(table.seed), {}) if table.several_seeds else out
+        slot = top.setdefault(table.backbone, {}).setdefault(table.task_set, {}).setdefault(table.regime, {})
         for row in table.rows:
             # no run id or reuse flag: they differ between two runs of the same inputs
             entry = {"role": row.role, "cell_id": row.cell_id,

@@ -21,8 +21,9 @@ from ..pipeline.tracking import EXAMPLES, EXAMPLES_DIR, EXAMPLES_SPLIT, PREFIX
 
 # tags (named in mergecal.pipeline.tracking, without the prefix) read into DataFrame columns
 TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
-               "regime", "merge", "calibration", "recipe", "tasks")
+               "regime", "merge", "calibration", "recipe", "tasks", "seed")
 GROUP = ("backbone", "task_set", "regime")
+SEED = "seed"  # the fine-tuning seed's tag column ("" on a run logged before seeds were recorded)
 DIAGNOSTICS = ("sensitivity", "magic_coefficients", "svc_spectra", "task_vectors", "scaling_curve")
 
 
@@ -177,13 +178,18 @@ def pick_invocation(runs: pd.DataFrame, invocation: str | None = None) -> str:
 
 
 def cells_of(runs: pd.DataFrame, invocation: str) -> pd.DataFrame:
-    """The invocation's cells, one per (backbone, task set, regime, recipe).
+    """The invocation's cells, one per (backbone, task set, regime, fine-tuning seed, recipe).
 
     A recipe logged twice in one invocation (a retried cell) counts with its latest run.
     """
     cells = runs[(runs["kind"] == "cell") & (runs["invocation_id"] == invocation)]
-    cells = cells.drop_duplicates([*GROUP, "recipe"], keep="last")
-    return cells.sort_values([*GROUP, "recipe", "run_id"], kind="stable").reset_index(drop=True)
+    cells = cells.drop_duplicates([*GROUP, SEED, "recipe"], keep="last")
+    return cells.sort_values([*GROUP, SEED, "recipe", "run_id"], kind="stable").reset_index(drop=True)
+
+
+def seeds_of(cells: pd.DataFrame) -> list[str]:
+    """The fine-tuning seeds of an invocation's cells, in numeric order ("" for runs that recorded none)."""
+    return sorted(set(cells[SEED]), key=lambda s: (s != "", int(s) if s.isdigit() else 0, s))
 
 
 def metric(row: pd.Series, name: str) -> float | None:

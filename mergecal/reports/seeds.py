@@ -115,8 +115,35 @@ def seed_rows(documents: Mapping[int, Mapping]) -> list[SeedRow]:
     return out
 
 
+def documents_by_seed(leaderboard: Mapping) -> dict[int, dict]:
+    """``{seed: leaderboard document}`` (``seed_rows``' input) of one run's leaderboard.json ``leaderboard`` with
+    several fine-tuning seeds (``{"seed_<s>": {backbone: ...}}``, ``mergecal.reports.leaderboard.tables_json``)."""
+    return {int(key.removeprefix("seed_")): {"leaderboard": tables} for key, tables in leaderboard.items()}
+
+
+def rows_json(rows: list[SeedRow]) -> list[dict]:
+    """The across-seeds view as JSON (leaderboard.json's ``across_seeds``): points, rounded to 6 decimals."""
+    def r(x):
+        return None if x is None else round(x, 6) + 0.0
+
+    out = []
+    for row in rows:
+        entry = {"backbone": row.key[0], "task_set": row.key[1], "regime": row.key[2], "row": row.key[3],
+                 "role": row.role, "values": {str(s): r(v) for s, v in row.values.items()}, "mean": r(row.mean),
+                 "sd": r(row.sd), "spread": r(row.spread)}
+        if row.changes:
+            interval = row.change_interval
+            entry.update({"changes": {str(s): r(v) for s, v in row.changes.items()},
+                          "verdicts": {str(s): v for s, v in row.verdicts.items()},
+                          "mean_change": r(row.mean_change),
+                          "change_ci95": None if interval is None else [r(interval[0]), r(interval[1])],
+                          "verdict": row.verdict})
+        out.append(entry)
+    return out
+
+
 def verdict_counts(rows: list[SeedRow]) -> dict[str, dict[str, int]]:
-    """Per backbone: how many calibrated rows gain / lose on every seed, are mixed, or show no change."""
+    """Per backbone: how many calibrated rows get each verdict across seeds (``VERDICTS``)."""
     out: dict[str, dict[str, int]] = {}
     for row in rows:
         if row.changes:

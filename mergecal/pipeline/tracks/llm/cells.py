@@ -16,7 +16,7 @@ from pathlib import Path
 from ....backbones.hf_causal_lm_merge import merge_causal_lms
 from ....recipe import Recipe
 from ...cells import (REFERENCES, Cell, CellResult, base_params, flat_params, jsonable_diagnostics, matrix_chains,
-                     per_example_results, recipe_cell)
+                     per_example_results, per_seed, per_seed_skipped, recipe_cell)
 from ...config import Params
 from .. import Session
 from .stages import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
@@ -51,12 +51,12 @@ def family_skipped(params: Params, track: str, backbone: str, task_set: str, tas
 
 def cells(params: Params) -> list[Cell]:
     track = params.llm
-    return family_cells(params, NAME, track.backbone, track.task_set, track.tasks)
+    return per_seed(family_cells(params, NAME, track.backbone, track.task_set, track.tasks), params.seeds)
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
     track = params.llm
-    return family_skipped(params, NAME, track.backbone, track.task_set, track.tasks)
+    return per_seed_skipped(family_skipped(params, NAME, track.backbone, track.task_set, track.tasks), params.seeds)
 
 
 def model_files(models: dict[str, Path]) -> dict[str, Path]:
@@ -69,10 +69,10 @@ def model_files(models: dict[str, Path]) -> dict[str, Path]:
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
-    files = {"data_manifest": data_root(root) / "manifest.json", "reference": diagnostics_path(params, root)}
+    files = {"data_manifest": data_root(root) / "manifest.json", "reference": diagnostics_path(params, root, cell.seed)}
     models = {"base": base_dir(params, root)}
     if cell.merge != "zeroshot":
-        models.update({f"expert.{t}": expert_dir(params, root, t) for t in cell.tasks})
+        models.update({f"expert.{t}": expert_dir(params, root, t, cell.seed) for t in cell.tasks})
     return {**files, **model_files(models)}
 
 
@@ -111,16 +111,16 @@ def logged_params(cell: Cell, reference: dict) -> dict[str, str]:
 
 def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
     root = Path(root)
-    reference = json.loads(diagnostics_path(params, root).read_text())
+    reference = json.loads(diagnostics_path(params, root, cell.seed).read_text())
     return family_reference(cell, reference, base_dir(params, root), lm_eval_setup(params, root), device=device)
 
 
 def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
             device: str = "cpu"):
     root = Path(root)
-    reference = json.loads(diagnostics_path(params, root).read_text())
+    reference = json.loads(diagnostics_path(params, root, cell.seed).read_text())
     return family_session(cell, recipe, reference, base_dir(params, root),
-                          [expert_dir(params, root, t) for t in cell.tasks], lm_eval_setup(params, root),
+                          [expert_dir(params, root, t, cell.seed) for t in cell.tasks], lm_eval_setup(params, root),
                           work_dir(root) / "merged", device=device)
 
 

@@ -3,8 +3,9 @@ experts scored with lm-eval on the suite's local task YAMLs.
 
     data/llm/                                       the suite (mergecal.data.llm): JSON lines per task and split
     models/<backbone>/base/                         tokenizer + pretrained model (a Hugging Face directory)
-    models/<backbone>/experts/<task>/               one fine-tuned expert per task (same layout)
-    models/<backbone>/task_vectors/diagnostics.json each expert's validation/test score (lm-eval), the base's, and
+    models/<backbone>/seeds/<s>/                    one fine-tuning seed's (``seeds`` in params.yaml):
+      experts/<task>/                               one fine-tuned expert per task (same layout)
+      task_vectors/diagnostics.json                 each expert's validation/test score (lm-eval), the base's, and
                                                     task-vector norms per layer type
 
 Outside DVC's outputs (they hold absolute paths or run-time state): ``.mergecal/llm/lm_eval_tasks`` (the task
@@ -25,7 +26,7 @@ from ....data.llm import TASKS, LlmSuiteConfig, build_llm_suite, load_records, s
 from ....errors import MergecalError
 from ....evaluation.lm_eval_tasks import evaluate_lm, task_config, task_name, write_task_yamls
 from ....train.lm import LmTrainConfig, TinyLlamaShape, finetune_lm, pretrain_lm, read_metadata
-from ...config import Params
+from ...config import Params, fine_tuning_seed, seed_dir
 
 WORK = Path(".mergecal") / "llm"
 
@@ -42,12 +43,17 @@ def base_dir(params: Params, root: str | Path) -> Path:
     return models_root(params, root) / "base"
 
 
-def expert_dir(params: Params, root: str | Path, task: str) -> Path:
-    return models_root(params, root) / "experts" / task
+def seed_root(params: Params, root: str | Path, seed: int | None = None) -> Path:
+    """Fine-tuning seed ``seed``'s experts and references (None: the first of ``params.seeds``)."""
+    return seed_dir(models_root(params, root), fine_tuning_seed(params, seed))
 
 
-def diagnostics_path(params: Params, root: str | Path) -> Path:
-    return models_root(params, root) / "task_vectors" / "diagnostics.json"
+def expert_dir(params: Params, root: str | Path, task: str, seed: int | None = None) -> Path:
+    return seed_root(params, root, seed) / "experts" / task
+
+
+def diagnostics_path(params: Params, root: str | Path, seed: int | None = None) -> Path:
+    return seed_root(params, root, seed) / "task_vectors" / "diagnostics.json"
 
 
 def work_dir(root: str | Path) -> Path:
@@ -67,11 +73,12 @@ def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", pro
     return read_metadata(out)
 
 
-def finetune(params: Params, task: str, root: str | Path = ".", *, device: str = "cpu",
+def finetune(params: Params, task: str, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
              progress: bool = True) -> dict:
-    config = LmTrainConfig(**params.llm.finetune_config(task, params.seed))
+    seed = fine_tuning_seed(params, seed)
+    config = LmTrainConfig(**params.llm.finetune_config(task, seed))
     out = finetune_lm(base_dir(params, root), load_records(data_root(root), task, "train"),
-                      expert_dir(params, root, task), task=task, config=config, progress=progress, device=device)
+                      expert_dir(params, root, task, seed), task=task, config=config, progress=progress, device=device)
     return read_metadata(out)
 
 
@@ -198,7 +205,7 @@ def base_reference(scorer: LmEval, base: Path, tasks, *, device: str = "cpu") ->
             "test": scorer.score(base, tasks, "test", device=device)}
 
 
-def references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict:
+def references(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu") -> dict:
     """The stage ``llm_task_vectors``: each expert's score on its own task (validation and test: normalized
     score's denominator), the base model's scores and the task vectors' norms."""
     tasks = params.llm.tasks
@@ -206,8 +213,8 @@ def references(params: Params, root: str | Path = ".", *, device: str = "cpu") -
     scorer = lm_eval_setup(params, root)
     report = {"base": base_reference(scorer, base, tasks, device=device), "tasks": {}}
     for task in tasks:
-        report["tasks"][task] = expert_reference(scorer, base, expert_dir(params, root, task), task, tasks,
+        report["tasks"][task] = expert_reference(scorer, base, expert_dir(params, root, task, seed), task, tasks,
                                                  device=device)
     report["task_configs"] = task_config_digests(params, root)
-    atomic_write_text(diagnostics_path(params, root), json.dumps(report, indent=2, sort_keys=True))
+    atomic_write_text(diagnostics_path(params, root, seed), json.dumps(report, indent=2, sort_keys=True))
     return report

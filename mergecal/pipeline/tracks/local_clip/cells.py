@@ -30,7 +30,7 @@ from ....merge import iter_weight_space
 from ....recipe import Recipe
 from ....task_vectors import TaskVectorSet
 from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
-                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, summaries,
+                     jsonable_diagnostics, matrix_chains, per_example_results, per_seed, recipe_cell, summaries,
                      uses_sensitivity, validation_averages)
 from ...config import Params
 from .params import LocalClipTrack
@@ -61,7 +61,7 @@ def cells(params: Params) -> list[Cell]:
                      for s in recipe.steps]
             out.append(recipe_cell(params, name, t.name, t.task_set, t.task_names, "standard", merge, chain,
                                    steps, grid))
-    return out
+    return per_seed(out, params.seeds[:1])  # a lab's own checkpoints are not fine-tuned here: the first seed's
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from ....backbones.hf_causal_lm import model_dir_files
 from ....errors import MergecalError
 from ....recipe import Recipe
-from ...cells import Cell, CellResult
+from ...cells import Cell, CellResult, per_seed, per_seed_skipped
 from ...config import Params
 from .params import LocalLlmTrack
 from .stages import (base_path, check_expert, check_model_dir, expert_path, references_path, scorer, task_files,
@@ -33,13 +33,16 @@ def enabled(params: Params) -> bool:
 
 
 def cells(params: Params) -> list[Cell]:
-    return [cell for t in configured_tracks(params, NAME)
-            for cell in llm.family_cells(params, cell_track(NAME, t), t.name, t.task_set, t.task_names)]
+    # a lab's own checkpoints are not fine-tuned here: their cells run once, under the first seed
+    return per_seed([cell for t in configured_tracks(params, NAME)
+                     for cell in llm.family_cells(params, cell_track(NAME, t), t.name, t.task_set, t.task_names)],
+                    params.seeds[:1])
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
-    return [item for t in configured_tracks(params, NAME)
-            for item in llm.family_skipped(params, cell_track(NAME, t), t.name, t.task_set, t.task_names)]
+    return per_seed_skipped([item for t in configured_tracks(params, NAME)
+                             for item in llm.family_skipped(params, cell_track(NAME, t), t.name, t.task_set,
+                                                            t.task_names)], params.seeds[:1])
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:

@@ -11,11 +11,11 @@ from pathlib import Path
 from ....recipe import Recipe
 from ....run_recipe import RecipeInputs, recipe_trials
 from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
-                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, summaries,
-                     validation_averages)
+                     jsonable_diagnostics, matrix_chains, per_example_results, per_seed, per_seed_skipped, recipe_cell,
+                     summaries, validation_averages)
 from ...config import Params
 from .. import Session
-from .stages import TextModels, data_root, finetuned_path, models_root
+from .stages import TextModels, data_root, finetuned_path, references_path
 
 NAME = "text"
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no text-encoder "
@@ -35,7 +35,7 @@ def cells(params: Params) -> list[Cell]:
         steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
         out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, "standard", merge, chain,
                                steps, grid))
-    return out
+    return per_seed(out, params.seeds)
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
@@ -45,14 +45,14 @@ def skipped(params: Params) -> list[tuple[Cell, str]]:
         if any(s.needs_data for s in recipe.steps):
             out.append((Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
                              recipe.label), SKIP_REASON))
-    return out
+    return per_seed_skipped(out, params.seeds)
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     files = {"data_manifest": data_root(root) / "manifest.json",
-             "reference": models_root(params, root) / "references.json"}
+             "reference": references_path(params, root, cell.seed)}
     for task in cell.tasks:
-        files[f"finetuned.{task}"] = finetuned_path(params, root, task)
+        files[f"finetuned.{task}"] = finetuned_path(params, root, task, cell.seed)
     return files
 
 
@@ -67,8 +67,8 @@ def cell_fingerprint(cell: Cell, params: Params):
 def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
     """The ``zeroshot`` row (the pretrained encoder with each task's head: no zero-shot head exists) or the
     ``finetuned`` row (the references)."""
-    models, tasks = TextModels(params, root), list(cell.tasks)
-    reference = json.loads((models_root(params, root) / "references.json").read_text())
+    models, tasks = TextModels(params, root, cell.seed), list(cell.tasks)
+    reference = json.loads(references_path(params, root, cell.seed).read_text())
     logged = base_params(cell)
     if cell.merge == "zeroshot":
         test = models.evaluate(models.pretrained, tasks, "test", device=device, per_example=True)
@@ -79,9 +79,9 @@ def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cp
 def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
             device: str = "cpu") -> nullcontext[Session]:
     """A recipe cell: the task encoders merged (weight-space chain), every task scored with its own head."""
-    models, tasks = TextModels(params, root), list(cell.tasks)
+    models, tasks = TextModels(params, root, cell.seed), list(cell.tasks)
     evaluation = params.benchmark.evaluation
-    reference = json.loads((models_root(params, root) / "references.json").read_text())
+    reference = json.loads(references_path(params, root, cell.seed).read_text())
     states = [models.finetuned(t)[0] for t in tasks]
     merged = recipe_trials(recipe, models.pretrained, states, RecipeInputs(progress=False, device=device), grid)
 

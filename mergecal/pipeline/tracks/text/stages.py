@@ -2,9 +2,10 @@
 task, merged encoders scored with each task's own head.
 
     data/text/                                          the text suite (mergecal.data.text)
-    models/<backbone>/finetuned/standard/<task>.safetensors (+ .json)   encoder keys that training changed,
+    models/<backbone>/seeds/<s>/                        one fine-tuning seed's (``seeds`` in params.yaml):
+      finetuned/standard/<task>.safetensors (+ .json)   encoder keys that training changed,
                                                         plus ``head.*`` (the task's own head)
-    models/<backbone>/references.json                   each fine-tuned model's validation/test scores
+      references.json                                   each fine-tuned model's validation/test scores
 
 Only data-free chains run on this track (merge, SVC, WSC without a probed ranking): the steps the calibration
 registry marks ``needs_data`` (DisTaC, FSC, so DSC) need a task-model adapter for text that is not built yet,
@@ -27,7 +28,7 @@ from ....data.text import TextSuiteConfig, build_text_suite, load_text_split
 from ....data.vision import validation_indices
 from ....train.finetune_text import (TextFinetuneConfig, classifier_logits, evaluate_text, finetune_text_task,
                                      text_scores)
-from ...config import Params
+from ...config import Params, fine_tuning_seed, seed_dir
 
 HEAD = "head."
 
@@ -40,8 +41,17 @@ def models_root(params: Params, root: str | Path) -> Path:
     return Path(root) / "models" / params.text.backbone
 
 
-def finetuned_path(params: Params, root: str | Path, task: str) -> Path:
-    return models_root(params, root) / "finetuned" / "standard" / f"{task}.safetensors"
+def seed_root(params: Params, root: str | Path, seed: int | None = None) -> Path:
+    """Fine-tuning seed ``seed``'s models (None: the first of ``params.seeds``)."""
+    return seed_dir(models_root(params, root), fine_tuning_seed(params, seed))
+
+
+def finetuned_path(params: Params, root: str | Path, task: str, seed: int | None = None) -> Path:
+    return seed_root(params, root, seed) / "finetuned" / "standard" / f"{task}.safetensors"
+
+
+def references_path(params: Params, root: str | Path, seed: int | None = None) -> Path:
+    return seed_root(params, root, seed) / "references.json"
 
 
 def split(root: str | Path, task: str, name: str, max_items: int | None = None):
@@ -67,8 +77,10 @@ def build_data(params: Params, root: str | Path = ".") -> dict:
     return build_text_suite(data_root(root), TextSuiteConfig(**{"seed": params.seed, **params.text.data}))
 
 
-def finetune(params: Params, task: str, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
-    config = TextFinetuneConfig(**{"seed": params.seed, **params.text.finetune})
+def finetune(params: Params, task: str, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
+             progress: bool = True) -> dict:
+    seed = fine_tuning_seed(params, seed)
+    config = TextFinetuneConfig(**{"seed": seed, **params.text.finetune})
     encoder, _ = load_encoder()
     pretrained = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
     texts, labels = split(root, task, "train")
@@ -83,7 +95,7 @@ def finetune(params: Params, task: str, root: str | Path = ".", *, device: str =
                 "hyperparameters": asdict(config), "data_digest": manifest["tasks"][task]["digests"]["train"],
                 "final_loss": history[-1]["loss"], "val_accuracy": val["accuracy"],
                 "layout": "encoder keys changed by fine-tuning (others equal the packaged MiniLM) + head.*"}
-    out = finetuned_path(params, root, task)
+    out = finetuned_path(params, root, task, seed)
     save_state_dict({**changed, **{HEAD + k: v.contiguous() for k, v in head.items()}}, out,
                     {"mergecal": json.dumps(metadata)})
     atomic_write_text(out.with_suffix(".json"), json.dumps(metadata, indent=2))
@@ -92,10 +104,11 @@ def finetune(params: Params, task: str, root: str | Path = ".", *, device: str =
 
 class TextModels:
     """What a text cell reads, loaded once per instance: the pretrained encoder, each task's head and its
-    tokenized splits, and one classifier whose encoder weights are replaced for each evaluated encoder."""
+    tokenized splits, and one classifier whose encoder weights are replaced for each evaluated encoder. The
+    fine-tuned models are those of fine-tuning seed ``seed`` (None: the first of ``params.seeds``)."""
 
-    def __init__(self, params: Params, root: str | Path = "."):
-        self.params, self.root = params, Path(root)
+    def __init__(self, params: Params, root: str | Path = ".", seed: int | None = None):
+        self.params, self.root, self.seed = params, Path(root), fine_tuning_seed(params, seed)
         self.max_length = params.text.finetune.get("max_length", 32)
         self._heads: dict[str, dict[str, torch.Tensor]] = {}
         self._inputs: dict[tuple, tuple[dict[str, torch.Tensor], np.ndarray]] = {}
@@ -107,14 +120,14 @@ class TextModels:
 
     def finetuned(self, task: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(full encoder state, head state) of a task's fine-tuned model."""
-        stored = load_state_dict(finetuned_path(self.params, self.root, task))
+        stored = load_state_dict(finetuned_path(self.params, self.root, task, self.seed))
         head = {k[len(HEAD):]: v for k, v in stored.items() if k.startswith(HEAD)}
         encoder = {**self.pretrained, **{k: v for k, v in stored.items() if not k.startswith(HEAD)}}
         return encoder, head
 
     def head(self, task: str) -> dict[str, torch.Tensor]:
         if task not in self._heads:
-            source = SafetensorsSource(finetuned_path(self.params, self.root, task))
+            source = SafetensorsSource(finetuned_path(self.params, self.root, task, self.seed))
             self._heads[task] = {k[len(HEAD):]: source.get(k) for k in source.keys() if k.startswith(HEAD)}
         return self._heads[task]
 
@@ -148,10 +161,10 @@ class TextModels:
         return out
 
 
-def references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict:
+def references(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu") -> dict:
     """Each task's own fine-tuned model on validation and test (normalized accuracy's denominator), the
     pretrained encoder with each head (the text track's ``zeroshot`` row: no fine-tuned encoder) and norms."""
-    models = TextModels(params, root)
+    models = TextModels(params, root, seed)
     report = {}
     for task in params.text.tasks:
         encoder, _ = models.finetuned(task)
@@ -161,5 +174,5 @@ def references(params: Params, root: str | Path = ".", *, device: str = "cpu") -
         report[task] = {"norm": norm, "entropy": test["entropy"], "ece": test["ece"], "val_accuracy": val["accuracy"],
                         "test_accuracy": test["accuracy"],
                         "test_correct": test["correct"]}  # the finetuned row's per-example results
-    atomic_write_text(models_root(params, root) / "references.json", json.dumps(report, indent=2))
+    atomic_write_text(references_path(params, root, models.seed), json.dumps(report, indent=2))
     return report

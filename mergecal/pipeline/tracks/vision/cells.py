@@ -14,7 +14,7 @@ from ....recipe import Recipe
 from ....run_recipe import RecipeInputs, recipe_trials
 from ....task_vectors import task_vector
 from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
-                     jsonable_diagnostics, matrix_chains, per_example_results, recipe_cell, summaries,
+                     jsonable_diagnostics, matrix_chains, per_example_results, per_seed, recipe_cell, summaries,
                      uses_sensitivity, validation_averages)
 from ...config import Params
 from .. import Session
@@ -29,7 +29,8 @@ def enabled(params: Params) -> bool:
 
 
 def cells(params: Params) -> list[Cell]:
-    """Per regime: the references, then every merge in every chain (a DisTaC step takes the regime's preset)."""
+    """Per fine-tuning seed and regime: the references, then every merge in every chain (a DisTaC step takes the
+    regime's preset)."""
     track, out = params.vision, []
     for regime in track.regimes:
         out += [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), regime, ref, "") for ref in REFERENCES]
@@ -44,11 +45,11 @@ def cells(params: Params) -> list[Cell]:
                     steps.append((step.name, step.params.model_dump()))
             out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, regime, merge, chain,
                                    steps, grid))
-    return out
+    return per_seed(out, params.seeds)
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
-    paths = paths_for(params, root)
+    paths = paths_for(params, root, cell.seed)
     files = {"pretrained": paths.pretrained, "heads": paths.heads, "data_manifest": paths.data / "manifest.json",
              "reference": paths.task_vectors(cell.regime) / "diagnostics.json"}
     if cell.merge == "zeroshot":
@@ -77,7 +78,7 @@ def cell_fingerprint(cell: Cell, params: Params):
 
 def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
     """The ``zeroshot`` row (the pretrained encoder scored on test) or the ``finetuned`` row (the references)."""
-    models = VisionModels(params, Path(root))
+    models = VisionModels(params, Path(root), cell.seed)
     paths, tasks = models.paths, list(cell.tasks)
     reference = json.loads((paths.task_vectors(cell.regime) / "diagnostics.json").read_text())
     logged = base_params(cell)
@@ -93,7 +94,7 @@ def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params,
     """A recipe cell: a DisTaC step reads the models its stage conditioned, the merge and weight-space steps
     stream, FSC hooks the merged model; every task scored with its frozen zero-shot head."""
     root = Path(root)
-    models = VisionModels(params, root)
+    models = VisionModels(params, root, cell.seed)
     paths, tasks = models.paths, list(cell.tasks)
     evaluation = params.benchmark.evaluation
     reference = json.loads((paths.task_vectors(cell.regime) / "diagnostics.json").read_text())

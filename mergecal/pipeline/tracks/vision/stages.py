@@ -5,13 +5,14 @@ Layout under the repository root (every file is a DVC output, written atomically
     data/vision/                                  procedural suite (mergecal.data.vision)
     models/<backbone>/pretrained.safetensors      contrastively pretrained CLIP (+ pretrained.json)
     models/<backbone>/heads.safetensors           zero-shot heads, one per task and the probe task
-    models/<backbone>/finetuned/<variant>/<task>.safetensors (+ .json metadata)
+    models/<backbone>/seeds/<s>/                  one fine-tuning seed's models (``seeds`` in params.yaml):
+      finetuned/<variant>/<task>.safetensors (+ .json metadata)
         variants: standard, low_confidence (every task), norm_mismatch (one task at the lr multiple)
-    models/<backbone>/finetuned.json              every fine-tune's metadata (committed; the models are not)
+      finetuned.json                              every fine-tune's metadata (committed; the models are not)
         Image encoder keys only, as task_vectors' ImageEncoder checkpoints: the text tower is not trained.
-    models/<backbone>/task_vectors/<regime>/diagnostics.json  norms and reference accuracies (no tau files)
-    models/<backbone>/distac/<regime>/<task>.safetensors, distac.json
-    models/<backbone>/sensitivity/<regime>.json
+      task_vectors/<regime>/diagnostics.json      norms and reference accuracies (no tau files)
+      distac/<regime>/<task>.safetensors, distac.json
+      sensitivity/<regime>.json
 
 A regime is the set of K fine-tuned models merged together: ``standard`` and ``low_confidence`` use their
 variant for every task; ``norm_mismatch`` uses ``standard`` except its one task fine-tuned at
@@ -40,7 +41,7 @@ from ....task_vectors import relative_norms, task_vector
 from ....train.finetune import FinetuneConfig
 from ....train.finetune import finetune as finetune_clip
 from ....train.pretrain_clip import PretrainConfig, pretrain_clip
-from ...config import Params
+from ...config import Params, fine_tuning_seed, seed_dir
 from .params import VisionTrack
 
 VISUAL_PREFIX = "visual."
@@ -54,6 +55,7 @@ def is_visual(key: str) -> bool:
 class VisionPaths:
     root: Path
     backbone: str
+    seed: int = 0  # the fine-tuning seed whose models (and what is built from them) these paths name
 
     @property
     def data(self) -> Path:
@@ -71,21 +73,26 @@ class VisionPaths:
     def heads(self) -> Path:
         return self.models / "heads.safetensors"
 
+    @property
+    def seeded(self) -> Path:
+        return seed_dir(self.models, self.seed)
+
     def finetuned(self, variant: str, task: str) -> Path:
-        return self.models / "finetuned" / variant / f"{task}.safetensors"
+        return self.seeded / "finetuned" / variant / f"{task}.safetensors"
 
     def task_vectors(self, regime: str) -> Path:
-        return self.models / "task_vectors" / regime
+        return self.seeded / "task_vectors" / regime
 
     def distac(self, regime: str) -> Path:
-        return self.models / "distac" / regime
+        return self.seeded / "distac" / regime
 
     def sensitivity(self, regime: str) -> Path:
-        return self.models / "sensitivity" / f"{regime}.json"
+        return self.seeded / "sensitivity" / f"{regime}.json"
 
 
-def paths_for(params: Params, root: str | Path = ".") -> VisionPaths:
-    return VisionPaths(Path(root), params.vision.backbone)
+def paths_for(params: Params, root: str | Path = ".", seed: int | None = None) -> VisionPaths:
+    """The track's paths, with the models of fine-tuning seed ``seed`` (None: the first of ``params.seeds``)."""
+    return VisionPaths(Path(root), params.vision.backbone, fine_tuning_seed(params, seed))
 
 
 def regime_variants(track: VisionTrack, regime: str) -> dict[str, str]:
@@ -152,16 +159,17 @@ def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", pro
     return report
 
 
-def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *, device: str = "cpu",
-             progress: bool = True) -> dict:
-    """Fine-tune one task in one variant (Ilharco et al.: image encoder only, frozen zero-shot head)."""
+def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *, seed: int | None = None,
+             device: str = "cpu", progress: bool = True) -> dict:
+    """Fine-tune one task in one variant (Ilharco et al.: image encoder only, frozen zero-shot head) with
+    fine-tuning seed ``seed`` (None: the first of ``params.seeds``)."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from ....backbones.open_clip_vit import load_clip
 
-    track, paths = params.vision, paths_for(params, root)
+    track, paths = params.vision, paths_for(params, root, seed)
     if task not in track.tasks:
         raise CheckpointError(f"finetune: task {task!r} is not in vision.tasks ({', '.join(track.tasks)})")
-    values = {"seed": params.seed, **track.finetune}
+    values = {"seed": paths.seed, **track.finetune}
     if variant == "norm_mismatch":
         values["lr"] = FinetuneConfig(**values).lr * track.norm_mismatch_lr_multiplier
         values["regime"] = "standard"
@@ -194,27 +202,28 @@ def finetune_runs(track: VisionTrack) -> list[tuple[str, str]]:
             (track.norm_mismatch_task, "norm_mismatch")]
 
 
-def finetune_all(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True,
-                 log=print) -> dict:
+def finetune_all(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
+                 progress: bool = True, log=print) -> dict:
     """Every fine-tune of the track in one process (one start-up and one import of open_clip instead of one per
     model), then ``finetuned.json``: each model's metadata, the figures a reader of the repository wants."""
     runs = finetune_runs(params.vision)
     summary: dict[str, dict] = {}
     for i, (task, variant) in enumerate(runs, start=1):
         start = time.perf_counter()
-        meta = finetune(params, task, variant, root, device=device, progress=progress)
+        meta = finetune(params, task, variant, root, seed=seed, device=device, progress=progress)
         summary.setdefault(variant, {})[task] = meta
         log(f"[{i}/{len(runs)}] {task} ({variant}): validation accuracy {meta['val_accuracy']:.3f} "
             f"in {time.perf_counter() - start:.0f} s")
-    atomic_write_text(paths_for(params, root).models / "finetuned.json", json.dumps(summary, indent=2))
+    atomic_write_text(paths_for(params, root, seed).seeded / "finetuned.json", json.dumps(summary, indent=2))
     return summary
 
 
 class VisionModels:
-    """Loads what a regime's cells need: pretrained state, zero-shot heads, the K fine-tuned states."""
+    """Loads what a regime's cells need: pretrained state, zero-shot heads, the K fine-tuned states (of
+    fine-tuning seed ``seed``; None: the first of ``params.seeds``)."""
 
-    def __init__(self, params: Params, root: str | Path = "."):
-        self.params, self.track, self.paths = params, params.vision, paths_for(params, root)
+    def __init__(self, params: Params, root: str | Path = ".", seed: int | None = None):
+        self.params, self.track, self.paths = params, params.vision, paths_for(params, root, seed)
 
     @cached_property
     def pretrained(self) -> dict[str, torch.Tensor]:
@@ -289,12 +298,12 @@ def evaluate_tasks(model: torch.nn.Module, heads: dict[str, torch.Tensor], data_
     return out
 
 
-def task_vectors(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict:
+def task_vectors(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu") -> dict:
     """Per regime, ``diagnostics.json``: each task vector's norms (tau = theta_ft - theta_0, image encoder; the
     vectors themselves are not written, since cells, DisTaC and probing compute them from the checkpoints as they
     stream), and the reference figures every cell is normalised by: the task's own fine-tuned accuracy
     (validation and test), prediction entropy and ECE."""
-    track, models = params.vision, VisionModels(params, root)
+    track, models = params.vision, VisionModels(params, root, seed)
     pre_visual = models.visual_pretrained()
     batch = params.benchmark.evaluation.batch_size
     report = {}
@@ -326,10 +335,11 @@ def distac_params(params: Params, regime: str):
     return build_params(DistacStepParams, "distac", values)
 
 
-def distac(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
+def distac(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
+           progress: bool = True) -> dict:
     """DisTaC-condition each regime's fine-tuned models (unlabeled train images of each task) once, for every
     cell whose chain starts with ``distac``. Unconditioned tasks are written unchanged, so a cell reads K files."""
-    track, models = params.vision, VisionModels(params, root)
+    track, models = params.vision, VisionModels(params, root, seed)
     samples = params.benchmark.evaluation.distac_samples
     report = {}
     for regime in track.regimes:
@@ -370,11 +380,12 @@ def check_distac_file(path: Path, expected: dict, against: str) -> None:
         raise CheckpointError(f"{path}: DisTaC parameters differ from {against} (rerun `dvc repro`)")
 
 
-def probe(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
+def probe(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
+          progress: bool = True) -> dict:
     """MAGIC's magnitude-sensitivity probe, per regime: on the weight-averaged model, scale each candidate
     image-encoder key's slice of the averaged task vector and rank keys by ``probing.metric`` on the probe task
     (none of the tasks), each drop with its bootstrap interval over the probe images."""
-    track, models, probing = params.vision, VisionModels(params, root), params.probing
+    track, models, probing = params.vision, VisionModels(params, root, seed), params.probing
     images, labels = task_split(models.paths.data, "letters", "test", max_items=probing.max_samples)
     head = models.heads["letters"]
     x, y = preprocessed(images, track.arch), torch.as_tensor(labels, dtype=torch.long)
@@ -387,7 +398,7 @@ def probe(params: Params, root: str | Path = ".", *, device: str = "cpu", progre
         accuracy = make_accuracy_probe(batches, device=device)(model)  # the testbed's probe-signal criterion
         ranking = probe_sensitivity(model, models.pretrained, make_probe(batches, probing.metric, device=device),
                                     scale=probing.scale, top=probing.top, key_rule=probing.key_rule,
-                                    key_pattern=probing.key_pattern or r"^visual\.", seed=params.seed,
+                                    key_pattern=probing.key_pattern or r"^visual\.", seed=models.paths.seed,
                                     progress=progress, metadata={"regime": regime, "probe": "letters",
                                                                  "samples": len(y), "metric": probing.metric,
                                                                  "candidates": probing.candidates,
