@@ -85,3 +85,37 @@ def test_a_seeds_paths_lie_under_its_own_directory(track, tmp_path):
             "text": lambda s: text.finetuned_path(params, tmp_path, "bbc_topics", s),
             "llm": lambda s: llm.expert_dir(params, tmp_path, "maximum", s)}[track]
     assert "/seeds/7/" in str(path(7)) and path(None) == path(4)  # no seed named: the first
+
+
+class _Loaded(Exception):
+    """Raised by a recording loader: what a track's reference or session asked for is all this test needs."""
+
+
+@pytest.mark.parametrize("track_name", ["vision", "text", "llm"])
+@pytest.mark.parametrize("merge", ["zeroshot", "finetuned", "task_arithmetic"])
+def test_a_cells_reference_and_session_load_its_own_seeds_models(track_name, merge, tmp_path, monkeypatch):
+    """Every path from a cell to the models it scores carries the cell's seed (a reference row or a session that
+    loaded the first seed's models would score seed 0 under every seed's label)."""
+    import importlib
+
+    from mergecal.pipeline.cells import run_cell
+
+    module = importlib.import_module(f"mergecal.pipeline.tracks.{track_name}.cells")
+    params = _params([0, 3])
+    seen = []
+
+    def recorder(name, position):
+        def load(*args, **kwargs):
+            seen.append((name, kwargs.get("seed", args[position] if len(args) > position else None)))
+            raise _Loaded
+        return load
+
+    loaders = {"vision": {"VisionModels": 2}, "text": {"TextModels": 2, "references_path": 2},
+               "llm": {"diagnostics_path": 2, "expert_dir": 3}}[track_name]
+    for name, position in loaders.items():
+        monkeypatch.setattr(module, name, recorder(name, position))
+    cell = next(c for c in enumerate_cells(params) if c.track == track_name and c.seed == 3 and c.merge == merge
+                and (merge in ("zeroshot", "finetuned") or c.chain == "{merge}"))
+    with pytest.raises(_Loaded):
+        run_cell(cell, params, tmp_path, scaling=0.3 if cell.grid else None)
+    assert seen and all(seed == 3 for _, seed in seen), seen
