@@ -17,17 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-METRIC = "avg_acc"
-
-
-def flat_rows(leaderboard: dict) -> dict[tuple[str, str, str, str], dict]:
-    """(backbone, task set, regime, row name) -> row, for the rows that have a value."""
-    return {(backbone, task_set, regime, name): row
-            for backbone, sets in leaderboard["leaderboard"].items()
-            for task_set, regimes in sets.items()
-            for regime, rows in regimes.items()
-            for name, row in rows.items()
-            if (row.get("values") or {}).get(METRIC) is not None}
+from mergecal.reports.seeds import METRIC, flat_rows
 
 
 def row_moves(first: dict, second: dict) -> list[dict]:

@@ -83,7 +83,8 @@ def across_seeds(verdicts: list[str]) -> str:
     return "unreplicated" if found - {"none"} else "none"
 
 
-def _rows(document: Mapping) -> dict[RowKey, dict]:
+def flat_rows(document: Mapping) -> dict[RowKey, dict]:
+    """(backbone, task set, regime, row name) -> row of a leaderboard.json document, for the rows with a value."""
     return {(backbone, task_set, regime, name): row
             for backbone, sets in document["leaderboard"].items()
             for task_set, regimes in sets.items()
@@ -96,7 +97,7 @@ def seed_rows(documents: Mapping[int, Mapping]) -> list[SeedRow]:
     """One ``SeedRow`` per row present in every seed's leaderboard, in the first seed's order."""
     if not documents:
         raise ValueError("seed_rows: no leaderboard given")
-    per_seed = {seed: _rows(doc) for seed, doc in documents.items()}
+    per_seed = {seed: flat_rows(doc) for seed, doc in documents.items()}
     first = next(iter(per_seed.values()))
     out = []
     for key, row in first.items():
