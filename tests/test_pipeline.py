@@ -282,6 +282,36 @@ def test_stability_reevaluates_each_tracks_task_arithmetic_row_as_the_benchmark_
     assert stability_markdown(document).count("\n| ") == 1 + 3  # the header, one row per track
     assert not list((root / ".mergecal" / "llm").glob("stability-*"))  # the perturbed LLM copies are gone
 
+def test_a_refit_at_the_pipelines_thread_count_is_the_stored_fine_tune_and_each_regime_is_measured(built):
+    """The training-time diagnostic (issue #30) refits a fine-tune from what its file records: at the pipeline's
+    own thread count the refit is the stored model bit for bit (so a move at another count is the thread count's),
+    the process's thread count is restored, and each regime with a task-arithmetic row gets a verdict."""
+    from mergecal.checkpoint import load_state_dict
+    from mergecal.pipeline.refit_stability import measure_refits, refit
+
+    root, params = built
+    task, variant = params.vision.norm_mismatch_task, "norm_mismatch"
+    again = refit(params, root, task, variant, threads=params.threads)
+    stored = load_state_dict(vision.paths_for(params, root).finetuned(variant, task))
+    assert again.keys() == stored.keys() and all(torch.equal(again[k], stored[k]) for k in stored)
+    assert torch.get_num_threads() == 1
+    rows = [{"track": "vision", "regime": regime, "seed": 0, "merge": "task_arithmetic", "label": label,
+             "selected_scaling": scaling}
+            for regime in ("standard", "norm_mismatch")
+            for label, scaling in (("task_arithmetic", 0.3), ("task_arithmetic(scaling=1.0)", 1.0))]
+    entries = {e["regime"]: e for e in measure_refits(params, root, {"rows": rows})}
+    assert list(entries) == list(params.vision.regimes) and torch.get_num_threads() == 1
+    assert entries["low_confidence"]["stable"] is None
+    # the 10x-lr model is the norm-mismatch regime's largest task vector, by construction
+    assert entries["norm_mismatch"]["refit"]["task"] == task
+    assert entries["norm_mismatch"]["refit"]["variant"] == variant
+    for regime in ("standard", "norm_mismatch"):
+        entry = entries[regime]
+        assert entry["refit_threads"] == 2 and [r["scaling"] for r in entry["rows"]] == [0.3, 1.0]
+        assert all(r["n_examples"] == 30 * len(params.vision.tasks) for r in entry["rows"])
+        assert entry["stable"] == all(r["largest_avg_move"] <= r["half_width"] for r in entry["rows"])
+
+
 def test_reference_cells_and_normalized_accuracy(built):
     root, params = built
     cells = {(c.regime, c.label): c for c in cells_mod.enumerate_cells(params) if c.track == "vision"}

@@ -416,6 +416,27 @@ def test_an_unstable_track_is_flagged_under_the_testbed_health_and_under_each_of
     assert "## Track stability" in markdown and ": stable" in markdown and "Warning" not in markdown
     assert "Warning" not in (tmp_path / "leaderboard.html").read_text()
 
+def test_a_regime_unstable_under_a_refit_is_flagged_under_its_own_table_only(store, tmp_path):
+    """Issue #30: the training-time diagnostic's verdict reaches the leaderboard: a line under Track stability and
+    a warning under the unstable regime's table, not under the track's other tables."""
+    refit = {"track": "vision", "backbone": "mergecal-vit-tiny", "task_set": "vision2", "recipe": "task_arithmetic",
+             "threads": 2, "refit_threads": 1, "regime": "norm_mismatch",
+             "refit": {"task": "cars", "variant": "norm_mismatch", "identical": False},
+             "rows": [{"label": "task_arithmetic(scaling=0.3)", "scaling": 0.3, "avg_acc": 40.0, "half_width": 2.0,
+                       "largest_avg_move": 4.2, "changed_fraction": 0.1, "stable": False}],
+             "largest_avg_move": 4.2, "stable": False,
+             "worst_row": {"label": "task_arithmetic(scaling=0.3)", "move": 4.2, "half_width": 2.0}}
+    write_reports(store, "mergecal", tmp_path, stability={**_stability(stable=True), "refits": [refit]})
+    markdown = (tmp_path / "leaderboard.md").read_text()
+    warning = ("**Warning:** Refit at 1 thread(s) instead of 2, this regime's cars (norm_mismatch) fine-tune moves its "
+               "task_arithmetic(scaling=0.3) row by 4.2 points, more than its interval (±2.0)")
+    assert f"## mergecal-vit-tiny · vision2 · norm_mismatch\n\n{warning}" in markdown
+    assert "## mergecal-vit-tiny · vision2 · standard\n\n| recipe |" in markdown and markdown.count("Warning") == 1
+    assert "- vision (mergecal-vit-tiny · vision2) · norm_mismatch: cars (norm_mismatch) refit;" in markdown
+    page = (tmp_path / "leaderboard.html").read_text()
+    assert page.count('<p class="warning">Warning: Refit at 1 thread(s) instead of 2') == 1
+
+
 def test_reports_read_only_tags_that_the_pipeline_writes():
     """Regression: the reports read a `mergecal.cached` tag that nothing wrote (reuse is in the manifests)."""
     from mergecal.pipeline.tracking import TAGS

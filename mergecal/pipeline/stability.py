@@ -253,4 +253,15 @@ def stability_markdown(document: dict) -> str:
                      f"{e['half_width']:.2f} | {e['largest_avg_move']:.2f} | {seeds} | {task['points']:.2f} "
                      f"({task['task']}) | {100 * e['changed_fraction']:.2f} | "
                      f"{'stable' if e['stable'] else 'UNSTABLE'} |")
+    refits = [e for e in document.get("refits") or [] if e.get("stable") is not None]
+    if refits:
+        lines += ["", "| track | regime | refit (task, variant) | bit-identical | row | scaling | avg acc % | "
+                  "95 % half-width | move | outcomes changed % | verdict |",
+                  "|---|---|---|---|---|---|---:|---:|---:|---:|---|"]
+        for e in refits:
+            for r in e["rows"]:
+                lines.append(f"| {e['track']} | {e['regime']} | {e['refit']['task']} ({e['refit']['variant']}) | "
+                             f"{'yes' if e['refit']['identical'] else 'no'} | {r['label']} | {r['scaling']:g} | "
+                             f"{r['avg_acc']:.1f} | {r['half_width']:.2f} | {r['largest_avg_move']:.2f} | "
+                             f"{100 * r['changed_fraction']:.2f} | {'stable' if r['stable'] else 'UNSTABLE'} |")
     return "\n".join(lines) + "\n"

@@ -193,7 +193,7 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
     ok = cells[cells["status"] == "ok"]
     # a reused cell's row carries the artifact URI of the run that computed it (runs._reused_cells)
     examples = {rid: load_examples(tracking_uri, uri) for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
-    tables = [replace(t, warning=table_warning(stability, t.backbone, t.task_set))
+    tables = [replace(t, warning=table_warning(stability, t.backbone, t.task_set, t.regime))
               for t in build_tables(cells, examples)]
     section = section_markdown(stability) if stability else None
     seeds = seeds_of(cells)

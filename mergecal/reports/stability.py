@@ -1,5 +1,7 @@
-"""The tracks' stability diagnostic (``mergecal.pipeline.stability``, ``reports/stability.json``) as the leaderboard
-shows it: one line per track under the testbed health, and a warning under each table of an unstable track.
+"""The tracks' stability diagnostics (``mergecal.pipeline.stability``, ``mergecal.pipeline.refit_stability``,
+``reports/stability.json``) as the leaderboard shows them: one line per track (weight noise) and per vision regime
+(a refit at another thread count) under the testbed health, and a warning under each table of an unstable track or
+regime.
 
 Pure rendering of the stage's JSON: nothing here evaluates a model.
 """
@@ -56,14 +58,52 @@ def section_markdown(document: dict) -> str:
              f"by {_relative(document)} x its RMS ({len(document['seeds'])} seeds). A track is stable when the "
              "largest move of its average accuracy is at most the half-width of that row's 95 % interval.", ""]
     lines += [f"- {track_line(entry, _relative(document))}" for entry in document["tracks"]]
+    refits = document.get("refits") or []  # absent from a document written before the refit diagnostic
+    if refits:
+        first = refits[0]
+        lines += ["", f"Training: in each regime of the {first['track']} track, the fine-tune with the largest task "
+                  f"vector trained again at {first['refit_threads']} thread(s) instead of {first['threads']} "
+                  "(another CPU's round-off, measured on this one), and the regime's task-arithmetic rows "
+                  "re-evaluated with it. A regime is stable when no row moves by more than its 95 % interval's "
+                  "half-width.", ""]
+        lines += [f"- {refit_line(entry)}" for entry in refits]
     return "\n".join(lines) + "\n"
 
 
-def table_warning(document: dict | None, backbone: str, task_set: str) -> str:
-    """The warning under a table of ``backbone`` x ``task_set`` when its track is unstable ("" otherwise)."""
+def _row_name(row: dict) -> str:
+    """A row's label, with its scaling where the label does not fix one (the chosen scaling's row)."""
+    return row["label"] if "scaling=" in row["label"] else f"{row['label']} (chosen scaling {row['scaling']:g})"
+
+
+def refit_line(entry: dict) -> str:
+    """One regime's verdict under a refit: each task-arithmetic row's move against its half-width."""
+    name = f"{entry['track']} ({entry['backbone']} · {entry['task_set']}) · {entry['regime']}"
+    if entry.get("stable") is None:
+        return f"{name}: not measured ({entry.get('not_measured', 'no result')})"
+    refit = entry["refit"]
+    rows = ", ".join(f"{_row_name(r)} {_figure(r['largest_avg_move'])} of ±{_figure(r['half_width'])}"
+                     for r in entry["rows"])
+    same = "; the refit is bit-identical" if refit["identical"] else ""
+    return (f"{name}: {refit['task']} ({refit['variant']}) refit{same}; rows move by {rows} points: "
+            f"{'stable' if entry['stable'] else 'UNSTABLE'}")
+
+
+def table_warning(document: dict | None, backbone: str, task_set: str, regime: str | None = None) -> str:
+    """The warning under a table of ``backbone`` x ``task_set`` (x ``regime``) when its track is unstable under
+    weight noise or its regime under a refit ("" otherwise)."""
+    warnings = []
     for entry in (document or {}).get("tracks", []):
         if (entry.get("backbone"), entry.get("task_set")) == (backbone, task_set) and entry.get("stable") is False:
-            return (f"Rows of this track move by up to {_figure(entry['largest_avg_move'])} points under "
-                    f"{_relative(document)} relative perturbations, more than their interval: read differences as "
-                    "unreliable.")
-    return ""
+            warnings.append(f"Rows of this track move by up to {_figure(entry['largest_avg_move'])} points under "
+                            f"{_relative(document)} relative perturbations, more than their interval: read "
+                            "differences as unreliable.")
+    for entry in (document or {}).get("refits") or []:
+        if ((entry.get("backbone"), entry.get("task_set"), entry.get("regime")) == (backbone, task_set, regime)
+                and entry.get("stable") is False):
+            refit, worst = entry["refit"], entry["worst_row"]
+            warnings.append(f"Refit at {entry['refit_threads']} thread(s) instead of {entry['threads']}, this "
+                            f"regime's {refit['task']} ({refit['variant']}) fine-tune moves its {worst['label']} row "
+                            f"by {_figure(worst['move'])} points, more than its interval (±"
+                            f"{_figure(worst['half_width'])}): another CPU trains other models here, so differences "
+                            "in this table may not replicate; read them as unreliable.")
+    return " ".join(warnings)

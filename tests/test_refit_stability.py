@@ -1,0 +1,106 @@
+"""The training-time stability diagnostic (mergecal/pipeline/refit_stability.py, issue #30): which fine-tune is
+refit, which rows are re-measured, the verdict on a constructed regime whose refit flips examples against one that
+does not, and the warning under the unstable regime's tables only. The refit itself on built models:
+tests/test_pipeline.py."""
+
+import torch
+
+from mergecal.pipeline.refit_stability import (largest_task_vector, other_threads, regime_stability,
+                                               task_arithmetic_rows)
+from mergecal.pipeline.stability import stability_markdown
+from mergecal.reports.stability import section_markdown, table_warning
+
+
+def test_the_refit_trains_at_another_thread_count():
+    assert other_threads(2) == 1 and other_threads(16) == 1 and other_threads(1) == 2
+
+
+def test_the_refit_model_is_the_one_furthest_from_the_pretrained_weights():
+    pretrained = {"a": torch.zeros(3), "b": torch.ones(2)}
+    finetuned = {("x", "standard"): {"a": torch.tensor([1.0, 1.0, 1.0]), "b": torch.ones(2)},  # norm sqrt(3)
+                 ("y", "norm_mismatch"): {"a": torch.zeros(3), "b": torch.tensor([3.0, 1.0])},  # norm 2
+                 ("z", "standard"): {"a": torch.tensor([0.0, 1.5, 0.0]), "b": torch.ones(2)}}  # norm 1.5
+    assert largest_task_vector(pretrained, finetuned) == ("y", "norm_mismatch")
+
+
+def test_the_rows_are_the_regimes_uncalibrated_task_arithmetic_rows_of_the_seed():
+    def row(label, regime="norm_mismatch", seed=0, merge="task_arithmetic", scaling=0.3, track="vision"):
+        return {"track": track, "regime": regime, "seed": seed, "merge": merge, "label": label,
+                "selected_scaling": scaling}
+
+    results = {"rows": [row("task_arithmetic", scaling=0.05), row("task_arithmetic(scaling=1.0)", scaling=1.0),
+                        row("task_arithmetic(scaling=0.3)"), row("task_arithmetic>svc"),
+                        row("task_arithmetic(scaling=0.3)>wsc"), row("distac>task_arithmetic", merge="task_arithmetic"),
+                        row("task_arithmetic", regime="standard"), row("task_arithmetic", seed=1),
+                        row("ties", merge="ties"), row("task_arithmetic", track="text"),
+                        {**row("task_arithmetic(scaling=0.5)"), "selected_scaling": None}]}
+    assert task_arithmetic_rows(results, "norm_mismatch", 0) == [
+        ("task_arithmetic", 0.05), ("task_arithmetic(scaling=0.3)", 0.3),
+        ("task_arithmetic(scaling=1.0)", 1.0)]
+    assert task_arithmetic_rows(results, "low_confidence", 0) == []
+
+
+def _evaluate(flip_per_point: int):
+    """A fake regime: 400 examples per task, the first 200 correct; the refit model (a state whose "w" is 1)
+    flips ``flip_per_point`` x scaling x 10 of the correct ones. The outcome of the stored models does not move."""
+    def evaluate(finetuned, scaling):
+        flipped = int(round(flip_per_point * scaling * 10)) if float(finetuned[0]["w"]) == 1.0 else 0
+        outcome = [0.0] * flipped + [1.0] * (200 - flipped) + [0.0] * 200
+        return {"a": list(outcome), "b": list(outcome)}
+
+    return evaluate
+
+
+def test_a_regime_is_unstable_when_a_refit_moves_a_row_beyond_its_interval():
+    stored, refitted = [{"w": torch.tensor(0.0)}], [{"w": torch.tensor(1.0)}]
+    rows = [("task_arithmetic", 0.1), ("task_arithmetic(scaling=1.0)", 1.0)]
+    # 40 of 400 examples per task flip at scaling 1.0: a 10-point move against a half-width of about 5
+    shaky = regime_stability(_evaluate(4), stored, refitted, rows)
+    assert [r["largest_avg_move"] for r in shaky["rows"]] == [1.0, 10.0]
+    assert [r["stable"] for r in shaky["rows"]] == [True, False] and shaky["stable"] is False
+    assert shaky["worst_row"]["label"] == "task_arithmetic(scaling=1.0)" and shaky["worst_row"]["move"] == 10.0
+    assert 3.0 < shaky["worst_row"]["half_width"] < 7.0
+    calm = regime_stability(_evaluate(0), stored, refitted, rows)
+    assert calm["stable"] is True and calm["largest_avg_move"] == 0.0
+
+
+def _document():
+    row = {"label": "task_arithmetic(scaling=0.3)", "scaling": 0.3, "avg_acc": 37.4, "half_width": 1.9,
+           "largest_avg_move": 4.2, "changed_fraction": 0.05, "stable": False}
+    base = {"track": "vision", "backbone": "clip-small", "task_set": "headroom8", "recipe": "task_arithmetic",
+            "threads": 2, "refit_threads": 1}
+    unstable = {**base, "regime": "norm_mismatch", "refit": {"task": "symbols", "variant": "norm_mismatch",
+                                                             "identical": False},
+                "rows": [row], "largest_avg_move": 4.2, "stable": False,
+                "worst_row": {"label": row["label"], "move": 4.2, "half_width": 1.9}}
+    stable = {**base, "regime": "standard", "refit": {"task": "digits", "variant": "standard", "identical": True},
+              "rows": [{**row, "largest_avg_move": 0.0, "changed_fraction": 0.0, "stable": True}],
+              "largest_avg_move": 0.0, "stable": True,
+              "worst_row": {"label": row["label"], "move": 0.0, "half_width": 1.9}}
+    stable["rows"].append({**stable["rows"][0], "label": "task_arithmetic", "scaling": 0.1})
+    missing = {**base, "regime": "low_confidence", "stable": None, "not_measured": "no row"}
+    return {"relative_size": 1e-6, "seeds": [0, 1, 2], "tracks": [], "refits": [unstable, stable, missing]}
+
+
+def test_an_unstable_regime_warns_under_its_own_tables_only_and_the_reports_say_why():
+    document = _document()
+    warning = table_warning(document, "clip-small", "headroom8", "norm_mismatch")
+    assert warning.startswith("Refit at 1 thread(s) instead of 2, this regime's symbols (norm_mismatch) fine-tune "
+                              "moves its task_arithmetic(scaling=0.3) row by 4.2 points, more than its interval (±1.9)")
+    assert table_warning(document, "clip-small", "headroom8", "standard") == ""
+    assert table_warning(document, "clip-small", "headroom8", "low_confidence") == ""
+    assert table_warning(document, "minilm", "text4", "norm_mismatch") == ""
+    section = section_markdown(document)
+    assert "vision (clip-small · headroom8) · norm_mismatch: symbols (norm_mismatch) refit; rows move by " \
+           "task_arithmetic(scaling=0.3) 4.2 of ±1.9 points: UNSTABLE" in section
+    assert "standard: digits (standard) refit; the refit is bit-identical; rows move by " \
+           "task_arithmetic(scaling=0.3) 0.0 of ±1.9, task_arithmetic (chosen scaling 0.1) 0.0 of ±1.9 points: " \
+           "stable" in section
+    assert "low_confidence: not measured (no row)" in section
+    table = stability_markdown(document)
+    assert "| vision | norm_mismatch | symbols (norm_mismatch) | no | task_arithmetic(scaling=0.3) | 0.3 | 37.4 | " \
+           "1.90 | 4.20 | 5.00 | UNSTABLE |" in table
+    # a document written before the refit diagnostic renders as before
+    old = {k: v for k, v in document.items() if k != "refits"}
+    assert "Training:" not in section_markdown(old) and table_warning(old, "clip-small", "headroom8",
+                                                                      "norm_mismatch") == ""
