@@ -84,25 +84,34 @@ def test_seed_spread_refuses_bad_items_in_one_line(tmp_path, capsys):
 
 # --- one run with several fine-tuning seeds (`seeds:` in params.yaml): the leaderboard's "Across seeds" section ---
 
-def _seeded_store(tmp_path, seeds):
-    """A tmp MLflow store with one finished invocation whose cells carry the ``mergecal.seed`` tag of each seed."""
+def _seeded_store(tmp_path, seeds, invocations=("inv",), drop=None):
+    """A tmp MLflow store with finished invocations (a day apart) whose cells carry the ``mergecal.seed`` tag of
+    each seed; ``drop``: (invocation, seed, recipe) whose accuracy is 5 points lower there."""
     from mlflow import MlflowClient
-    from mlflow.entities import Metric
 
     uri = f"sqlite:///{tmp_path}/mlruns.db"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("mergecal", artifact_location=str(tmp_path / "artifacts"))
-    start = 1_790_000_000_000
-    parent = client.create_run(exp, start_time=start, tags={"mergecal.kind": "invocation",
-                                                            "mergecal.invocation_id": "inv"})
     cells = {"zeroshot": ("zeroshot", "none", 0.40), "finetuned": ("finetuned", "none", 0.90),
              "task_arithmetic": ("task_arithmetic", "none", 0.70),
              "task_arithmetic>svc": ("task_arithmetic", "svc", 0.72)}
+    for day, inv in enumerate(invocations):
+        start = 1_790_000_000_000 + day * 86_400_000
+        parent = client.create_run(exp, start_time=start, tags={"mergecal.kind": "invocation",
+                                                                "mergecal.invocation_id": inv})
+        _seeded_cells(client, exp, parent.info.run_id, inv, start, seeds, cells, drop)
+        client.set_terminated(parent.info.run_id, end_time=start + 200)
+    return uri
+
+
+def _seeded_cells(client, exp, parent, inv, start, seeds, cells, drop):
+    from mlflow.entities import Metric
+
     for seed in seeds:
         for j, (recipe, (merge, calibration, acc)) in enumerate(cells.items()):
-            acc += 0.01 * seed  # each seed's models score a little differently
+            acc += 0.01 * seed - (0.05 if drop == (inv, seed, recipe) else 0.0)  # each seed's models differ a little
             run = client.create_run(exp, start_time=start + j + 1, tags={
-                "mlflow.parentRunId": parent.info.run_id, "mergecal.kind": "cell", "mergecal.invocation_id": "inv",
+                "mlflow.parentRunId": parent, "mergecal.kind": "cell", "mergecal.invocation_id": inv,
                 "mergecal.cell_id": f"{recipe}-{seed}", "mergecal.status": "ok", "mergecal.backbone": "vit",
                 "mergecal.task_set": "two", "mergecal.regime": "standard", "mergecal.merge": merge,
                 "mergecal.calibration": calibration, "mergecal.recipe": recipe, "mergecal.tasks": "a,b",
@@ -110,8 +119,6 @@ def _seeded_store(tmp_path, seeds):
             metrics = [Metric(n, acc, start, 0) for n in ("acc.a", "acc.b", "avg_acc")]
             client.log_batch(run.info.run_id, metrics=metrics + [Metric("avg_norm_acc", acc / 0.9, start, 0)])
             client.set_terminated(run.info.run_id, "FINISHED", end_time=start + 100)
-    client.set_terminated(parent.info.run_id, end_time=start + 200)
-    return uri
 
 
 @pytest.mark.integration
@@ -146,3 +153,28 @@ def test_a_run_with_one_seed_keeps_the_leaderboard_as_it_was(tmp_path):
     assert list(document["leaderboard"]) == ["vit"] and "across_seeds" not in document
     markdown = (out / "leaderboard.md").read_text()
     assert "## vit · two · standard\n" in markdown and "Across seeds" not in markdown
+
+
+@pytest.mark.integration
+def test_the_history_keeps_each_seeds_cells_apart_and_names_the_seed_of_a_regression(tmp_path):
+    """With several seeds the same recipe is one cell per seed: the history shows each seed's group and a drop in
+    seed 1 is seed 1's (before, the seeds shared a key and the history kept one of them)."""
+    pytest.importorskip("mlflow")
+    from mergecal.reports import find_regressions, history_frame, load_runs
+    from mergecal.reports.history import history_markdown
+
+    uri = _seeded_store(tmp_path, (0, 1), invocations=("inv-1", "inv-2"), drop=("inv-2", 1, "task_arithmetic"))
+    runs = load_runs(uri, "mergecal")
+    history = history_frame(runs)
+    assert len(history) == 2 * 2 * 4  # invocations x seeds x recipes
+    (regression,) = find_regressions(history)
+    assert (regression.recipe, regression.seed, regression.invocation_id) == ("task_arithmetic", "1", "inv-2")
+    assert regression.drop_points == pytest.approx(5.0 / 0.9)  # avg_norm_acc: accuracy over 0.9
+    text = history_markdown(runs)
+    assert "- vit · two · standard · seed 1 · task_arithmetic: 78.9 → 73.3 (−5.6) in inv-2" in text
+    assert "## vit · two · standard · seed 0\n" in text and "## vit · two · standard · seed 1\n" in text
+    # one seed: no seed in the groups or the regressions, as before seeds
+    one = load_runs(_seeded_store(tmp_path / "one", (0,), ("inv-1", "inv-2"), ("inv-2", 0, "task_arithmetic")),
+                    "mergecal")
+    (regression,) = find_regressions(history_frame(one))
+    assert regression.seed == "" and "## vit · two · standard\n" in history_markdown(one)

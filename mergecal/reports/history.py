@@ -1,5 +1,6 @@
-"""The same cells across benchmark invocations: a metric per (backbone, task set, regime, recipe) over
-time, and the regressions — cells that got worse than the previous invocation that ran them.
+"""The same cells across benchmark invocations: a metric per (backbone, task set, regime, fine-tuning seed,
+recipe) over time, and the regressions — cells that got worse than the previous invocation that ran them. With
+one seed the groups and lines name no seed; with several each seed's cells are their own group.
 
 A cell reused from the cache is logged again under every invocation, so an unchanged value is the
 normal case and a drop means the code, data or parameters behind that cell changed.
@@ -15,7 +16,7 @@ import pandas as pd
 
 from .leaderboard import REGIME_ORDER, fmt_pct, rank, recipe_order
 from .plots import Plot, history_figure, slug, to_svg
-from .runs import FINISHED, GROUP, invocations
+from .runs import FINISHED, GROUP, SEED, invocations
 
 DEFAULT_METRIC = "avg_norm_acc"
 DEFAULT_THRESHOLD = 1.0  # percentage points
@@ -32,6 +33,7 @@ class Regression:
     previous: float  # fraction
     current: float | None  # fraction; None when the cell failed
     status: str  # the cell's status in this invocation
+    seed: str = ""  # the fine-tuning seed, named only when the history has several
 
     @property
     def drop_points(self) -> float | None:
@@ -42,7 +44,8 @@ class Regression:
             change = f"{fmt_pct(self.previous)} → {self.status}"
         else:
             change = f"{fmt_pct(self.previous)} → {fmt_pct(self.current)} (−{self.drop_points:.1f})"
-        return (f"{self.backbone} · {self.task_set} · {self.regime} · {self.recipe}: {change} in "
+        seed = f" · seed {self.seed}" if self.seed else ""
+        return (f"{self.backbone} · {self.task_set} · {self.regime}{seed} · {self.recipe}: {change} in "
                 f"{self.invocation_id} (previous {self.previous_invocation_id})")
 
 
@@ -69,22 +72,27 @@ def history_frame(runs: pd.DataFrame, metric: str = DEFAULT_METRIC) -> pd.DataFr
     a killed or unfinished invocation is no result, so none of its cells is compared."""
     order = {inv: i for i, inv in enumerate(_results(invocations(runs)))}
     cells = runs[(runs["kind"] == "cell") & runs["invocation_id"].isin(order)]
-    cells = cells.drop_duplicates(["invocation_id", *GROUP, "recipe"], keep="last")
+    cells = cells.drop_duplicates(["invocation_id", *GROUP, SEED, "recipe"], keep="last")
     column = f"metrics.{metric}"
     values = cells[column] if column in cells else pd.Series(float("nan"), index=cells.index)
     frame = pd.DataFrame({
-        **{c: cells[c] for c in (*GROUP, "recipe", "merge", "calibration", "invocation_id", "status", "cached")},
+        **{c: cells[c] for c in (*GROUP, SEED, "recipe", "merge", "calibration", "invocation_id", "status",
+                                 "cached")},
         "order": cells["invocation_id"].map(order),
         "value": values.where(cells["status"] == "ok"),
     })
-    return frame.sort_values([*GROUP, "recipe", "order"], kind="stable").reset_index(drop=True)
+    return frame.sort_values([*GROUP, SEED, "recipe", "order"], kind="stable").reset_index(drop=True)
+
+
+def _several_seeds(history: pd.DataFrame) -> bool:
+    return history[SEED].nunique() > 1
 
 
 def find_regressions(history: pd.DataFrame, threshold: float = DEFAULT_THRESHOLD) -> list[Regression]:
     """Cells that, against the previous invocation that ran them, dropped by more than ``threshold``
     points or failed (a cell that failed before has nothing to be compared with)."""
-    found = []
-    for key, cell in history.groupby([*GROUP, "recipe"], sort=True):
+    found, several = [], _several_seeds(history)
+    for (*group, seed, recipe), cell in history.groupby([*GROUP, SEED, "recipe"], sort=True):
         rows = list(cell.sort_values("order").itertuples())
         for before, now in zip(rows, rows[1:]):
             if pd.isna(before.value):
@@ -93,21 +101,30 @@ def find_regressions(history: pd.DataFrame, threshold: float = DEFAULT_THRESHOLD
             if current is None and now.status == "ok":
                 continue  # ran, but without this metric: nothing to compare
             if current is None or round(100.0 * (before.value - current), 9) > threshold:
-                found.append((now.order, Regression(*key, now.invocation_id, before.invocation_id,
-                                                    float(before.value), current, now.status)))
-    found.sort(key=lambda f: (f[0], f[1].backbone, f[1].task_set, rank(REGIME_ORDER, f[1].regime), f[1].recipe))
+                found.append((now.order, Regression(*group, recipe, now.invocation_id, before.invocation_id,
+                                                    float(before.value), current, now.status,
+                                                    seed if several else "")))
+    found.sort(key=lambda f: (f[0], f[1].backbone, f[1].task_set, rank(REGIME_ORDER, f[1].regime),
+                              _seed_rank(f[1].seed), f[1].recipe))
     return [r for _, r in found]
 
 
+def _seed_rank(seed: str) -> tuple:
+    return (seed != "", int(seed) if seed.isdigit() else 0, seed)
+
+
 def _groups(history: pd.DataFrame):
-    keys = sorted({tuple(k) for k in history[list(GROUP)].itertuples(index=False)},
-                  key=lambda k: (k[0], k[1], rank(REGIME_ORDER, k[2])))
+    """(title parts, the group's rows, its recipes in leaderboard order) per backbone · task set · regime, and
+    per fine-tuning seed when there are several."""
+    several = _several_seeds(history)
+    keys = sorted({tuple(k) for k in history[[*GROUP, SEED]].itertuples(index=False)},
+                  key=lambda k: (k[0], k[1], rank(REGIME_ORDER, k[2]), _seed_rank(k[3])))
     for key in keys:
         group = history[(history["backbone"] == key[0]) & (history["task_set"] == key[1])
-                        & (history["regime"] == key[2])]
+                        & (history["regime"] == key[2]) & (history[SEED] == key[3])]
         recipes = sorted({(r.merge, r.calibration, r.recipe) for r in group.itertuples()},
                          key=lambda r: recipe_order(*r))
-        yield key, group, [r[2] for r in recipes]
+        yield (*key[:3], f"seed {key[3]}") if several else key[:3], group, [r[2] for r in recipes]
 
 
 def _cell_text(group: pd.DataFrame, recipe: str, invocation: str) -> str:
