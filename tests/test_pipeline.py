@@ -284,32 +284,48 @@ def test_stability_reevaluates_each_tracks_task_arithmetic_row_as_the_benchmark_
 
 def test_a_refit_at_the_pipelines_thread_count_is_the_stored_fine_tune_and_each_regime_is_measured(built):
     """The training-time diagnostic (issue #30) refits a fine-tune from what its file records: at the pipeline's
-    own thread count the refit is the stored model bit for bit (so a move at another count is the thread count's),
-    the process's thread count is restored, and each regime with a task-arithmetic row gets a verdict."""
+    own thread count the refit is the stored model bit for bit (vision, text; so a move at another count is the
+    thread count's), the process's thread count is restored, and each track's regime with a task-arithmetic row
+    gets a verdict (the LLM's refit and merges written in a scratch directory that is gone after)."""
     from mergecal.checkpoint import load_state_dict
-    from mergecal.pipeline.refit_stability import measure_refits, refit
+    from mergecal.pipeline.refit_stability import measure_refits, text_refit, vision_refit
 
     root, params = built
     task, variant = params.vision.norm_mismatch_task, "norm_mismatch"
-    again = refit(params, root, task, variant, threads=params.threads)
+    again = vision_refit(params, root, task, variant, threads=params.threads)
     stored = load_state_dict(vision.paths_for(params, root).finetuned(variant, task))
     assert again.keys() == stored.keys() and all(torch.equal(again[k], stored[k]) for k in stored)
+    encoder, head = text_refit(params, root, params.text.tasks[0], threads=params.threads)
+    stored_encoder, stored_head = text.TextModels(params, root).finetuned(params.text.tasks[0])
+    assert all(torch.equal(encoder[k], stored_encoder[k]) for k in stored_encoder)
+    assert all(torch.equal(head[k], stored_head[k]) for k in stored_head)
     assert torch.get_num_threads() == 1
-    rows = [{"track": "vision", "regime": regime, "seed": 0, "merge": "task_arithmetic", "label": label,
+    rows = [{"track": track, "regime": regime, "seed": 0, "merge": "task_arithmetic", "label": label,
              "selected_scaling": scaling}
-            for regime in ("standard", "norm_mismatch")
+            for track, regime in (("vision", "standard"), ("vision", "norm_mismatch"), ("text", "standard"),
+                                  ("llm", "standard"))
             for label, scaling in (("task_arithmetic", 0.3), ("task_arithmetic(scaling=1.0)", 1.0))]
-    entries = {e["regime"]: e for e in measure_refits(params, root, {"rows": rows})}
-    assert list(entries) == list(params.vision.regimes) and torch.get_num_threads() == 1
-    assert entries["low_confidence"]["stable"] is None
+    entries = {(e["track"], e["regime"]): e for e in measure_refits(params, root, {"rows": rows})}
+    assert list(entries) == [*(("vision", r) for r in params.vision.regimes), ("text", "standard"),
+                             ("llm", "standard")]
+    assert torch.get_num_threads() == 1 and entries["vision", "low_confidence"]["stable"] is None
     # the 10x-lr model is the norm-mismatch regime's largest task vector, by construction
-    assert entries["norm_mismatch"]["refit"]["task"] == task
-    assert entries["norm_mismatch"]["refit"]["variant"] == variant
-    for regime in ("standard", "norm_mismatch"):
-        entry = entries[regime]
-        assert entry["refit_threads"] == 2 and [r["scaling"] for r in entry["rows"]] == [0.3, 1.0]
-        assert all(r["n_examples"] == 30 * len(params.vision.tasks) for r in entry["rows"])
-        assert entry["stable"] == all(r["largest_avg_move"] <= r["half_width"] for r in entry["rows"])
+    assert entries["vision", "norm_mismatch"]["refit"] == {**entries["vision", "norm_mismatch"]["refit"],
+                                                           "task": task, "variant": variant}
+    examples = {"vision": 30 * len(params.vision.tasks), "text": None, "llm": None}
+    for key, entry in entries.items():
+        if entry["stable"] is None:
+            continue
+        assert entry["refit_threads"] == 2 and [r["scaling"] for r in entry["rows"]] == [0.3, 1.0], key
+        assert entry["refit"]["task"] in _settings_tasks(params, key[0])
+        assert entry["stable"] == all(r["largest_avg_move"] <= r["half_width"] for r in entry["rows"]), key
+        if examples[key[0]]:
+            assert all(r["n_examples"] == examples[key[0]] for r in entry["rows"])
+    assert not list((root / ".mergecal" / "llm").glob("refit-*"))
+
+
+def _settings_tasks(params, track):
+    return {"vision": params.vision.tasks, "text": params.text.tasks, "llm": params.llm.tasks}[track]
 
 
 def test_reference_cells_and_normalized_accuracy(built):

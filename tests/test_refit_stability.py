@@ -3,9 +3,13 @@ refit, which rows are re-measured, the verdict on a constructed regime whose ref
 does not, and the warning under the unstable regime's tables only. The refit itself on built models:
 tests/test_pipeline.py."""
 
+import json
+
+import pytest
 import torch
 
-from mergecal.pipeline.refit_stability import (largest_task_vector, other_threads, regime_stability,
+from mergecal.errors import MergecalError
+from mergecal.pipeline.refit_stability import (largest_task_vector, other_threads, recorded, regime_stability,
                                                task_arithmetic_rows)
 from mergecal.pipeline.stability import stability_markdown
 from mergecal.reports.stability import section_markdown, table_warning
@@ -23,6 +27,18 @@ def test_the_refit_model_is_the_one_furthest_from_the_pretrained_weights():
     assert largest_task_vector(pretrained, finetuned) == ("y", "norm_mismatch")
 
 
+def test_a_missing_or_malformed_training_record_is_refused_in_one_line(tmp_path):
+    record = tmp_path / "digits.json"
+    with pytest.raises(MergecalError, match=r"digits.json: expected the fine-tune's record with its "
+                                            r"`hyperparameters` \(FileNotFoundError\); run its fine-tuning stage"):
+        recorded(record, "hyperparameters")
+    record.write_text(json.dumps({"hyperparameters": [1, 2]}))
+    with pytest.raises(MergecalError, match="digits.json: expected `hyperparameters` to be a mapping"):
+        recorded(record, "hyperparameters")
+    record.write_text(json.dumps({"hyperparameters": {"lr": 0.001}}))
+    assert recorded(record, "hyperparameters") == {"lr": 0.001}
+
+
 def test_the_rows_are_the_regimes_uncalibrated_task_arithmetic_rows_of_the_seed():
     def row(label, regime="norm_mismatch", seed=0, merge="task_arithmetic", scaling=0.3, track="vision"):
         return {"track": track, "regime": regime, "seed": seed, "merge": merge, "label": label,
@@ -34,34 +50,46 @@ def test_the_rows_are_the_regimes_uncalibrated_task_arithmetic_rows_of_the_seed(
                         row("task_arithmetic", regime="standard"), row("task_arithmetic", seed=1),
                         row("ties", merge="ties"), row("task_arithmetic", track="text"),
                         {**row("task_arithmetic(scaling=0.5)"), "selected_scaling": None}]}
-    assert task_arithmetic_rows(results, "norm_mismatch", 0) == [
+    assert task_arithmetic_rows(results, "vision", "norm_mismatch", 0) == [
         ("task_arithmetic", 0.05), ("task_arithmetic(scaling=0.3)", 0.3),
         ("task_arithmetic(scaling=1.0)", 1.0)]
-    assert task_arithmetic_rows(results, "low_confidence", 0) == []
+    assert task_arithmetic_rows(results, "vision", "low_confidence", 0) == []
+    assert task_arithmetic_rows(results, "text", "norm_mismatch", 0) == [("task_arithmetic", 0.3)]
 
 
-def _evaluate(flip_per_point: int):
-    """A fake regime: 400 examples per task, the first 200 correct; the refit model (a state whose "w" is 1)
-    flips ``flip_per_point`` x scaling x 10 of the correct ones. The outcome of the stored models does not move."""
-    def evaluate(finetuned, scaling):
-        flipped = int(round(flip_per_point * scaling * 10)) if float(finetuned[0]["w"]) == 1.0 else 0
+def _scorer(flips_per_point: int):
+    """A fake regime's merge at a scaling: 400 examples per task, the first 200 correct, of which
+    ``flips_per_point`` x scaling x 10 are wrong instead."""
+    def score(scaling):
+        flipped = int(round(flips_per_point * scaling * 10))
         outcome = [0.0] * flipped + [1.0] * (200 - flipped) + [0.0] * 200
         return {"a": list(outcome), "b": list(outcome)}
 
-    return evaluate
+    return score
 
 
 def test_a_regime_is_unstable_when_a_refit_moves_a_row_beyond_its_interval():
-    stored, refitted = [{"w": torch.tensor(0.0)}], [{"w": torch.tensor(1.0)}]
     rows = [("task_arithmetic", 0.1), ("task_arithmetic(scaling=1.0)", 1.0)]
-    # 40 of 400 examples per task flip at scaling 1.0: a 10-point move against a half-width of about 5
-    shaky = regime_stability(_evaluate(4), stored, refitted, rows)
+    # the refit flips 40 of 400 examples per task at scaling 1.0: a 10-point move against a half-width of about 5
+    shaky = regime_stability(_scorer(0), _scorer(4), rows)
     assert [r["largest_avg_move"] for r in shaky["rows"]] == [1.0, 10.0]
     assert [r["stable"] for r in shaky["rows"]] == [True, False] and shaky["stable"] is False
     assert shaky["worst_row"]["label"] == "task_arithmetic(scaling=1.0)" and shaky["worst_row"]["move"] == 10.0
     assert 3.0 < shaky["worst_row"]["half_width"] < 7.0
-    calm = regime_stability(_evaluate(0), stored, refitted, rows)
+    calm = regime_stability(_scorer(0), _scorer(0), rows)
     assert calm["stable"] is True and calm["largest_avg_move"] == 0.0
+
+
+def test_a_bit_identical_refit_scores_each_row_once_and_moves_nothing():
+    calls = []
+
+    def stored(scaling):
+        calls.append(scaling)
+        return _scorer(2)(scaling)
+
+    same = regime_stability(stored, None, [("task_arithmetic", 0.3), ("task_arithmetic(scaling=1.0)", 1.0)])
+    assert calls == [0.3, 1.0] and same["stable"] is True and same["largest_avg_move"] == 0.0
+    assert [r["avg_acc"] for r in same["rows"]] == [48.5, 45.0]
 
 
 def _document():
