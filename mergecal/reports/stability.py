@@ -61,11 +61,10 @@ def section_markdown(document: dict) -> str:
     refits = document.get("refits") or []  # absent from a document written before the refit diagnostic
     if refits:
         first = refits[0]
-        lines += ["", f"Training: in each regime of the {first['track']} track, the fine-tune with the largest task "
-                  f"vector trained again at {first['refit_threads']} thread(s) instead of {first['threads']} "
-                  "(another CPU's round-off, measured on this one), and the regime's task-arithmetic rows "
-                  "re-evaluated with it. A regime is stable when no row moves by more than its 95 % interval's "
-                  "half-width.", ""]
+        lines += ["", f"Training: in each track and regime, the fine-tune with the largest task vector trained again "
+                  f"at {first['refit_threads']} thread(s) instead of {first['threads']} (another CPU's round-off, "
+                  "measured on this one), and the regime's task-arithmetic rows re-evaluated with it. A regime is "
+                  "stable when no row moves by more than its 95 % interval's half-width.", ""]
         lines += [f"- {refit_line(entry)}" for entry in refits]
     return "\n".join(lines) + "\n"
 
