@@ -44,14 +44,11 @@ from ..train.finetune_text import TextFinetuneConfig, finetune_text_task
 from ..train.lm import LmTrainConfig, finetune_lm
 from .cells import per_example_results
 from .config import Params
-from .stability import Examples, move_summary
+from .stability import MERGE, TRACKS, Examples, move_summary, track_settings
 from .threads import pin_threads
 from .tracks.llm.stages import base_dir, data_root, expert_dir, lm_eval_setup, work_dir
 from .tracks.text.stages import TextModels, finetuned_path, n_classes, split
 from .tracks.vision.stages import VisionModels, evaluate_tasks, is_visual, paths_for, regime_variants, task_split
-
-MERGE = "task_arithmetic"
-TRACKS = ("vision", "text", "llm")
 
 States = dict[str, torch.Tensor]
 
@@ -265,17 +262,13 @@ def llm_regimes(params: Params, root, rows_of, *, threads: int, device: str, see
                        None if same else scorer(refitted))
 
 
-def _settings(params: Params, track: str):
-    return {"vision": params.vision, "text": params.text, "llm": params.llm}[track]
-
-
 def measure_refits(params: Params, root, results: dict, *, device: str = "cpu") -> list[dict]:
     """One entry per enabled track and regime (``reports/stability.json``'s ``refits``)."""
     root = Path(root)
     seed, threads = params.seeds[0], other_threads(params.threads)
     entries = []
     for track in TRACKS:
-        settings = _settings(params, track)
+        settings = track_settings(params, track)
         if not settings.enabled:
             continue
         base = {"track": track, "backbone": settings.backbone, "task_set": settings.task_set, "recipe": MERGE,

@@ -186,7 +186,8 @@ def llm_evaluation(params: Params, root: Path, scaling: float, device: str,
     return evaluate
 
 
-def _track_settings(params: Params, track: str):
+def track_settings(params: Params, track: str):
+    """The params section of ``track`` (one of ``TRACKS``)."""
     return {"vision": params.vision, "text": params.text, "llm": params.llm}[track]
 
 
@@ -196,7 +197,7 @@ def measure(params: Params, root: str | Path, results: dict, *, device: str = "c
     root = Path(root)
     entries = []
     for track in TRACKS:
-        settings = _track_settings(params, track)
+        settings = track_settings(params, track)
         if not settings.enabled:
             continue
         entry = {"track": track, "backbone": settings.backbone, "task_set": settings.task_set, "recipe": MERGE,
