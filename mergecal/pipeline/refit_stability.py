@@ -151,7 +151,9 @@ def vision_refit(params: Params, root, task: str, variant: str, *, threads: int,
 
 
 def vision_regimes(params: Params, root, rows_of, *, threads: int, device: str, seed: int) -> Iterator[tuple]:
-    """(regime, refit task, variant, identical, stored scorer, refit scorer) per vision regime with rows."""
+    """Per vision regime: (regime, None) when it has no row to measure, else (regime, (refit task, variant,
+    bit-identical, the stored models' scorer, the refit's scorer or None when bit-identical)); a scorer maps a
+    scaling to the task-arithmetic merge's per-example test outcomes."""
     models, tasks = VisionModels(params, root, seed), list(params.vision.tasks)
     pretrained = models.visual_pretrained()
 
@@ -204,6 +206,7 @@ class RefitHeadTextModels(TextModels):
 
 
 def text_regimes(params: Params, root, rows_of, *, threads: int, device: str, seed: int) -> Iterator[tuple]:
+    """``vision_regimes``' tuples for the text track's regimes (the refit model with its own head)."""
     models, tasks = TextModels(params, root, seed), list(params.text.tasks)
 
     def scorer(evaluator: TextModels, encoders: list[States]) -> Callable[[float], Examples]:
@@ -230,8 +233,8 @@ def text_regimes(params: Params, root, rows_of, *, threads: int, device: str, se
 
 def llm_regimes(params: Params, root, rows_of, *, threads: int, device: str, seed: int,
                 scratch: Path) -> Iterator[tuple]:
-    """The LLM track's one regime: the refit expert written under ``scratch``, each scored merge written there
-    and deleted after its lm-eval scoring."""
+    """``vision_regimes``' tuple for the LLM track's one regime: the refit expert written under ``scratch``, each
+    scored merge written there and deleted after its lm-eval scoring."""
     if not rows_of("standard"):
         yield "standard", None
         return
