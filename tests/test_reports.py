@@ -193,7 +193,8 @@ def test_leaderboard_json(report):
     data = json.loads((out / "leaderboard.json").read_text())
     rows = data["leaderboard"]["mergecal-vit-tiny"]["vision2"]["standard"]
     assert data["results"]["n_computed"] == 8 and data["results"]["n_failed"] == 1
-    assert data["results"]["n_skipped"] == 1 and set(data) == {"results", "leaderboard"}
+    assert data["results"]["n_skipped"] == 1 and set(data) == {"results", "leaderboard", "warnings"}
+    assert data["warnings"] == []  # no stability document: nothing flagged
     assert rows["task_arithmetic>svc"]["values"]["acc.cars"] == pytest.approx(0.712)
     assert rows["task_arithmetic>svc"]["delta_points"]["acc.cars"] == pytest.approx(3.4)
     assert rows["zeroshot"]["role"] == "reference" and "cached" not in rows["zeroshot"]
@@ -435,6 +436,12 @@ def test_a_regime_unstable_under_a_refit_is_flagged_under_its_own_table_only(sto
     assert "- vision (mergecal-vit-tiny · vision2) · norm_mismatch: cars (norm_mismatch) refit;" in markdown
     page = (tmp_path / "leaderboard.html").read_text()
     assert page.count('<p class="warning">Warning: Refit at 1 thread(s) instead of 2') == 1
+    (flagged,) = json.loads((tmp_path / "leaderboard.json").read_text())["warnings"]
+    assert (flagged["backbone"], flagged["task_set"], flagged["regime"]) == ("mergecal-vit-tiny", "vision2",
+                                                                             "norm_mismatch")
+    assert flagged["warning"].startswith("Refit at 1 thread(s) instead of 2, this regime's cars (norm_mismatch)")
+    write_reports(store, "mergecal", tmp_path, stability=_stability(stable=True))
+    assert json.loads((tmp_path / "leaderboard.json").read_text())["warnings"] == []
 
 
 def test_reports_read_only_tags_that_the_pipeline_writes():

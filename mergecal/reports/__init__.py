@@ -210,7 +210,10 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
     for stale in sorted((out / "plots").glob("*.svg")):
         if f"plots/{stale.name}" not in written:
             stale.unlink()
-    document = {"results": meta, "leaderboard": tables_json(tables)}
+    document = {"results": meta, "leaderboard": tables_json(tables),
+                # the stability verdicts the tables carry (reports/stability.json has the figures)
+                "warnings": [{"backbone": t.backbone, "task_set": t.task_set, "regime": t.regime, "seed": t.seed,
+                              "warning": t.warning} for t in tables if t.warning]}
     across = None
     if len(seeds) > 1:  # mean and spread across the fine-tuning seeds, each calibration's verdict across them
         rows = seed_rows(documents_by_seed(document["leaderboard"]))
