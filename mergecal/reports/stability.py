@@ -1,7 +1,7 @@
 """The tracks' stability diagnostics (``mergecal.pipeline.stability``, ``mergecal.pipeline.refit_stability``,
-``reports/stability.json``) as the leaderboard shows them: one line per track (weight noise) and per vision regime
-(a refit at another thread count) under the testbed health, and a warning under each table of an unstable track or
-regime.
+``reports/stability.json``) as the leaderboard shows them: one line per track (weight noise) and per track and
+regime (a refit at another thread count) under the testbed health, and a warning under each table of an unstable
+track or regime.
 
 Pure rendering of the stage's JSON: nothing here evaluates a model.
 """
