@@ -44,7 +44,7 @@ from ..train.finetune_text import TextFinetuneConfig, finetune_text_task
 from ..train.lm import LmTrainConfig, finetune_lm
 from .cells import per_example_results
 from .config import Params
-from .stability import MERGE, TRACKS, Examples, move_summary, track_settings
+from .stability import MERGE, Examples, enabled_tracks, move_summary
 from .threads import pin_threads
 from .tracks.llm.stages import base_dir, data_root, expert_dir, lm_eval_setup, work_dir
 from .tracks.text.stages import TextModels, finetuned_path, n_classes, split
@@ -270,10 +270,7 @@ def measure_refits(params: Params, root, results: dict, *, device: str = "cpu") 
     root = Path(root)
     seed, threads = params.seeds[0], other_threads(params.threads)
     entries = []
-    for track in TRACKS:
-        settings = track_settings(params, track)
-        if not settings.enabled:
-            continue
+    for track, settings in enabled_tracks(params):
         base = {"track": track, "backbone": settings.backbone, "task_set": settings.task_set, "recipe": MERGE,
                 "threads": params.threads, "refit_threads": threads}
         if len(params.seeds) > 1:

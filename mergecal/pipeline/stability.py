@@ -186,9 +186,10 @@ def llm_evaluation(params: Params, root: Path, scaling: float, device: str,
     return evaluate
 
 
-def track_settings(params: Params, track: str):
-    """The params section of ``track`` (one of ``TRACKS``)."""
-    return {"vision": params.vision, "text": params.text, "llm": params.llm}[track]
+def enabled_tracks(params: Params) -> list[tuple[str, object]]:
+    """(track, its params section) of every enabled track among ``TRACKS``, in that order."""
+    sections = {"vision": params.vision, "text": params.text, "llm": params.llm}
+    return [(track, sections[track]) for track in TRACKS if sections[track].enabled]
 
 
 def measure(params: Params, root: str | Path, results: dict, *, device: str = "cpu") -> dict:
@@ -196,10 +197,7 @@ def measure(params: Params, root: str | Path, results: dict, *, device: str = "c
     of the first fine-tuning seed (``params.seeds``; the document names it when there are several)."""
     root = Path(root)
     entries = []
-    for track in TRACKS:
-        settings = track_settings(params, track)
-        if not settings.enabled:
-            continue
+    for track, settings in enabled_tracks(params):
         entry = {"track": track, "backbone": settings.backbone, "task_set": settings.task_set, "recipe": MERGE,
                  "regime": REGIME}
         scaling = chosen_scaling(results, track, seed=params.seeds[0])

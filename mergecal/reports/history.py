@@ -16,7 +16,7 @@ import pandas as pd
 
 from .leaderboard import REGIME_ORDER, fmt_pct, rank, recipe_order
 from .plots import Plot, history_figure, slug, to_svg
-from .runs import FINISHED, GROUP, SEED, invocations
+from .runs import FINISHED, GROUP, SEED, invocations, seed_order
 
 DEFAULT_METRIC = "avg_norm_acc"
 DEFAULT_THRESHOLD = 1.0  # percentage points
@@ -105,12 +105,8 @@ def find_regressions(history: pd.DataFrame, threshold: float = DEFAULT_THRESHOLD
                                                     float(before.value), current, now.status,
                                                     seed if several else "")))
     found.sort(key=lambda f: (f[0], f[1].backbone, f[1].task_set, rank(REGIME_ORDER, f[1].regime),
-                              _seed_rank(f[1].seed), f[1].recipe))
+                              seed_order(f[1].seed), f[1].recipe))
     return [r for _, r in found]
-
-
-def _seed_rank(seed: str) -> tuple:
-    return (seed != "", int(seed) if seed.isdigit() else 0, seed)
 
 
 def _groups(history: pd.DataFrame):
@@ -118,7 +114,7 @@ def _groups(history: pd.DataFrame):
     per fine-tuning seed when there are several."""
     several = _several_seeds(history)
     keys = sorted({tuple(k) for k in history[[*GROUP, SEED]].itertuples(index=False)},
-                  key=lambda k: (k[0], k[1], rank(REGIME_ORDER, k[2]), _seed_rank(k[3])))
+                  key=lambda k: (k[0], k[1], rank(REGIME_ORDER, k[2]), seed_order(k[3])))
     for key in keys:
         group = history[(history["backbone"] == key[0]) & (history["task_set"] == key[1])
                         & (history["regime"] == key[2]) & (history[SEED] == key[3])]

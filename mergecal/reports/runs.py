@@ -187,9 +187,14 @@ def cells_of(runs: pd.DataFrame, invocation: str) -> pd.DataFrame:
     return cells.sort_values([*GROUP, SEED, "recipe", "run_id"], kind="stable").reset_index(drop=True)
 
 
+def seed_order(seed: str) -> tuple:
+    """Sort key of a seed tag: "" (runs that recorded none) first, then numeric order."""
+    return (seed != "", int(seed) if seed.isdigit() else 0, seed)
+
+
 def seeds_of(cells: pd.DataFrame) -> list[str]:
     """The fine-tuning seeds of an invocation's cells, in numeric order ("" for runs that recorded none)."""
-    return sorted(set(cells[SEED]), key=lambda s: (s != "", int(s) if s.isdigit() else 0, s))
+    return sorted(set(cells[SEED]), key=seed_order)
 
 
 def metric(row: pd.Series, name: str) -> float | None:
