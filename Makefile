@@ -43,6 +43,9 @@ $(STAMP): pyproject.toml
 	@# WordNet 3.0 glosses for the text suite come from Debian's wordnet-base package.
 	test -f /usr/share/wordnet/data.noun || { apt-get update -q && apt-get install -y -q wordnet-base; } \
 		|| { echo "error: could not install Debian's wordnet-base (needed by the text suite): run 'apt-get install wordnet-base' as root"; exit 1; }
+	@# PostgreSQL's server for the lab tests (tests/lab_servers.py starts one on 127.0.0.1 and stops it).
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q postgresql; } \
+		|| { echo "error: could not install Debian's postgresql (needed by the lab tests): run 'apt-get install postgresql' as root"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet uv==$(UV_VERSION)
 	extra="$${PIP_EXTRA_INDEX_URL:-$$($(BIN)/python -m pip config get global.extra-index-url 2>/dev/null)}"; \
@@ -50,7 +53,7 @@ $(STAMP): pyproject.toml
 	export UV_INDEX_STRATEGY=unsafe-best-match; \
 	if [ -n "$$extra" ]; then export UV_EXTRA_INDEX_URL="$$extra"; fi; \
 	if [ -n "$$links" ]; then export UV_FIND_LINKS="$${links// /,}"; fi; \
-	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e '.[pipeline,dev]'
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e '.[pipeline,lab,dev]'
 	$(BIN)/python -m pip check
 	touch $(STAMP)
 

@@ -1,7 +1,8 @@
 """The benchmark flow: one Prefect task per cell of the matrix (merge → calibrate → evaluate → track).
 
 * Caching: a cell's cache key is its content hash (``mergecal.pipeline.cells.cell_id``); results persist as
-  JSON under ``<root>/.mergecal/cells`` so interrupted or repeated runs reuse finished cells. A result file cut
+  JSON under ``<root>/.mergecal/cells/<store>`` (one folder per tracking store: a result names its store's run) so
+  interrupted or repeated runs reuse finished cells. A result file cut
   short by a kill does not deserialize and Prefect treats it as absent. A cell without a result file whose
   MLflow run was already logged (killed in between, or the result directory deleted) is taken from that run,
   not computed again; either way it counts as cached.
@@ -38,7 +39,7 @@ from mergecal.pipeline.config import Params, load_params, parse_params
 from mergecal.pipeline.devices import device_lease
 from mergecal.pipeline.results import one_line, skipped_id, summary_row, write_results
 from mergecal.pipeline.threads import pin_threads, worker_threads
-from mergecal.pipeline.tracking import Tracker, cell_tags, code_version, tag
+from mergecal.pipeline.tracking import Tracker, cell_tags, provenance, tag
 from mergecal.pipeline.tracks import skipped_cells
 
 CELL_CACHE = Path(".mergecal") / "cells"
@@ -51,14 +52,14 @@ def _cell_cache_key(context, arguments: dict[str, Any]) -> str:
 
 @task(name="cell", cache_key_fn=_cell_cache_key, persist_result=True, result_serializer="json")
 def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: str, invocation_id: str,
-                 source: dict | None = None) -> dict:
+                 source: dict | None = None, run_tags: dict | None = None) -> dict:
     """Compute one cell and log it as one MLflow run; returns what the invocation manifest needs. ``source``:
     the result of the cell that chose this cell's scaling (passed as a Prefect future, so this cell waits
-    for it and does not run when it failed)."""
+    for it and does not run when it failed); ``run_tags``: the invocation's provenance, on the cell's run too."""
     settings = parse_params(params, "params")
     pin_threads(worker_threads(settings.threads, settings.runner.max_workers))  # its share of params' `threads`
     cell_obj = Cell(**{**cell, "tasks": tuple(cell["tasks"]), "grid": tuple(cell["grid"])})
-    tracker = Tracker(root, settings.tracking.experiment, settings.tracking.store)
+    tracker = Tracker.of(root, settings.tracking, tags=run_tags)
     logged = tracker.finished_cell(key)
     if logged is not None:
         run_id, metrics = logged
@@ -108,7 +109,10 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
     logger = get_run_logger()
     root_path = Path(root).resolve()
     params = load_params(root_path / params_path if not Path(params_path).is_absolute() else params_path)
-    tracker = Tracker(root_path, params.tracking.experiment, params.tracking.store)
+    params_json = json.dumps(params.model_dump(mode="json"), sort_keys=True)
+    params_sha256 = hashlib.sha256(params_json.encode()).hexdigest()
+    run_tags = provenance(root_path, params_sha256)
+    tracker = Tracker.of(root_path, params.tracking, tags=run_tags)
     killed = tracker.mark_unfinished_killed()
     if killed:
         logger.warning("marked %d unfinished MLflow run(s) of an interrupted benchmark as KILLED", killed)
@@ -117,19 +121,21 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
     keys = matrix_ids(cells, params, root_path)
     sources = source_index(cells)
     invocation_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-    params_json = json.dumps(params.model_dump(mode="json"), sort_keys=True)
     parent = tracker.start_invocation(
-        invocation_id,
-        tags={tag("code_version"): code_version(root_path), tag("cells"): str(len(cells))},
-        params={"params_sha256": hashlib.sha256(params_json.encode()).hexdigest(), "cells": str(len(cells)),
-                "runner": params.runner.kind, "device": params.device})
-    logger.info("benchmark %s: %d cells (MLflow %s)", invocation_id, len(cells), tracker.uri)
+        invocation_id, tags={tag("cells"): str(len(cells))},
+        params={"params_sha256": params_sha256, "cells": str(len(cells)), "runner": params.runner.kind,
+                "device": params.device})
+    logger.info("benchmark %s: %d cells (MLflow %s)", invocation_id, len(cells), tracker.shown_uri)
 
     # Prefect takes a task's result storage only as a saved block: saved on whichever server runs this flow,
     # one per repository root. Cached cells are found by key under this directory, so results computed under
     # one Prefect server are reused under another (tests/test_pipeline.py, worker-process runners).
-    storage = LocalFileSystem(basepath=str(root_path / CELL_CACHE))
-    storage.save(f"mergecal-cells-{hashlib.sha256(str(root_path).encode()).hexdigest()[:12]}", overwrite=True)
+    # A result names its MLflow run, so the cache is one folder per tracking store: switching to a lab's server
+    # never reuses a result whose run lives in the checkout's own store.
+    store = hashlib.sha256(tracker.shown_uri.encode()).hexdigest()[:12]
+    storage = LocalFileSystem(basepath=str(root_path / CELL_CACHE / store))
+    storage.save(f"mergecal-cells-{hashlib.sha256(str(root_path).encode()).hexdigest()[:12]}-{store}",
+                 overwrite=True)
     runnable = compute_cell.with_options(retries=params.runner.retries,
                                          retry_delay_seconds=params.runner.retry_delay_seconds,
                                          result_storage=storage)
@@ -142,7 +148,7 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
         # named after the cell, so Prefect's log and UI show which cell started, finished or failed
         named = runnable.with_options(task_run_name=f"{cells[i].track}/{cells[i].regime}/{cells[i].label}")
         futures[i] = named.submit(keys[i], cells[i].to_dict(), params_dict, str(root_path), parent, invocation_id,
-                                  source=source)
+                                  source=source, run_tags=run_tags)
     manifest, rows, failed, cached = {}, [], 0, 0
     for i, (key, cell, future) in enumerate(zip(keys, cells, futures), 1):
         future.wait()
@@ -186,7 +192,8 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
     tracker.finish_invocation(parent, manifest, {"cells": len(cells), "failed_cells": failed, "cached_cells": cached,
                                                  "skipped_cells": len(skipped), "seconds": seconds})
     result = write_results(root_path / output, params.tracking.experiment, len(cells), failed, rows,
-                           {"invocation_id": invocation_id, "parent_run_id": parent, "tracking_uri": tracker.uri,
+                           {"invocation_id": invocation_id, "parent_run_id": parent,
+                            "tracking_uri": tracker.shown_uri,
                             "cached": cached, "seconds": round(seconds, 1)})
     print(f"benchmark {invocation_id}: {len(cells)} cells, {cached} cached, {failed} failed, {seconds:.1f} s")
     return result

@@ -88,19 +88,35 @@ def cmd_perf(args: argparse.Namespace) -> int:
 
 def _pipeline(args: argparse.Namespace):
     from .pipeline.config import load_params
-    from .pipeline.tracking import tracking_uri
+    from .pipeline.tracking import resolve_uri
 
     root = Path(args.root).resolve()
     params = load_params(root / args.params)
-    return root, params, tracking_uri(root, params.tracking.store)
+    return root, params, resolve_uri(root, params.tracking)
+
+
+LAB_FILTERS = ("since", "track", "user", "commit")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .reports import write_reports
-
     root, params, uri = _pipeline(args)
-    written = write_reports(uri, params.tracking.experiment, args.out or root / "reports", args.invocation,
-                            threshold=args.threshold)
+    given = [f"--{name}" for name in LAB_FILTERS if getattr(args, name) is not None]
+    if args.lab:
+        from .reports.lab import Filters, write_lab_reports
+
+        if args.invocation:
+            raise ParameterError("--invocation: a lab board reads every finished invocation; filter it with "
+                                 "--since, --track, --user or --commit")
+        filters = Filters(**{name: getattr(args, name) for name in LAB_FILTERS})
+        written = write_lab_reports(uri, params.tracking.experiment, args.out or root / "reports" / "lab", filters,
+                                    threshold=args.threshold)
+    elif given:
+        raise ParameterError(f"{given[0]}: a filter of the lab board; add --lab")
+    else:
+        from .reports import write_reports
+
+        written = write_reports(uri, params.tracking.experiment, args.out or root / "reports", args.invocation,
+                                threshold=args.threshold)
     for name, path in written.items():
         print(f"{name}: {path}")
     return 0
@@ -112,6 +128,13 @@ def cmd_ui(args: argparse.Namespace) -> int:
     check_port_number(args.mlflow_port, "--mlflow-port")
     check_port_number(args.prefect_port, "--prefect-port")
     _, _, uri = _pipeline(args)
+    from .pipeline.tracking import is_server, redact
+
+    if is_server(uri):  # a lab's tracking server is its own UI
+        print(f"MLflow: {redact(uri)} (the tracking server this checkout logs to)", flush=True)
+        if args.no_prefect:
+            return 0
+        return serve_ui(uri, prefect_port=args.prefect_port, mlflow=False)
     return serve_ui(uri, mlflow_port=args.mlflow_port, prefect_port=args.prefect_port, prefect=not args.no_prefect)
 
 
@@ -121,13 +144,21 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from .pipeline.workspace import checkout_root
 
     root = checkout_root(args.root)  # before anything is served: the reruns need the checkout's pipeline
-    from .pipeline.schedule import START_SERVER, check_cron, serve
+    from .pipeline.schedule import START_SERVER, check_cron, register, serve
 
-    check_cron(args.cron)
+    if args.cron is not None:
+        check_cron(args.cron)
     api_url = os.environ.get("PREFECT_API_URL")
     if not api_url:
         raise MergecalError(f"schedule: set PREFECT_API_URL to a running Prefect server ({START_SERVER})")
-    serve(args.cron, root, api_url)
+    parameters = {"git_pull": not args.no_git_pull, "dvc_pull": not args.no_dvc_pull, "dvc_push": not args.no_dvc_push,
+                  "publish_tracking": not args.no_publish, "publish_dir": args.publish_dir}
+    if args.pool:
+        deployment_id = register(args.cron, root, api_url, args.pool, interval=args.interval, parameters=parameters)
+        print(f"deployment mergecal-rerun/scheduled-benchmark ({deployment_id}) on work pool {args.pool!r}; on the "
+              f"machine that runs it: prefect worker start --pool {args.pool}")
+        return 0
+    serve(args.cron, root, api_url, interval=args.interval, parameters=parameters)
     return 0
 
 
@@ -184,8 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="leaderboards, plots and history from the MLflow store")
     pipeline_args(p)
-    p.add_argument("--out", help="output directory (default <root>/reports)")
+    p.add_argument("--out", help="output directory (default <root>/reports; with --lab <root>/reports/lab)")
     p.add_argument("--invocation", help="benchmark invocation id (default: the latest)")
+    p.add_argument("--lab", action="store_true",
+                   help="one board from every finished invocation of every checkout that logged to the store, each "
+                        "row with its provenance (docs/lab.md)")
+    p.add_argument("--since", help="with --lab: runs started at or after this UTC date or time (2026-11-01)")
+    p.add_argument("--track", help="with --lab: one track (vision, text, llm, local_clip or local_clip:<name>, ...)")
+    p.add_argument("--user", help="with --lab: runs computed by this user")
+    p.add_argument("--commit", help="with --lab: runs computed at this commit (a prefix)")
     p.add_argument("--threshold", type=float, default=1.0, help="regression threshold in points (default 1)")
     p.set_defaults(func=cmd_report)
 
@@ -197,9 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ui)
 
     # these two need a mergecal checkout (dvc.yaml, stages/, flows/, mergecal/): an installed wheel has no pipeline
-    p = sub.add_parser("schedule", help="serve a cron-scheduled deployment that reruns `dvc repro` in a checkout")
+    p = sub.add_parser("schedule", help="a scheduled rerun of a checkout (git pull, dvc pull, dvc repro, dvc push, "
+                                        "publish the reports): served from here, or on a work pool (--pool)")
     p.add_argument("--root", default=".", help="the mergecal checkout to rerun (default .)")
-    p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * 1"')
+    when = p.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", help='cron schedule, e.g. "0 3 * * 1"')
+    when.add_argument("--interval", type=float, help="every this many seconds")
+    p.add_argument("--pool", help="register the deployment on this Prefect work pool (run by `prefect worker start "
+                                  "--pool NAME`) instead of serving it from this process")
+    p.add_argument("--no-git-pull", action="store_true", help="do not git pull --ff-only first")
+    p.add_argument("--no-dvc-pull", action="store_true", help="do not dvc pull (done only with a DVC remote)")
+    p.add_argument("--no-dvc-push", action="store_true", help="do not dvc push (done only with a DVC remote)")
+    p.add_argument("--no-publish", action="store_true",
+                   help="do not log the reports as artifacts of the invocation's run on the tracking store")
+    p.add_argument("--publish-dir", help="also copy the reports into this folder (a lab's shared board)")
     p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("smoke", help="copy a checkout's pipeline into DIR with the smoke-size params and run dvc repro")

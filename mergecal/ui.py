@@ -113,9 +113,9 @@ def stop(proc: subprocess.Popen, timeout: float = 15.0) -> None:
 
 
 def serve_ui(mlflow_uri: str, *, mlflow_port: int = 5000, prefect_port: int = 4200, prefect: bool = True,
-             startup_timeout: float = 120.0) -> int:
+             mlflow: bool = True, startup_timeout: float = 120.0) -> int:
     """Run the MLflow UI (and the Prefect UI) until Ctrl-C; print their URLs once they answer."""
-    servers = [(mlflow_server(mlflow_uri, mlflow_port), "--mlflow-port", mlflow_port)]
+    servers = [(mlflow_server(mlflow_uri, mlflow_port), "--mlflow-port", mlflow_port)] if mlflow else []
     if prefect:
         servers.append((prefect_server(prefect_port), "--prefect-port", prefect_port))
     for _, option, port in servers:

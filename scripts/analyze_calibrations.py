@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mergecal.checkpoint import load_state_dict  # noqa: E402
 from mergecal.pipeline.config import load_params  # noqa: E402
-from mergecal.pipeline.tracking import tracking_uri  # noqa: E402
+from mergecal.pipeline.tracking import resolve_uri  # noqa: E402
 from mergecal.reports.runs import cells_of, load_diagnostics, load_runs, pick_invocation  # noqa: E402
 
 CALIBRATED = re.compile(r">(wsc|dsc)(\(.*\))?$")  # {merge}>wsc, {merge}>dsc: MAGIC's weight / both steps
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = Path(args.root)
     params = load_params(root / "params.yaml")
-    uri = tracking_uri(args.root, params.tracking.store)
+    uri = resolve_uri(args.root, params.tracking)
     runs = load_runs(uri, params.tracking.experiment)
     cells = cells_of(runs, pick_invocation(runs, args.invocation))
     magic_table(uri, cells[cells["status"] == "ok"], params.vision.backbone, args.regime)

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mergecal.pipeline.config import load_params  # noqa: E402
-from mergecal.pipeline.tracking import tracking_uri  # noqa: E402
+from mergecal.pipeline.tracking import resolve_uri  # noqa: E402
 from mergecal.reports.runs import cells_of, load_diagnostics, load_runs, pick_invocation  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regime")
     args = parser.parse_args(argv)
     params = load_params(Path(args.root) / "params.yaml")
-    uri = tracking_uri(args.root, params.tracking.store)
+    uri = resolve_uri(args.root, params.tracking)
     runs = load_runs(uri, params.tracking.experiment)
     cells = cells_of(runs, pick_invocation(runs, args.invocation))
     cells = cells[cells["status"] == "ok"]

@@ -7,7 +7,7 @@ from stages._common import run
 
 def stage(params, root, args):
     from mergecal.pipeline.results import INVOCATION_FILE
-    from mergecal.pipeline.tracking import tracking_uri
+    from mergecal.pipeline.tracking import resolve_uri
     from mergecal.reports import write_reports
     from mergecal.reports.stability import read_document
 
@@ -15,7 +15,7 @@ def stage(params, root, args):
     # the invocation that wrote results/benchmark.json (the flow writes its id beside it); else the latest
     run_file = root / "results" / INVOCATION_FILE
     invocation = json.loads(run_file.read_text())["invocation_id"] if run_file.exists() else None
-    written = write_reports(tracking_uri(root, params.tracking.store), params.tracking.experiment, root / "reports",
+    written = write_reports(resolve_uri(root, params.tracking), params.tracking.experiment, root / "reports",
                             invocation, testbed=testbed.read_text() if testbed.exists() else None,
                             stability=read_document(root / "reports" / "stability.json"))  # stages/stability.py
     print(f"{len(written)} report files for invocation {invocation}; leaderboard: "

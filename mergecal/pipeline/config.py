@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
@@ -179,9 +180,25 @@ class Benchmark(Strict):
         return self
 
 
+# the URI schemes MLflow keeps runs behind: a tracking server, or a database SQLAlchemy reaches (+driver allowed)
+STORE_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql")
+
+
 class Tracking(Strict):
     experiment: str = Field("mergecal", min_length=1)
     store: str = "mlruns"  # directory under the repository: mlruns.db (SQLite) and artifacts/
+    # a lab's shared store (docs/lab.md): an MLflow tracking server (http://host:5000) or a database URI; none: the
+    # checkout's own store above. MLFLOW_TRACKING_URI, when set, takes precedence (MLflow's own convention)
+    uri: str | None = None
+    artifacts: str | None = None  # with a database uri: the artifact location every machine reaches
+
+    @field_validator("uri")
+    @classmethod
+    def _a_store_uri(cls, uri: str | None) -> str | None:
+        if uri is not None and urlsplit(uri).scheme.split("+")[0] not in STORE_SCHEMES:
+            raise ValueError("expected a tracking server (http://host:5000) or a database URI (postgresql://..., "
+                             "sqlite:////abs/path/mlruns.db)")  # the value is not repeated: it may hold a password
+        return uri
 
     @field_validator("store")
     @classmethod

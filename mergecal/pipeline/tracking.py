@@ -1,6 +1,11 @@
 """MLflow tracking of the benchmark: one parent run per invocation, one child run per computed cell.
 
-Store: ``<root>/<tracking.store>/mlruns.db`` (SQLite) with artifacts under ``<root>/<tracking.store>/artifacts``.
+Store (``resolve_uri``): ``MLFLOW_TRACKING_URI`` when set (MLflow's own convention), else ``tracking.uri`` in
+params.yaml, else the checkout's own ``<root>/<tracking.store>/mlruns.db`` (SQLite) with artifacts under
+``<root>/<tracking.store>/artifacts``. On a tracking server (``http(s)://``) the experiment is created without an
+artifact location, so artifacts go where the server says (``mlflow-artifacts:`` when it proxies them), never to one
+client's local path; a database URI other than the default needs ``tracking.artifacts``. Every run carries its
+provenance (user, host, code version, params digest: ``provenance``); a URI is shown only redacted (``redact``).
 A cell's run is created only once its result is complete, and everything is logged in a few batched calls
 right before the run is ended, so a killed benchmark leaves at most one unfinished run, which the next
 invocation marks KILLED (reports read FINISHED runs only). A cell whose id already has a FINISHED run is not
@@ -11,12 +16,19 @@ taken from the run (``finished_cell``) instead of being computed again.
 
 from __future__ import annotations
 
+import getpass
 import json
+import os
+import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from ..errors import MergecalError
+from .config import STORE_SCHEMES
 
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
 # a cell's per-example test scores, {task: [score per example, in the split's order]} (0/1 for accuracy): the
@@ -27,7 +39,14 @@ EXAMPLES = f"{EXAMPLES_DIR}/{EXAMPLES_SPLIT}.json"
 # Every tag the pipeline writes, named once here; the reports read them by these names (mergecal.reports.runs).
 PREFIX = "mergecal."
 TAGS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
-        "regime", "merge", "calibration", "recipe", "recipe_id", "tasks", "track", "device", "seed")
+        "regime", "merge", "calibration", "recipe", "recipe_id", "tasks", "track", "device", "seed", "user", "host",
+        "params_sha256")
+# what says who computed a run, where and from what (``provenance``): on the invocation and on every cell run
+PROVENANCE = ("user", "host", "code_version", "params_sha256")
+URI_ENV = "MLFLOW_TRACKING_URI"
+SERVER_SCHEMES = ("http", "https")
+# the version of the checkout a workspace was copied from (mergecal.pipeline.workspace): a copy has no git history
+SOURCE_VERSION = Path(".mergecal") / "source_version"
 
 
 def tag(name: str) -> str:
@@ -50,40 +69,132 @@ def store_dir(root: str | Path, store: str) -> Path:
 
 
 def tracking_uri(root: str | Path, store: str = "mlruns") -> str:
+    """The checkout's own store: ``sqlite:///<root>/<store>/mlruns.db``."""
     return f"sqlite:///{store_dir(root, store) / 'mlruns.db'}"
 
 
+def resolve_uri(root: str | Path, tracking) -> str:
+    """The tracking URI of a checkout: ``MLFLOW_TRACKING_URI`` when set, else ``tracking.uri``, else the checkout's
+    own SQLite store (``tracking``: params.yaml's ``tracking`` section). A server URI's ``user:password@`` moves to
+    MLflow's own ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (unless they are set): MLflow prints a
+    run's address when it ends it, and that address must not carry a password."""
+    uri = os.environ.get(URI_ENV) or tracking.uri
+    if not uri:
+        return tracking_uri(root, tracking.store)
+    return without_credentials(check_uri(uri, URI_ENV if os.environ.get(URI_ENV) else "tracking.uri"))
+
+
+def without_credentials(uri: str) -> str:
+    """An http(s) ``uri`` without its user and password, which go to MLflow's basic-auth variables (see
+    ``resolve_uri``); any other URI as it is (a database URI's password is the database driver's)."""
+    parts = urlsplit(uri)
+    if not is_server(uri) or parts.username is None:
+        return uri
+    os.environ.setdefault("MLFLOW_TRACKING_USERNAME", unquote(parts.username))
+    if parts.password is not None:
+        os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", unquote(parts.password))
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def check_uri(uri: str, source: str) -> str:
+    """``uri`` when it has a scheme MLflow stores runs behind, else one MergecalError naming ``source``."""
+    if urlsplit(uri).scheme.split("+")[0] not in STORE_SCHEMES:
+        raise MergecalError(f"{source}={redact(uri)}: expected a tracking server (http://host:5000) or a database "
+                            "URI (postgresql://..., sqlite:////abs/path/mlruns.db)")
+    return uri
+
+
+def is_server(uri: str) -> bool:
+    return urlsplit(uri).scheme in SERVER_SCHEMES
+
+
+def redact(uri: str) -> str:
+    """``uri`` with any password replaced by ``***`` (what may be printed, logged or stored)."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
 def code_version(root: str | Path = ".") -> str:
+    """The checkout's commit (12 hex digits), ``-dirty`` with uncommitted changes to tracked files; in a copy of a
+    checkout without git history (a smoke workspace), the version of the checkout it was copied from; else
+    ``unknown``."""
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
                                text=True, timeout=10).stdout.strip()
-        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        sha = dirty = ""
+    if sha:
+        return sha + ("-dirty" if dirty else "")
+    source = Path(root) / SOURCE_VERSION
+    return source.read_text().strip() if source.is_file() else "unknown"
+
+
+def provenance(root: str | Path, params_sha256: str) -> dict[str, str]:
+    """Who computes a run, where, from which code and parameters: the tags of ``PROVENANCE``."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for the uid (a container)
+        user = str(os.getuid())
+    return {tag("user"): user, tag("host"): socket.gethostname(), tag("code_version"): code_version(root),
+            tag("params_sha256"): params_sha256}
 
 
 class Tracker:
     """Thin wrapper over ``MlflowClient`` bound to one experiment."""
 
-    def __init__(self, root: str | Path, experiment: str = "mergecal", store: str = "mlruns"):
+    def __init__(self, root: str | Path, experiment: str = "mergecal", store: str = "mlruns", *,
+                 uri: str | None = None, artifacts: str | None = None, tags: dict[str, str] | None = None):
+        """``uri`` None: the checkout's own SQLite store; else a tracking server or a database (``artifacts``: where
+        a database URI's experiment keeps its artifacts). ``tags``: added to every run it creates (provenance)."""
         from mlflow.tracking import MlflowClient
 
-        directory = store_dir(root, store)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.uri = tracking_uri(root, store)
+        if uri is None:
+            directory = store_dir(root, store)
+            directory.mkdir(parents=True, exist_ok=True)
+            uri, artifacts = tracking_uri(root, store), (directory / "artifacts").as_uri()
+        elif not is_server(uri) and not artifacts:
+            raise MergecalError(f"tracking.uri {redact(uri)}: a database URI needs tracking.artifacts (an artifact "
+                                "location every machine of the lab reaches, e.g. s3://bucket/mlflow), or use an MLflow "
+                                "tracking server (http://host:5000), which says where artifacts go")
+        self.uri = uri
+        self.tags = dict(tags or {})
         self.client = MlflowClient(tracking_uri=self.uri)
         found = self.client.get_experiment_by_name(experiment)
         if found is None:
-            try:
+            try:  # on a server: no artifact location, the server chooses (mlflow-artifacts: when it proxies them)
                 self.experiment_id = self.client.create_experiment(
-                    experiment, artifact_location=(directory / "artifacts").as_uri())
+                    experiment, artifact_location=None if is_server(uri) else artifacts)
             except Exception:  # created concurrently by another process
-                self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
+                found = self.client.get_experiment_by_name(experiment)
+                if found is None:
+                    raise
+                self.experiment_id = found.experiment_id
         else:
             self.experiment_id = found.experiment_id
+            location = found.artifact_location or ""
+            if is_server(uri) and location.startswith("file:"):
+                raise MergecalError(f"experiment {experiment!r} on {redact(uri)} keeps its artifacts at {location}, a "
+                                    "path only the client that created it has: set tracking.experiment to a new name "
+                                    "(the server then chooses the artifact store)")
         self.experiment = experiment
+
+    @classmethod
+    def of(cls, root: str | Path, tracking, tags: dict[str, str] | None = None) -> "Tracker":
+        """The tracker of a checkout's params (``tracking``: params.yaml's section; ``resolve_uri`` picks the
+        store)."""
+        uri = resolve_uri(root, tracking)
+        default = uri == tracking_uri(root, tracking.store)
+        return cls(root, tracking.experiment, tracking.store, uri=None if default else uri,
+                   artifacts=tracking.artifacts, tags=tags)
+
+    @property
+    def shown_uri(self) -> str:
+        return redact(self.uri)
 
     # -- invocations -------------------------------------------------------------------------------------
     def mark_unfinished_killed(self) -> int:
@@ -97,7 +208,8 @@ class Tracker:
 
     def start_invocation(self, invocation_id: str, tags: dict[str, str], params: dict[str, str]) -> str:
         run = self.client.create_run(self.experiment_id, run_name=f"benchmark {invocation_id}",
-                                     tags={tag("kind"): "invocation", tag("invocation_id"): invocation_id, **tags})
+                                     tags={**self.tags, tag("kind"): "invocation", tag("invocation_id"): invocation_id,
+                                           **tags})
         self._log_batch(run.info.run_id, {}, params, {})
         return run.info.run_id
 
@@ -128,8 +240,8 @@ class Tracker:
             existing = self.finished_cell_run(cell_id, status)
             if existing is not None:
                 return existing
-        all_tags = {"mlflow.parentRunId": parent_run_id, tag("kind"): "cell", tag("invocation_id"): invocation_id,
-                    tag("cell_id"): cell_id, tag("status"): status, **tags}
+        all_tags = {**self.tags, "mlflow.parentRunId": parent_run_id, tag("kind"): "cell",
+                    tag("invocation_id"): invocation_id, tag("cell_id"): cell_id, tag("status"): status, **tags}
         if error:
             all_tags[tag("error")] = error.replace("\n", " ")[:4000]
         name = f"{tags.get(tag('regime'), '')} {tags.get(tag('recipe'), cell_id)}".strip()

@@ -19,6 +19,7 @@ import yaml
 
 from ..errors import MergecalError
 from .config import parse_params
+from .tracking import SOURCE_VERSION, code_version
 
 # what a checkout holds of the pipeline; dvc.yaml's stages run stages/, flows/ and the library's sources
 PIPELINE_FILES = ("dvc.yaml", "stages", "flows", "mergecal")
@@ -66,6 +67,9 @@ def create_workspace(dest: str | Path, overrides: dict[str, Any] | None = None, 
     if overrides is None:
         overrides = smoke_overrides()
     (dest / "params.yaml").write_text(yaml.safe_dump(full_params(overrides), sort_keys=False))
+    # a copy has no history of its own: its runs name the checkout's version it was copied from (provenance)
+    (dest / SOURCE_VERSION).parent.mkdir(parents=True, exist_ok=True)
+    (dest / SOURCE_VERSION).write_text(code_version(root) + "\n")
     if git and not (dest / ".git").exists():
         subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
         # this interpreter's DVC, so the workspace works without an activated environment

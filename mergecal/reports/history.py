@@ -16,7 +16,7 @@ import pandas as pd
 
 from .leaderboard import REGIME_ORDER, fmt_pct, rank, recipe_order
 from .plots import Plot, history_figure, slug, to_svg
-from .runs import FINISHED, GROUP, SEED, invocations, seed_order
+from .runs import FINISHED, GROUP, SEED, invocations, qualified, seed_order
 
 DEFAULT_METRIC = "avg_norm_acc"
 DEFAULT_THRESHOLD = 1.0  # percentage points
@@ -71,7 +71,9 @@ def history_frame(runs: pd.DataFrame, metric: str = DEFAULT_METRIC) -> pd.DataFr
     """Long table: one row per cell and finished invocation, invocations in time order (``order`` 0, 1, ...);
     a killed or unfinished invocation is no result, so none of its cells is compared."""
     order = {inv: i for i, inv in enumerate(_results(invocations(runs)))}
-    cells = runs[(runs["kind"] == "cell") & runs["invocation_id"].isin(order)]
+    # like with like: a recipe's label names every non-default hyperparameter, so ties(top_k=0.3) of one invocation
+    # is never compared with ties of another
+    cells = qualified(runs[(runs["kind"] == "cell") & runs["invocation_id"].isin(order)])
     cells = cells.drop_duplicates(["invocation_id", *GROUP, SEED, "recipe"], keep="last")
     column = f"metrics.{metric}"
     values = cells[column] if column in cells else pd.Series(float("nan"), index=cells.index)

@@ -129,7 +129,8 @@ def is_base(calibration: str) -> bool:
 def ill_posed(merge: str, calibration: str) -> str:
     """Why a (merge, calibration) row is ill-posed, or ""."""
     steps = [step.partition("(")[0] for step in protocol(calibration)[0].split(">")]  # svc(calibrate_at=...) is svc
-    return next((reason for (m, step), reason in ILL_POSED.items() if merge == m and step in steps), "")
+    method = merge.partition("(")[0]
+    return next((reason for (m, step), reason in ILL_POSED.items() if method == m and step in steps), "")
 
 
 def rank(order: tuple[str, ...], name: str) -> tuple[int, str]:
@@ -143,7 +144,9 @@ def recipe_order(merge: str, calibration: str, recipe: str) -> tuple:
     if merge in REFERENCES:
         return (0, REFERENCES.index(merge), "", "", 0, "")
     steps, suffix = protocol(calibration)
-    return (1, *rank(MERGE_ORDER, merge), suffix, 0 if is_base(calibration) else len(steps.split(">")), recipe)
+    method = merge.partition("(")[0]  # a variant (ties(top_k=0.3), mergecal.reports.labels) beside its method
+    return (1, *rank(MERGE_ORDER, method), merge, suffix, 0 if is_base(calibration) else len(steps.split(">")),
+            recipe)
 
 
 def _row_key(row: pd.Series) -> tuple:
@@ -324,14 +327,25 @@ def _not_run(table: Table) -> tuple[list[Failure], list[tuple[str, list[str]]]]:
 DELTA_CLASSES = {"gain": "pos", "loss": "neg", "none": "ns"}
 
 
-def table_html(table: Table) -> str:
+def provenance_text(source: dict[str, str]) -> str:
+    """One line of a row's provenance: who computed it, where, from which commit and parameters, when."""
+    return (f"computed by {source.get('user') or '?'} on {source.get('host') or '?'} at "
+            f"{source.get('code_version') or '?'}, params {(source.get('params_sha256') or '?')[:12]}, "
+            f"{source.get('date') or '?'}")
+
+
+def table_html(table: Table, provenance: dict[str, dict[str, str]] | None = None) -> str:
+    """The table as HTML; ``provenance`` (run id -> ``provenance_text``'s fields, a lab's board) puts each row's
+    provenance in its recipe cell's tooltip."""
     esc = html.escape
     out = [f"<h2>{esc(table.title)}</h2>"] + ([f'<p class="warning">Warning: {esc(table.warning)}</p>']
                                               if table.warning else [])
     out += ["<table>", "<thead><tr><th>recipe</th>"
             + "".join(f"<th>{esc(h)}</th>" for _, h in table.columns) + "</tr></thead>", "<tbody>"]
     for row in table.rows:
-        tds = [f'<td class="recipe">{esc(row.recipe)}</td>']
+        source = (provenance or {}).get(row.run_id)
+        tip = f' title="{esc(provenance_text(source))}"' if source else ""
+        tds = [f'<td class="recipe"{tip}>{esc(row.recipe)}</td>']
         for name, _ in table.columns:
             value, delta = row.values.get(name), row.deltas.get(name)
             classes = ["num"] + (["best"] if _is_best(table, row, name) else []) + (["ill-posed"] if row.ill_posed
@@ -374,9 +388,10 @@ def seed_key(seed: str) -> str:
     return f"seed_{seed}"
 
 
-def tables_json(tables: list[Table]) -> dict:
+def tables_json(tables: list[Table], provenance: dict[str, dict[str, str]] | None = None) -> dict:
     """``{backbone: {task_set: {regime: {recipe: row}}}}``: nested so DVC can read it as metrics; with several
-    fine-tuning seeds, that structure per seed: ``{"seed_<s>": {backbone: ...}}``.
+    fine-tuning seeds, that structure per seed: ``{"seed_<s>": {backbone: ...}}``. ``provenance`` (run id -> who,
+    where, which commit and params, when: a lab's board) adds each row's as its ``provenance``.
 
     No key is called ``error``: DVC takes such a key for a failure to read the file."""
     out: dict = {}
@@ -398,6 +413,8 @@ def tables_json(tables: list[Table]) -> dict:
             best = sorted(k for k, recipe in table.best.items() if recipe == row.recipe)
             if best:
                 entry["best"] = best
+            if provenance and row.run_id in provenance:
+                entry["provenance"] = provenance[row.run_id]
             slot[row.recipe] = entry
         for failure in table.failures:
             slot[failure.recipe] = {"role": "skipped" if failure.status == SKIPPED else "failed",

@@ -17,11 +17,12 @@ from typing import Any
 import pandas as pd
 
 from ..errors import MergecalError
-from ..pipeline.tracking import EXAMPLES, EXAMPLES_DIR, EXAMPLES_SPLIT, PREFIX
+from ..pipeline.tracking import EXAMPLES, EXAMPLES_DIR, EXAMPLES_SPLIT, PREFIX, redact
 
 # tags (named in mergecal.pipeline.tracking, without the prefix) read into DataFrame columns
 TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
-               "regime", "merge", "calibration", "recipe", "tasks", "seed")
+               "regime", "merge", "calibration", "recipe", "tasks", "seed", "recipe_id", "track", "user", "host",
+               "params_sha256")
 GROUP = ("backbone", "task_set", "regime")
 SEED = "seed"  # the fine-tuning seed's tag column ("" on a run logged before seeds were recorded)
 DIAGNOSTICS = ("sensitivity", "magic_coefficients", "svc_spectra", "task_vectors", "scaling_curve")
@@ -59,7 +60,7 @@ def load_runs(tracking_uri: str, experiment: str = "mergecal") -> pd.DataFrame:
     client = MlflowClient(tracking_uri=tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
-        raise MergecalError(f"{tracking_uri}: experiment {experiment!r} not found")
+        raise MergecalError(f"{redact(tracking_uri)}: experiment {experiment!r} not found")
     rows, token = [], None
     while True:
         page = client.search_runs([found.experiment_id], max_results=1000, page_token=token)
@@ -96,6 +97,18 @@ def _reused_cells(tracking_uri: str, rows: list[dict[str, Any]]) -> list[dict[st
                 extra.append({**original, "invocation_id": parent["invocation_id"], "cached": True,
                               "start_time": parent["start_time"]})
     return extra
+
+
+def qualified(cells: pd.DataFrame) -> pd.DataFrame:
+    """``cells`` with ``recipe`` and ``merge`` naming every non-default hyperparameter (``ties(top_k=0.3)>svc``;
+    ``mergecal.reports.labels``): what tells rows of different invocations or checkouts apart."""
+    from .labels import qualified_label, qualified_merge
+
+    if cells.empty:
+        return cells
+    pairs = list(zip(cells["recipe"], cells["recipe_id"], cells["merge"]))
+    return cells.assign(recipe=[qualified_label(label, rid) for label, rid, _ in pairs],
+                        merge=[qualified_merge(merge, label, rid) for label, rid, merge in pairs])
 
 
 def invocations(runs: pd.DataFrame) -> pd.DataFrame:
