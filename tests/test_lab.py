@@ -421,3 +421,9 @@ def test_the_deployment_is_a_module_path_on_a_schedule_or_a_pool():
     assert pooled.work_pool_name == "gpu" and pooled.schedules[0].schedule.interval.total_seconds() == 600
     with pytest.raises(ParameterError, match="exactly one of --cron and --interval"):
         deployment("0 3 * * *", ROOT, interval=5)
+
+
+def test_ui_against_a_server_points_at_it_instead_of_starting_a_second_mlflow():
+    done = _cli("ui", "--no-prefect", env={"MLFLOW_TRACKING_URI": "http://lab:pw@127.0.0.1:5999"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "MLflow: http://127.0.0.1:5999 (the tracking server this checkout logs to)"

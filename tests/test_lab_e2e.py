@@ -69,6 +69,8 @@ def checkouts(lab):
     """Alice's smoke checkout, built cold; Bob's, a copy with an extra merge and TIES at top_k 0.3, rerun. Both log
     to the lab's server (Bob through a URI with a password: the MLflow server has no auth app, so it is ignored)."""
     alice = create_workspace(lab["base"] / "alice", root=REPO)
+    for args in (["add", "-A"], ["-c", "user.name=alice", "-c", "user.email=a@lab.invalid", "commit", "-qm", "lab"]):
+        subprocess.run(["git", *args], cwd=alice, check=True, capture_output=True)  # a checkout, as a clone is
     start = time.perf_counter()
     repro_a = _run([str(BIN / "dvc"), "repro"], alice, _member_env(lab, "alice", lab["mlflow"]), "dvc repro")
     print(f"alice: cold dvc repro {time.perf_counter() - start:.1f} s")

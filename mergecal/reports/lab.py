@@ -21,12 +21,13 @@ import pandas as pd
 
 from ..checkpoint import atomic_write_text
 from ..errors import MergecalError, ParameterError
+from ..pipeline.tracking import PROVENANCE
 from .history import DEFAULT_METRIC, DEFAULT_THRESHOLD
 from .leaderboard import build_tables, fmt_pct, provenance_text, table_html, table_markdown, tables_json
 from .runs import FINISHED, GROUP, SEED, invocations, load_examples, load_runs, qualified
 
 IDENTITY = ("track", *GROUP, SEED, "recipe")
-SOURCE_FIELDS = ("user", "host", "code_version", "params_sha256")
+SOURCE_FIELDS = PROVENANCE  # the provenance tags every run carries (mergecal.pipeline.tracking)
 FILES = ("lab-leaderboard.md", "lab-leaderboard.html", "lab-leaderboard.json", "lab-history.md")
 
 
