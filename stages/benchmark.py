@@ -4,7 +4,7 @@ from stages._common import run
 
 
 def stage(params, root, args):
-    from flows.benchmark import run_benchmark
+    from mergecal.pipeline.flow import run_benchmark
 
     result = run_benchmark(params_path=args.params, root=str(root))
     if result["failed"] == result["cells"]:

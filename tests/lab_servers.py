@@ -1,5 +1,5 @@
 """Real servers for integration tests, started on 127.0.0.1 and stopped cleanly: PostgreSQL, an MLflow tracking
-server (artifacts proxied through it) and a Prefect server.
+server (artifacts proxied through it), a Prefect server, and a Dask scheduler with its workers.
 
 Plain functions and context managers (no fixtures, no tests): a test or a fixture wraps them, e.g.::
 
@@ -77,7 +77,8 @@ def log_tail(path: Path | str, chars: int = 4000) -> str:
 @contextmanager
 def _running(server: Server, env: dict[str, str], log_path: Path, timeout: float, cwd: Path | None = None
              ) -> Iterator[None]:
-    """Start ``server`` (own process group, output to ``log_path``), wait for its health URL, stop it at exit."""
+    """Start ``server`` (own process group, output to ``log_path``), wait for its health URL, stop it at exit;
+    yields the process."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(server.command, env=env, stdin=subprocess.DEVNULL, stdout=log,
@@ -87,7 +88,7 @@ def _running(server: Server, env: dict[str, str], log_path: Path, timeout: float
             wait_until_up(server, proc, timeout)
         except Exception as exc:
             raise RuntimeError(f"{exc}\n--- {log_path} (tail) ---\n{log_tail(log_path)}") from None
-        yield
+        yield proc
     finally:
         stop(proc)
 
@@ -224,17 +225,18 @@ def postgres_server(tmp_dir: Path | str, *, user: str = PG_USER, database: str =
 
 @contextmanager
 def mlflow_server(backend_uri: str, artifacts_dir: Path | str, *, log_path: Path | str | None = None,
-                  timeout: float = 180.0) -> Iterator[str]:
+                  timeout: float = 180.0, port: int | None = None) -> Iterator[str]:
     """An MLflow tracking server over ``backend_uri`` that proxies artifacts into ``artifacts_dir`` (experiments
     created without an artifact location get ``mlflow-artifacts:/<id>``); yields ``http://127.0.0.1:PORT``.
 
     One worker, job execution off (its job consumers would be separate processes outliving the server). The
     default host check already admits 127.0.0.1 and localhost, so no ``--allowed-hosts`` is needed. Output goes
-    to ``log_path`` (default: mlflow-server.log beside ``artifacts_dir``)."""
+    to ``log_path`` (default: mlflow-server.log beside ``artifacts_dir``). ``port``: a given one (a restart on the
+    same address), else a free one."""
     artifacts_dir = Path(artifacts_dir).resolve()
     artifacts_dir.mkdir(parents=True, exist_ok=True)
     log_path = Path(log_path) if log_path else artifacts_dir.parent / MLFLOW_SERVER_LOG
-    port = free_port()
+    port = port or free_port()
     url = f"http://{HOST}:{port}"
     command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_uri, "--serve-artifacts",
                "--artifacts-destination", str(artifacts_dir), "--host", HOST, "--port", str(port), "--workers", "1"]
@@ -310,3 +312,48 @@ def completed_run(api_url: str, flow: str, deployment: str, timeout: float, watc
         time.sleep(1)
     states = [(r["name"], r["state_type"], r["state_name"]) for r in flow_runs(api_url, flow, deployment)]
     raise AssertionError(f"no COMPLETED run of {flow}/{deployment} within {timeout:g} s; runs: {states}")
+
+
+# ------------------------------------------------------------------------------------------------ Dask
+
+def host_env(**extra: str) -> dict[str, str]:
+    """A process as on another host of the lab: the project installed (this interpreter's environment), but no
+    PYTHONPATH and no tracking or Prefect settings of this one."""
+    env = quiet_env()
+    for name in ("PYTHONPATH", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "MERGECAL_ROOT"):
+        env.pop(name, None)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def dask_scheduler(work_dir: Path | str, timeout: float = 120.0) -> Iterator[str]:
+    """``dask scheduler`` on 127.0.0.1:<free port>, started in ``work_dir``; yields its address."""
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    port, dashboard = free_port(), free_port()
+    address = f"tcp://{HOST}:{port}"
+    command = [str(Path(sys.executable).parent / "dask"), "scheduler", "--host", HOST, "--port", str(port),
+               "--dashboard-address", f"{HOST}:{dashboard}"]
+    with _running(Server("Dask scheduler", command, address, f"http://{HOST}:{dashboard}/health"), host_env(),
+                  work_dir / "scheduler.log", timeout, cwd=work_dir):
+        yield address
+
+
+@contextmanager
+def dask_worker(address: str, work_dir: Path | str, name: str, *, preload: Path | str | None = None,
+                timeout: float = 120.0, **env: str) -> Iterator[subprocess.Popen]:
+    """One ``dask worker`` (one thread, no nanny: killed, it stays dead) of the scheduler at ``address``, started
+    in ``work_dir`` with ``host_env(**env)``; yields its process."""
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    dashboard = free_port()
+    command = [str(Path(sys.executable).parent / "dask"), "worker", address, "--nthreads", "1", "--no-nanny",
+               "--name", name, "--host", HOST, "--dashboard-address", f"{HOST}:{dashboard}",
+               "--local-directory", str(work_dir / "dask-scratch")]
+    if preload:
+        command += ["--preload", str(preload)]
+    with _running(Server(f"Dask worker {name}", command, address, f"http://{HOST}:{dashboard}/health"),
+                  host_env(**env), work_dir / "worker.log", timeout, cwd=work_dir) as proc:
+        yield proc

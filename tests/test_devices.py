@@ -103,3 +103,25 @@ def test_impossible_devices_are_one_clear_error(tmp_path, device, count, message
     with pytest.raises(MergecalError, match=message):
         with device_lease(device, tmp_path, count=count):
             pass
+
+
+def test_leases_are_keyed_by_host_and_device(tmp_path):
+    """Workers of two hosts sharing one checkout (a network file system) each have their own GPU 0."""
+    with device_lease("cuda:0", tmp_path, count=1, host="gpu-a") as first:
+        got = []
+        other = threading.Thread(target=lambda: got.append(_lease_on(tmp_path, "gpu-b")))
+        other.start()
+        other.join(10)
+        assert first == "cuda:0" and got == ["cuda:0"]  # not waiting for gpu-a's lease
+        same = threading.Thread(target=lambda: got.append(_lease_on(tmp_path, "gpu-a")))
+        same.start()
+        same.join(0.5)
+        assert same.is_alive() and got == ["cuda:0"]  # gpu-a's GPU 0 is taken
+    same.join(10)
+    assert got == ["cuda:0", "cuda:0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda-gpu-a-0.lock", "cuda-gpu-b-0.lock"]
+
+
+def _lease_on(lock_dir, host):
+    with device_lease("cuda:0", lock_dir, count=1, poll_seconds=0.01, host=host) as device:
+        return device

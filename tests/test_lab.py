@@ -114,7 +114,8 @@ def test_a_server_experiment_whose_artifacts_live_on_one_client_is_refused(tmp_p
 
 def test_provenance_names_user_host_commit_and_params(tmp_path):
     tags = provenance(ROOT, "f" * 64)
-    assert set(tags) == {tag(n) for n in ("user", "host", "code_version", "params_sha256")}
+    assert set(tags) == {tag(n) for n in ("user", "host", "code_version", "params_sha256", "checkout")}
+    assert tags[tag("checkout")] == str(ROOT.resolve())
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     assert tags[tag("code_version")].startswith(head)
@@ -408,6 +409,18 @@ def test_a_pull_that_fails_is_one_line(checkouts, tmp_path):
     _git(lab, "remote", "set-url", "origin", str(tmp_path / "gone.git"))
     with pytest.raises(RerunStopped, match=r"rerun: git fetch --quiet failed in .*; nothing was changed"):
         pull_checkout(lab)
+
+
+def test_a_repository_without_commits_has_nothing_to_compare_or_pull(tmp_path):
+    """What create_workspace makes (git init + dvc init, files staged, nothing committed) is rerun as it is."""
+    from mergecal.pipeline.schedule import local_changes, pull_checkout
+
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "params.yaml").write_text("seed: 0\n")
+    _git(tmp_path, "add", "params.yaml")
+    assert _git(tmp_path, "status", "--porcelain") == "A  params.yaml"
+    assert local_changes(tmp_path) == ([], [])
+    assert pull_checkout(tmp_path) == "skipped: the repository has no commits"
 
 
 def test_the_deployment_is_a_module_path_on_a_schedule_or_a_pool():

@@ -3,10 +3,13 @@ proxied artifact store, a Prefect server, a process work pool with a worker. Two
 with an extra merge and TIES at top_k 0.3, logging through a URI that carries a password) log to the one server;
 the lab board holds both members' rows with their provenance and distinct labels, and no false regression; the
 password is nowhere in what is stored or printed; a deployment on the work pool runs on a worker, and a served
-schedule fires by itself. The commands are those of docs/lab.md (checked at the end)."""
+schedule fires by itself. More machines (#40): a real Dask scheduler with workers started as on other hosts runs
+the matrix through a killed worker, each cell once; a fresh clone after ``dvc pull`` computes no cell. The
+commands are those of docs/lab.md (checked at the end)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -14,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -213,6 +217,184 @@ def _runs(api_url: str, state: str | None = None) -> list[dict]:
     from lab_servers import flow_runs
 
     return flow_runs(api_url, FLOW, DEPLOYMENT, state)
+
+
+# --- more machines (#40) ------------------------------------------------------------------------------------------
+
+BLOCK_MERGECAL = '''"""Dask worker preload: this worker cannot import mergecal (a host without the project)."""
+import sys
+
+
+class _NoMergecal:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mergecal" or name.startswith("mergecal."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+
+sys.meta_path.insert(0, _NoMergecal())
+'''
+
+
+def _cell_runs(mlflow_url: str, experiment: str) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_url)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    return client.search_runs([found.experiment_id], filter_string="tags.`mergecal.kind` = 'cell'", max_results=5000)
+
+
+def test_cells_split_across_dask_workers_of_other_hosts_and_survive_a_killed_one(lab, checkouts):
+    """A real Dask scheduler and three workers, each started in its own directory without PYTHONPATH: A reads the
+    flow's checkout (a shared file system), B its own clone (MERGECAL_ROOT), C cannot import mergecal. C is left
+    out in one line; A is killed with SIGKILL after its first cells, then the tracking server the flow logs to is
+    stopped and started again (a second MLflow server over the lab's database, on one port); every cell is
+    computed exactly once, none is left RUNNING, with the results the threads runner gave."""
+    from lab_servers import dask_scheduler, dask_worker, free_port, mlflow_server
+
+    alice, _, _ = checkouts
+    base = lab["base"] / "cluster"
+    carol = base / "carol"  # the flow's checkout, the lab's matrix logged to a new experiment
+    shutil.copytree(alice, carol, symlinks=True)
+    clone = base / "host-b" / "checkout"  # another host's clone of the same commit, after dvc pull
+    shutil.copytree(alice, clone, symlinks=True)
+    (base / "no_mergecal.py").write_text(BLOCK_MERGECAL)
+    with dask_scheduler(base / "scheduler") as address, \
+            dask_worker(address, base / "host-a", "A") as worker_a, \
+            dask_worker(address, base / "host-b", "B", MERGECAL_ROOT=str(clone)), \
+            dask_worker(address, base / "host-c", "C", preload=base / "no_mergecal.py"):
+        from distributed import Client
+
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(3, timeout=60)
+        params = yaml.safe_load((carol / "params.yaml").read_text())
+        params["tracking"]["experiment"] = "cluster"
+        params["runner"].update(kind="dask", address=address, max_workers=2)
+        (carol / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        port = free_port()
+        server = contextlib.ExitStack()
+        restartable = server.enter_context(mlflow_server(lab["database"], lab["base"] / "mlflow-artifacts",
+                                                         log_path=base / "mlflow-restartable.log", port=port))
+        env = _member_env(lab, "carol", restartable)
+        COMMANDS.extend(["dask scheduler --host 127.0.0.1 --port 8786", "dask worker tcp://SCHEDULER:8786 --nthreads 1",
+                         "MERGECAL_ROOT=/data/mergecal dask worker tcp://SCHEDULER:8786 --nthreads 1",
+                         "python -m flows.benchmark"])
+        log = base / "flow.log"
+        with open(log, "wb") as sink:
+            flow = subprocess.Popen([sys.executable, "-m", "flows.benchmark"], cwd=carol, env=env, stdout=sink,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            on_a = []
+            while time.monotonic() < deadline and len(on_a) < 2 and flow.poll() is None:
+                on_a = [r for r in _cell_runs(lab["mlflow"], "cluster")
+                        if r.data.tags.get("mergecal.worker", "").endswith(f":{carol}")]
+                time.sleep(0.5)
+            assert len(on_a) >= 2, f"worker A computed {len(on_a)} cells\n{log.read_text()[-4000:]}"
+            os.kill(worker_a.pid, signal.SIGKILL)  # mid-matrix, most likely mid-cell
+            server.close()  # the tracking server goes down while cells log to it ...
+            time.sleep(3)
+            server.enter_context(mlflow_server(lab["database"], lab["base"] / "mlflow-artifacts",
+                                               log_path=base / "mlflow-restartable.log", port=port))  # ... and back
+            assert flow.wait(timeout=900) == 0, log.read_text()[-6000:]
+        finally:
+            stop(flow, timeout=10)
+            server.close()
+    printed = log.read_text()
+    left_out = [line for line in printed.splitlines() if "is left out" in line]
+    assert len(left_out) == 1 and "ModuleNotFoundError" in left_out[0] and "No module named 'mergecal'" in left_out[0]
+    assert "2 of 3 worker(s) run cells" in printed
+    from mlflow import MlflowClient
+
+    invocation = json.loads((carol / "results" / "invocation.json").read_text())
+    recorded = MlflowClient(lab["mlflow"]).get_run(invocation["parent_run_id"]).data.tags["mergecal.left_out"]
+    assert "No module named 'mergecal'" in recorded  # in MLflow too, on the invocation's run
+    summary = json.loads((carol / "results" / "benchmark.json").read_text())
+    assert summary["failed"] == 0
+    runs = _cell_runs(lab["mlflow"], "cluster")
+    ok = [r for r in runs if r.data.tags["mergecal.status"] == "ok"]
+    assert not [r for r in runs if r.info.status not in ("FINISHED", "KILLED")]  # none left RUNNING
+    finished = [r.data.tags["mergecal.cell_id"] for r in ok if r.info.status == "FINISHED"]
+    assert sorted(finished) == sorted(row["cell_id"] for row in summary["rows"]
+                                      if not row.get("skipped") and not row.get("error"))
+    workers = {r.data.tags["mergecal.worker"].partition(":")[2] for r in ok}
+    assert workers == {str(carol), str(clone)}  # both hosts computed cells
+    expected = json.loads((alice / "results" / "benchmark.json").read_text())
+    assert summary["rows"] == expected["rows"]  # the threads runner's results, cell for cell
+    print(f"cluster: {summary['cells']} cells, {len(on_a)} on A before it was killed, "
+          f"{sum(w.endswith(str(clone)) for w in (r.data.tags['mergecal.worker'] for r in ok))} on B")
+
+
+def test_two_members_running_one_matrix_at_once_keep_one_result_per_cell(lab, checkouts):
+    """Erin and Frank start the same matrix (a new experiment on the lab's server) at the same moment: a cell is
+    computed by one of them, or by both with one run kept and the other deleted; never two results, and both
+    summaries are the same."""
+    alice, _, _ = checkouts
+    members = []
+    for name in ("erin", "frank"):
+        root = lab["base"] / "together" / name
+        shutil.copytree(alice, root, symlinks=True)
+        params = yaml.safe_load((root / "params.yaml").read_text())
+        params["tracking"]["experiment"] = "together"
+        (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        members.append((root, open(root.parent / f"{name}.log", "w+")))
+    flows = [subprocess.Popen([sys.executable, "-m", "flows.benchmark"], cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                              env=_member_env(lab, root.name, lab["mlflow"]), stdin=subprocess.DEVNULL)
+             for root, log in members]
+    for flow, (_, log) in zip(flows, members):
+        flow.wait(timeout=900)
+        log.seek(0)
+        assert flow.returncode == 0, log.read()[-6000:]
+        log.close()
+    summaries = [json.loads((root / "results" / "benchmark.json").read_text()) for root, _ in members]
+    assert summaries[0]["failed"] == 0 and summaries[0]["rows"] == summaries[1]["rows"]
+    runs = [r for r in _cell_runs(lab["mlflow"], "together") if r.data.tags["mergecal.status"] == "ok"]
+    ids = [r.data.tags["mergecal.cell_id"] for r in runs]
+    assert len(ids) == len(set(ids)) == len([row for row in summaries[0]["rows"] if not row.get("skipped")])
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    from mlflow import MlflowClient
+
+    client = MlflowClient(lab["mlflow"])
+    named = [json.loads((root / "results" / "invocation.json").read_text()) for root, _ in members]
+    kept = {r.info.run_id for r in runs}
+    for invocation in named:  # each member's manifest names only kept runs
+        folder = lab["base"] / "manifests" / invocation["invocation_id"]
+        folder.mkdir(parents=True)
+        manifest = json.loads(Path(client.download_artifacts(invocation["parent_run_id"], "cells.json",
+                                                             str(folder))).read_text())
+        assert {c["run_id"] for c in manifest.values() if c["status"] == "ok"} == kept
+    by = Counter(r.data.tags["mergecal.user"] for r in runs)
+    print(f"together: {len(ids)} cells, computed by {dict(by)}, "
+          f"{sum(n['cached'] for n in named)} taken from the other's runs")
+
+
+def test_a_fresh_clone_after_dvc_pull_computes_no_cell(lab, checkouts):
+    """A new member: git clone, dvc pull, then the benchmark against the lab's server: every cell is found there
+    (0 computed) and the results are Alice's."""
+    alice, _, _ = checkouts
+    env = _member_env(lab, "dave", lab["mlflow"])
+    remote = lab["base"] / "dvc-remote"
+    git = ["git", "-c", "user.name=alice", "-c", "user.email=a@lab.invalid"]
+    for args in (["dvc", "remote", "add", "-d", "lab", str(remote)], ["dvc", "push", "-q"]):
+        _run([str(BIN / args[0]), *args[1:]], alice, env)
+    shutil.copy2(REPO / ".gitignore", alice / ".gitignore")  # what the lab's repository versions, as in main
+    for args in (["add", "-A"], ["commit", "-qm", "lab results"]):
+        _run([*git, *args], alice, env)
+    dave = lab["base"] / "dave"
+    _run(["git", "clone", "-q", str(alice), str(dave)], lab["base"], env)
+    assert not (dave / ".mergecal" / "cells").exists()  # no cell cache travels with the clone
+    _run([str(BIN / "dvc"), "pull", "-q"], dave, env, "dvc pull")
+    status = _run([str(BIN / "dvc"), "status"], dave, env)
+    # the benchmark's summary is no cached output: the clone's repro runs the flow, which finds every cell
+    done = _run([str(BIN / "dvc"), "repro", "benchmark"], dave, env)
+    assert "Running stage 'benchmark'" in done.stdout and "Running stage 'pretrain'" not in done.stdout
+    invocation = json.loads((dave / "results" / "invocation.json").read_text())
+    summary = json.loads((dave / "results" / "benchmark.json").read_text())
+    assert summary["failed"] == 0 and invocation["cached"] == summary["cells"] > 0, done.stdout[-3000:]
+    assert summary["rows"] == json.loads((alice / "results" / "benchmark.json").read_text())["rows"]
+    print(f"fresh clone: {summary['cells']} cells, {invocation['cached']} found in the lab's store; dvc status: "
+          f"{status.stdout.strip()[:200]}")
 
 
 def test_every_command_run_here_is_in_docs_lab(board):

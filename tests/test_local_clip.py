@@ -273,7 +273,7 @@ def _stages(root: Path, params_name: str) -> dict:
 @pytest.mark.integration
 def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what_changed(lab, prefect_server,
                                                                                          monkeypatch):
-    import flows.benchmark as flow_module
+    import mergecal.pipeline.flow as flow_module
     from mergecal.pipeline.tracking import Tracker
 
     root, marker = lab
@@ -353,7 +353,7 @@ def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what
 @pytest.mark.slow
 @pytest.mark.integration
 def test_bad_inputs_fail_their_tracks_cells_with_one_line_and_other_tracks_go_on(lab, prefect_server):
-    from flows.benchmark import run_benchmark
+    from mergecal.pipeline.flow import run_benchmark
 
     root, marker = lab
     bad = {"arch": ({"finetuned": {**_hf_track()["finetuned"], "SVHN": "ckpt/bad/other-arch.safetensors"}},

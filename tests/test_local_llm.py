@@ -264,7 +264,7 @@ def _stages(root: Path, params_name: str):
 @pytest.mark.integration
 def test_local_tracks_run_through_the_flow_cache_and_recompute_exactly_what_changed(checkpoints, prefect_server,
                                                                                     monkeypatch):
-    import flows.benchmark as flow_module
+    import mergecal.pipeline.flow as flow_module
     from mergecal.pipeline.tracking import Tracker
 
     root, marker = checkpoints
@@ -340,7 +340,7 @@ def test_local_tracks_run_through_the_flow_cache_and_recompute_exactly_what_chan
 
 @pytest.mark.integration
 def test_bad_models_fail_their_cells_with_one_line_and_other_tracks_go_on(checkpoints, prefect_server):
-    from flows.benchmark import run_benchmark
+    from mergecal.pipeline.flow import run_benchmark
 
     root, marker = checkpoints
     bad = {"missing": ("ckpt/nowhere", "nowhere: model directory not found"),

@@ -368,8 +368,8 @@ def _must_not_run(cell, *args, **kwargs):
 
 
 def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server, monkeypatch):
-    import flows.benchmark as flow_module
-    from flows.benchmark import run_benchmark as benchmark
+    import mergecal.pipeline.flow as flow_module
+    from mergecal.pipeline.flow import run_benchmark as benchmark
 
     root, params = built
     first = benchmark(root=str(root))
@@ -430,7 +430,7 @@ def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server, monk
 
 
 def test_a_failing_cell_is_recorded_and_does_not_sink_the_matrix(built, prefect_server):
-    from flows.benchmark import run_benchmark as benchmark
+    from mergecal.pipeline.flow import run_benchmark as benchmark
 
     root, params = built
     target = vision.paths_for(params, root).distac("low_confidence") / "symbols.safetensors"
@@ -456,7 +456,7 @@ def test_a_failing_cell_is_recorded_and_does_not_sink_the_matrix(built, prefect_
 def test_an_llm_expert_that_is_not_of_the_base_fails_its_cells_only(built, prefect_server):
     """An expert whose config.json differs from the base's: the LLM cells that merge it fail with one line naming
     the file and key; the LLM references and the other tracks' cells are computed."""
-    from flows.benchmark import run_benchmark as benchmark
+    from mergecal.pipeline.flow import run_benchmark as benchmark
 
     root, params = built
     target = llm.expert_dir(params, root, params.llm.tasks[0]) / "config.json"
@@ -480,7 +480,7 @@ def test_an_llm_expert_that_is_not_of_the_base_fails_its_cells_only(built, prefe
 
 
 def test_a_failed_source_cell_fails_the_cells_that_take_its_scaling(built, prefect_server, monkeypatch):
-    import flows.benchmark as flow_module
+    import mergecal.pipeline.flow as flow_module
 
     root, params = built
     real = flow_module.run_cell
@@ -514,7 +514,7 @@ def test_worker_process_runners_compute_and_reuse_cells_across_prefect_servers(b
     result storage and computes only the cell that is new: nothing recomputed, nothing logged twice."""
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.benchmark import run_benchmark as benchmark
+    from mergecal.pipeline.flow import run_benchmark as benchmark
 
     root, params = built
     data = params.model_dump(mode="json")

@@ -1,4 +1,4 @@
-"""What a benchmark invocation writes under ``results/`` (the flow in ``flows/benchmark.py`` only orchestrates).
+"""What a benchmark invocation writes under ``results/`` (the flow in ``mergecal/pipeline/flow.py`` only orchestrates).
 
 ``benchmark.json`` (a DVC output) holds only what the cells computed, so a cold run of the same inputs and code
 writes the same bytes; ``metrics.json`` and ``leaderboard.csv`` are DVC's metrics and plots views of it; what

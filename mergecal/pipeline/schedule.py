@@ -33,11 +33,12 @@ from prefect import flow
 
 from mergecal.checkpoint import atomic_write_text
 from mergecal.errors import MergecalError, ParameterError
+from mergecal.pipeline.prefect_api import START_SERVER, check_server
 from mergecal.pipeline.workspace import checkout_root
 
+__all__ = ["START_SERVER", "check_server"]  # re-exported for the command line
+
 DEPLOYMENT = "scheduled-benchmark"
-START_SERVER = ("start one with `mergecal ui` (or `prefect server start --host 127.0.0.1`), then "
-                "export PREFECT_API_URL=http://127.0.0.1:4200/api")
 # the report files a rerun publishes (beside the leaderboard: the history, dated, which DVC does not track)
 PUBLISHED = ("leaderboard.md", "leaderboard.html", "leaderboard.json", "history.md", "history.html", "testbed.md",
              "stability.md")
@@ -69,8 +70,17 @@ def _owned(path: str, outputs: list[str]) -> bool:
     return any(path == out or path.startswith(out.rstrip("/") + "/") for out in outputs)
 
 
+def has_commits(root: Path) -> bool:
+    """Whether ``root`` is inside a git repository with at least one commit (a fresh ``git init`` + ``dvc init``
+    workspace has none: nothing to compare with or pull)."""
+    return _git(root, "rev-parse", "--verify", "--quiet", "HEAD").returncode == 0
+
+
 def local_changes(root: Path) -> tuple[list[str], list[str]]:
-    """(tracked files changed by hand, tracked files the pipeline wrote) in the checkout."""
+    """(tracked files changed by hand, tracked files the pipeline wrote) in the checkout, against its last commit;
+    none in a repository without commits."""
+    if not has_commits(root):
+        return [], []
     status = _git(root, "status", "--porcelain", "--untracked-files=no", check=True).stdout
     paths = [line[3:].split(" -> ")[-1].strip('"') for line in status.splitlines() if line.strip()]
     outputs = pipeline_outputs(root)
@@ -83,6 +93,8 @@ def pull_checkout(root: Path) -> str:
     before the fast-forward (``dvc repro`` writes them again)."""
     if _git(root, "rev-parse", "--is-inside-work-tree").returncode != 0:
         return "skipped: not a git checkout"
+    if not has_commits(root):
+        return "skipped: the repository has no commits"
     upstream = _git(root, "rev-parse", "--abbrev-ref", "--symbolic-full-name", "@{u}")
     if upstream.returncode != 0:
         return "skipped: the branch has no upstream"
@@ -192,19 +204,6 @@ def check_cron(cron: str) -> str:
         raise ParameterError(f"--cron {cron!r}: not a cron schedule; expected five fields, minute hour day-of-month "
                              'month day-of-week, e.g. "0 3 * * 1" (Mondays at 03:00)') from None
     return cron
-
-
-def check_server(api_url: str, timeout: float = 5.0) -> None:
-    """One MergecalError, within ``timeout`` seconds, when no server answers at ``api_url`` (Prefect's client
-    would raise httpx.ConnectError from deep inside ``serve``)."""
-    import httpx
-
-    try:
-        httpx.get(f"{api_url.rstrip('/')}/health", timeout=timeout)
-    except (httpx.HTTPError, httpx.InvalidURL) as err:
-        reason = str(err) or type(err).__name__
-        raise MergecalError(f"schedule: no Prefect server answers at PREFECT_API_URL={api_url} ({reason}); "
-                            f"{START_SERVER}") from None
 
 
 def deployment(cron: str | None = None, root: str | Path = ".", *, interval: float | None = None,

@@ -4,7 +4,7 @@ A model's bits depend on it: a float sum split over more threads is summed in an
 steps at 1 and at 2 threads give different weights. torch's own default is the machine's core count, so without
 a pin a lab with more cores would train other models than the committed ``dvc.lock``. Every stage that trains or
 evaluates with torch pins ``threads`` at start (``stages/_common.py``; dvc.yaml lists ``threads`` in its
-params), and each benchmark cell pins its share of them (``worker_threads``, ``flows/benchmark.py``).
+params), and each benchmark cell pins its share of them (``worker_threads``, ``mergecal/pipeline/flow.py``).
 """
 
 from __future__ import annotations

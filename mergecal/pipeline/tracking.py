@@ -40,7 +40,7 @@ EXAMPLES = f"{EXAMPLES_DIR}/{EXAMPLES_SPLIT}.json"
 PREFIX = "mergecal."
 TAGS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
         "regime", "merge", "calibration", "recipe", "recipe_id", "tasks", "track", "device", "seed", "user", "host",
-        "params_sha256")
+        "params_sha256", "checkout", "worker", "left_out")
 # what says who computed a run, where and from what (``provenance``): on the invocation and on every cell run
 PROVENANCE = ("user", "host", "code_version", "params_sha256")
 URI_ENV = "MLFLOW_TRACKING_URI"
@@ -135,13 +135,14 @@ def code_version(root: str | Path = ".") -> str:
 
 
 def provenance(root: str | Path, params_sha256: str) -> dict[str, str]:
-    """Who computes a run, where, from which code and parameters: the tags of ``PROVENANCE``."""
+    """Who computes a run, where, from which code and parameters: the tags of ``PROVENANCE``, and the checkout's
+    path (which runs a restarted benchmark of this checkout may mark KILLED in a shared store)."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for the uid (a container)
         user = str(os.getuid())
     return {tag("user"): user, tag("host"): socket.gethostname(), tag("code_version"): code_version(root),
-            tag("params_sha256"): params_sha256}
+            tag("params_sha256"): params_sha256, tag("checkout"): str(Path(root).resolve())}
 
 
 class Tracker:
@@ -162,6 +163,7 @@ class Tracker:
                                 "location every machine of the lab reaches, e.g. s3://bucket/mlflow), or use an MLflow "
                                 "tracking server (http://host:5000), which says where artifacts go")
         self.uri = uri
+        self.store = store
         self.tags = dict(tags or {})
         self.client = MlflowClient(tracking_uri=self.uri)
         found = self.client.get_experiment_by_name(experiment)
@@ -197,10 +199,24 @@ class Tracker:
         return redact(self.uri)
 
     # -- invocations -------------------------------------------------------------------------------------
-    def mark_unfinished_killed(self) -> int:
-        """Runs left RUNNING by a killed benchmark are marked KILLED (never reported)."""
-        runs = self.client.search_runs([self.experiment_id], filter_string="attributes.status = 'RUNNING'",
-                                       max_results=5000)
+    def mark_unfinished_killed(self, root: str | Path | None = None) -> int:
+        """Runs left RUNNING by a killed benchmark are marked KILLED (never reported). In the checkout's own store,
+        every one; in a store the lab shares, only those started from the checkout ``root`` on this host (another
+        member's benchmark may be running)."""
+        where = "attributes.status = 'RUNNING'"
+        if root is not None and self.uri != tracking_uri(root, self.store):
+            where += (f" and tags.`{tag('host')}` = '{socket.gethostname()}' "
+                      f"and tags.`{tag('checkout')}` = '{Path(root).resolve()}'")
+        return self._kill(where)
+
+    def kill_unfinished_cells(self, invocation_id: str) -> int:
+        """Cell runs of this invocation still RUNNING at its end (a worker died while it logged; the cell was
+        computed again elsewhere) are marked KILLED."""
+        return self._kill(f"attributes.status = 'RUNNING' and tags.`{tag('invocation_id')}` = '{invocation_id}' "
+                          f"and tags.`{tag('kind')}` = 'cell'")
+
+    def _kill(self, where: str) -> int:
+        runs = self.client.search_runs([self.experiment_id], filter_string=where, max_results=5000)
         for run in runs:
             self.client.set_tag(run.info.run_id, tag("status"), "killed")
             self.client.set_terminated(run.info.run_id, "KILLED")
@@ -220,16 +236,23 @@ class Tracker:
 
     # -- cells -------------------------------------------------------------------------------------------
     def finished_cell(self, cell_id: str, status: str = "ok") -> tuple[str, dict[str, float]] | None:
-        """The run id and metrics of the cell's FINISHED run with this status (ok, or skipped), if it has one."""
-        runs = self.client.search_runs(
-            [self.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
-            filter_string=f"tags.`{tag('cell_id')}` = '{cell_id}' and attributes.status = 'FINISHED' "
-                          f"and tags.`{tag('status')}` = '{status}'")
-        return (runs[0].info.run_id, dict(runs[0].data.metrics)) if runs else None
+        """The run id and metrics of the cell's FINISHED run with this status (ok, or skipped), if it has one: the
+        one that finished first, which ``log_cell`` keeps when two computed the cell at once."""
+        runs = self._finished_runs(cell_id, status)
+        if not runs:
+            return None
+        first = min(runs, key=lambda run: (run.info.end_time, run.info.run_id))
+        return first.info.run_id, dict(first.data.metrics)
 
     def finished_cell_run(self, cell_id: str, status: str = "ok") -> str | None:
         found = self.finished_cell(cell_id, status)
         return found[0] if found else None
+
+    def _finished_runs(self, cell_id: str, status: str) -> list:
+        return self.client.search_runs(
+            [self.experiment_id], max_results=50, order_by=["attributes.end_time ASC"],
+            filter_string=f"tags.`{tag('cell_id')}` = '{cell_id}' and attributes.status = 'FINISHED' "
+                          f"and tags.`{tag('status')}` = '{status}'")
 
     def log_cell(self, *, parent_run_id: str, invocation_id: str, cell_id: str, tags: dict[str, str],
                  params: dict[str, str], metrics: dict[str, float], artifacts: dict[str, Any], status: str = "ok",
@@ -257,7 +280,14 @@ class Tracker:
             self.client.set_terminated(run_id, "FAILED")
             raise
         self.client.set_terminated(run_id, "FINISHED")
-        return run_id
+        if status not in ("ok", "skipped"):
+            return run_id
+        # two members (or a worker presumed dead) computed the cell at once: the first to finish is kept, every
+        # later one deleted, so the store holds one result per cell id
+        kept = self.finished_cell_run(cell_id, status) or run_id  # the first to finish (ties: the smaller run id)
+        if kept != run_id:
+            self.client.delete_run(run_id)
+        return kept
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _log_batch(self, run_id: str, metrics: dict[str, float], params: dict[str, str], tags: dict[str, str]) -> None:
