@@ -451,7 +451,7 @@ def test_reports_read_only_tags_that_the_pipeline_writes():
 
     root = Path(__file__).resolve().parents[1]
     writers = ((root / "mergecal" / "pipeline" / "tracking.py").read_text()
-               + (root / "flows" / "benchmark.py").read_text())
+               + (root / "mergecal" / "pipeline" / "flow.py").read_text())
     assert set(TAG_COLUMNS) <= set(TAGS)  # named once, in the tracking module
     unwritten = [name for name in TAGS if f'tag("{name}")' not in writers]
     assert not unwritten
