@@ -76,7 +76,7 @@ def log_tail(path: Path | str, chars: int = 4000) -> str:
 
 @contextmanager
 def _running(server: Server, env: dict[str, str], log_path: Path, timeout: float, cwd: Path | None = None
-             ) -> Iterator[None]:
+             ) -> Iterator[subprocess.Popen]:
     """Start ``server`` (own process group, output to ``log_path``), wait for its health URL, stop it at exit;
     yields the process."""
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -76,21 +76,24 @@ def cell_tracker(flow_root: str, tracking, shown_uri: str, tags: dict[str, str] 
                                    "(with the password) in the worker's environment")
     else:
         uri = shown_uri
-    if uri == tracking_uri(flow_root, tracking.store):  # the checkout's own SQLite store, a file of the flow's host
-        if not Path(uri.removeprefix("sqlite:///")).is_file():
-            raise WorkerSetupError(f"worker {host()}: the flow's tracking store {uri} is a file this worker does not "
-                                   "see; cells on other hosts need a tracking server (MLFLOW_TRACKING_URI or "
-                                   "tracking.uri, see docs/lab.md)")
+    check_store_seen(uri)
+    if uri == tracking_uri(flow_root, tracking.store):  # the checkout's own SQLite store (the flow's default)
         return Tracker(flow_root, tracking.experiment, tracking.store, tags=tags)
-    if not is_server(uri) and uri.startswith("sqlite:") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        raise WorkerSetupError(f"worker {host()}: the flow's tracking store {uri} is a file this worker does not see")
     return Tracker(flow_root, tracking.experiment, tracking.store, uri=uri, artifacts=tracking.artifacts, tags=tags)
 
 
+def check_store_seen(uri: str) -> None:
+    """One line when the tracking store is an SQLite file this worker does not see (a file of the flow's host)."""
+    if uri.startswith("sqlite:") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise WorkerSetupError(f"worker {host()}: the flow's tracking store {uri} is a file this worker does not "
+                               "see; cells on other hosts need a tracking server (MLFLOW_TRACKING_URI or "
+                               "tracking.uri, see docs/lab.md)")
+
+
 def preflight(api_url: str | None, store: str) -> dict[str, str]:
-    """Run on every Dask worker before any cell (``Client.run``): this worker's host and checkout setting, once it
-    has reached the flow's Prefect server (``api_url``; cells report their states to it) and tracking store
-    (``store``, as shown). A worker that cannot import this module, or reach either, fails here, and the flow
+    """Run on every Dask worker before any cell (``Client.run``): this worker's host, once it has reached the
+    flow's Prefect server (``api_url``; cells report their states to it) and tracking store (``store``, as
+    shown). A worker that cannot import this module, or reach either, fails here, and the flow
     leaves it out with that one line."""
     import httpx
 
@@ -104,7 +107,5 @@ def preflight(api_url: str | None, store: str) -> dict[str, str]:
             raise WorkerSetupError(f"worker {host()}: cannot reach the flow's {what} at {url} ({err}); an "
                                    "ephemeral Prefect server or a 127.0.0.1 address is not reachable from other "
                                    "hosts (PREFECT_API_URL, MLFLOW_TRACKING_URI of the lab's servers)") from None
-    if store.startswith("sqlite:") and not Path(store.removeprefix("sqlite:///")).is_file():
-        raise WorkerSetupError(f"worker {host()}: the flow's tracking store {store} is a file this worker does not "
-                               "see; cells on other hosts need a tracking server")
-    return {"host": host(), "root": os.environ.get(ROOT_ENV, "")}
+    check_store_seen(store)
+    return {"host": host()}
