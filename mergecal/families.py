@@ -223,13 +223,6 @@ HF_BERT = BackboneFamily(
 FAMILIES: dict[str, BackboneFamily] = {family.name: family for family in (OPEN_CLIP_VIT, HF_BERT)}
 
 
-def register_family(family: BackboneFamily) -> BackboneFamily:
-    if family.name in FAMILIES:
-        raise ValueError(f"backbone family {family.name!r} registered twice")
-    FAMILIES[family.name] = family
-    return family
-
-
 def get_family(name: str) -> BackboneFamily:
     try:
         return FAMILIES[name]

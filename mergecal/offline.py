@@ -15,10 +15,11 @@ QUIET = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "M
          "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
 # OpenMP threads (torch's MKL and ATen, GNU OpenMP) sleep when idle instead of spinning: beside other work on the
 # cores (a training run, parallel cells, the test suite) spinning threads slowed a 3072 x 768 SVD 20-60x (#17;
-# scripts/perf_wait_policy.py measures it). numpy/scipy's OpenBLAS (the Gram route of TSV-M, Iso-C, Iso-CTS and SVC)
-# runs one thread: its pthreads pool, which the wait policy does not govern, made those merges 1.2-1.6x slower with
-# 2 threads than with 1 on the idle 2-core machine and 1.2-2.1x slower beside one busy process (3.9x with more load)
-# (scripts/perf_blas_threads.py, docs/performance.md); one thread also gives the same bits on any core count.
+# evidence/scripts/perf_wait_policy.py measures it). numpy/scipy's OpenBLAS (the Gram route of TSV-M, Iso-C,
+# Iso-CTS and SVC) runs one thread: its pthreads pool, which the wait policy does not govern, made those merges
+# 1.2-1.6x slower with 2 threads than with 1 on the idle 2-core machine and 1.2-2.1x slower beside one busy
+# process (3.9x with more load) (evidence/scripts/perf_blas_threads.py, docs/performance.md); one thread also
+# gives the same bits on any core count.
 # torch's thread count is params.yaml's `threads`, which its stages and cells pin (mergecal.pipeline.threads): its
 # bits depend on it, and torch's own default (all cores) differs between machines.
 # These are read when the libraries load: apply them before torch or numpy is imported (``import mergecal``

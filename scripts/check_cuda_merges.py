@@ -7,7 +7,8 @@ the merged state dict back to the CPU that ``merge_models`` returns) and the rel
 ||cuda - cpu||_F / ||cpu - theta_0||_F of the merged update over all keys. DARE draws its drop masks from a
 generator seeded on the tensors' device (mergecal/methods/dare.py: the same merge on the same device type), so
 its GPU merge drops other entries than its CPU merge: its row is printed and left out of the largest difference.
-Needs a CUDA GPU; exits with one line otherwise.
+Needs a CUDA GPU; exits with one line otherwise. ``--device cpu`` runs both sides on the CPU: a check of the
+script itself, which tests/test_scripts_smoke.py runs so that a change of the library that breaks it is seen.
 
     python scripts/check_cuda_merges.py [--blocks 2] [--tasks 8] [--device cuda]
 """
@@ -31,27 +32,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
-    if not args.device.startswith("cuda") or not torch.cuda.is_available():
+    on_cuda = args.device.startswith("cuda")
+    if args.device != "cpu" and (not on_cuda or not torch.cuda.is_available()):
         raise SystemExit(f"--device {args.device}: expected cuda[:N] on a machine with a CUDA GPU "
-                         f"(torch.cuda.is_available() is {torch.cuda.is_available()})")
+                         f"(torch.cuda.is_available() is {torch.cuda.is_available()}), or cpu")
+
+    def synchronize():
+        if on_cuda:
+            torch.cuda.synchronize(args.device)
+
     shapes = vit_b32_shapes(args.blocks)
     g = torch.Generator().manual_seed(1)
     pretrained = {k: 0.02 * torch.randn(s, generator=g) for k, s in shapes.items()}
     taus = synthetic_task_vectors(shapes, args.tasks)
     finetuned = [{k: pretrained[k] + tau[k] for k in pretrained} for tau in taus]
     print(f"ViT-B/32 shapes, {args.blocks} blocks, K = {args.tasks}, torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name(args.device)}", flush=True)
-    print("| method | cpu (s) | cuda (s) | rel. diff. of the merged update |\n|---|---:|---:|---:|")
+          f"{torch.cuda.get_device_name(args.device) if on_cuda else 'cpu against cpu'}", flush=True)
+    print(f"| method | cpu (s) | {args.device} (s) | rel. diff. of the merged update |\n|---|---:|---:|---:|")
     worst = 0.0
     for name in sorted(MERGE_METHODS):
         t0 = time.perf_counter()
         on_cpu = merge_models(pretrained, finetuned, name, device="cpu")
         cpu_s = time.perf_counter() - t0
         merge_models(pretrained, finetuned, name, device=args.device)  # warm-up: cuSOLVER / cuBLAS handles
-        torch.cuda.synchronize(args.device)
+        synchronize()
         t0 = time.perf_counter()
         on_gpu = merge_models(pretrained, finetuned, name, device=args.device)
-        torch.cuda.synchronize(args.device)
+        synchronize()
         gpu_s = time.perf_counter() - t0
         num = sum(float((on_gpu[k].double() - on_cpu[k].double()).norm() ** 2) for k in on_cpu) ** 0.5
         den = sum(float((on_cpu[k].double() - pretrained[k].double()).norm() ** 2) for k in on_cpu) ** 0.5

@@ -25,6 +25,8 @@ from mergecal.pipeline.imports import PROJECT_PACKAGES, import_graph, source_pat
 
 #: the stage that runs the benchmark matrix: every merge method, calibration and track, through the registries
 RUNS_EVERY_MEMBER = {"stages.benchmark"}
+#: the stage that measures every track's stability through the registry's DIAGNOSTICS
+RUNS_DIAGNOSTICS = {"stages.stability"}
 COMMAND_MODULE = re.compile(r"\bpython3?\s+-m\s+((?:" + "|".join(PROJECT_PACKAGES) + r")(?:\.\w+)*)")
 
 
@@ -48,7 +50,8 @@ def expected_code_deps(stages: dict, root: Path) -> dict[str, list[str]]:
         if match.group(1) not in graph:
             raise MergecalError(f"dvc.yaml: stage {name!r}: its cmd runs {match.group(1)!r}, not a module of the "
                                 "project's sources")
-        closure = stage_closure(graph, match.group(1), runs_every_member=match.group(1) in RUNS_EVERY_MEMBER)
+        closure = stage_closure(graph, match.group(1), runs_every_member=match.group(1) in RUNS_EVERY_MEMBER,
+                                runs_diagnostics=match.group(1) in RUNS_DIAGNOSTICS)
         out[name] = source_paths(closure, root)
     return out
 

@@ -1,4 +1,4 @@
-"""Confidence measures and temperature scaling (mergecal.calibrations.confidence)."""
+"""Confidence measures (mergecal.calibrations.confidence)."""
 
 import math
 
@@ -7,10 +7,7 @@ import pytest
 import torch
 
 from mergecal.calibrations.confidence import (
-    apply_temperature,
     expected_calibration_error,
-    fit_temperature,
-    negative_log_likelihood,
     prediction_entropy,
 )
 from mergecal.errors import ParameterError
@@ -84,79 +81,17 @@ def test_ece_near_zero_for_calibrated_and_large_for_overconfident():
     assert expected_calibration_error(5 * logits, labels) > 0.1
 
 
-# --- temperature scaling ----------------------------------------------------------------------------------------------
-
-def test_fit_temperature_recovers_the_scale():
-    logits, labels = calibrated_sample(20_000, seed=1)
-    assert fit_temperature(logits, labels) == pytest.approx(1.0, rel=0.05)
-    assert fit_temperature(5 * logits, labels) == pytest.approx(5.0, rel=0.05)
-    assert fit_temperature(logits / 4, labels) == pytest.approx(0.25, rel=0.05)
-    assert fit_temperature(5 * logits, labels) == fit_temperature(5 * logits, labels)  # deterministic
-
-
-def test_fitted_temperature_minimises_nll():
-    logits, labels = calibrated_sample(5000, seed=2)
-    noise = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    logits = 3 * logits + 0.5 * noise  # not a pure rescaling of a calibrated model
-    t = fit_temperature(logits, labels)
-    best = negative_log_likelihood(apply_temperature(logits, t), labels)
-    for factor in (0.98, 1.02, 0.8, 1.25):
-        assert best < negative_log_likelihood(apply_temperature(logits, t * factor), labels)
-    grid = np.exp(np.linspace(math.log(0.1), math.log(10), 2001))
-    nll = [negative_log_likelihood(logits / float(s), labels) for s in grid[::50]]
-    assert best <= min(nll) + 1e-12
-
-
-def test_temperature_scaling_lowers_ece_on_held_out_data():
-    logits, labels = calibrated_sample(20_000, seed=4)
-    overconfident = 5 * logits.float()  # float32, as a model would produce
-    val, test = slice(0, 10_000), slice(10_000, None)
-    t = fit_temperature(overconfident[val], labels[val])
-    before = expected_calibration_error(overconfident[test], labels[test])
-    after = expected_calibration_error(apply_temperature(overconfident[test], t), labels[test])
-    assert before > 0.1
-    assert after < 0.02
-    assert after < before / 5
-
-
-def test_temperature_at_the_bounds():
-    labels = torch.tensor([0, 1, 2, 0])
-    # the true class always has the lowest logit: NLL falls as T grows, the upper bound is returned
-    anti = torch.full((4, 3), 1.0)
-    anti[torch.arange(4), labels] = -1.0
-    assert fit_temperature(anti, labels, t_max=50.0) == 50.0
-    # separable with margin: NLL falls as T shrinks, the lower bound is returned
-    assert fit_temperature(-anti, labels, t_min=0.05) == 0.05
-    assert fit_temperature(torch.zeros(4, 3), labels) == 1.0  # no information about T
-
-
-def test_apply_temperature():
-    logits = torch.tensor([[1.0, -2.0, 4.0]])
-    copy = logits.clone()
-    torch.testing.assert_close(apply_temperature(logits, 2.0), torch.tensor([[0.5, -1.0, 2.0]]))
-    assert torch.equal(logits, copy)
-    assert apply_temperature(logits, 2.0).dtype == torch.float32
-
-
 # --- errors -----------------------------------------------------------------------------------------------------------
 
 def test_bad_inputs_name_the_parameter():
     logits, labels = torch.zeros(4, 3), torch.tensor([0, 1, 2, 0])
-    with pytest.raises(ParameterError, match="'temperature'"):
-        apply_temperature(logits, 0.0)
-    with pytest.raises(ParameterError, match="'temperature'"):
-        apply_temperature(logits, -1.0)
     with pytest.raises(ParameterError, match="'n_bins'"):
         expected_calibration_error(logits, labels, n_bins=0)
     with pytest.raises(ParameterError, match="'labels'"):
         expected_calibration_error(logits, labels[:3])
     with pytest.raises(ParameterError, match="'labels'"):
         expected_calibration_error(logits, torch.tensor([0, 1, 3, 0]))
-    with pytest.raises(ParameterError, match="'labels'"):
-        fit_temperature(logits, labels.float())
     with pytest.raises(ParameterError, match="'logits'"):
         prediction_entropy(torch.zeros(5))
     with pytest.raises(ParameterError, match="'logits'"):
         prediction_entropy(torch.tensor([[0.0, float("nan")]]))
-    with pytest.raises(ParameterError, match="'t_min'"):
-        fit_temperature(logits, labels, t_min=2.0, t_max=1.0)

@@ -1,13 +1,11 @@
 """DisTaC (mergecal.calibrations.distac) on a tiny classifier: an MLP "backbone" with a frozen linear head on
 16-dim Gaussian-mixture inputs; the fine-tuned teachers are trained here with fixed seeds."""
 
-import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from mergecal.calibrations.confidence import prediction_entropy
@@ -18,7 +16,6 @@ from mergecal.calibrations.distac import (
     distill_task_vector,
     learning_rate,
     norm_matching_kappas,
-    save_conditioned,
     task_vector_norm,
 )
 from mergecal.errors import MergecalError, ParameterError, UnknownNameError
@@ -267,21 +264,6 @@ def test_low_precision_state_dicts_come_back_in_their_dtype(task):
                                        progress=False)
     assert all(out[k].dtype == ft[k].dtype for k in ft)
     assert all(math.isfinite(h["loss"]) for h in history)
-
-
-def test_save_conditioned_writes_tensors_and_params(task, tmp_path):
-    pre, ft = task["pretrained"], task["finetuned"]
-    params = quick(kappa=0.5, steps=3)
-    out, _ = distill_task_vector(build_model, pre, ft, task["unlabeled"], params, progress=False)
-    path = save_conditioned(out, tmp_path / "sub" / "conditioned.safetensors", params,
-                            {"task": "mnist", "kappa_source": {"norms": [1.0, 2.0]}})
-    with safe_open(str(path), framework="pt") as handle:
-        meta = handle.metadata()
-        assert set(handle.keys()) == set(out)
-        assert all(torch.equal(handle.get_tensor(k), out[k]) for k in out)
-    assert DistacParams(**json.loads(meta["distac_params"])) == params
-    assert meta["task"] == "mnist"
-    assert json.loads(meta["kappa_source"]) == {"norms": [1.0, 2.0]}
 
 
 # --- learning-rate schedule ------------------------------------------------------------------------------------------

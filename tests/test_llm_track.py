@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mergecal import merge_models
-from mergecal.backbones.hf_causal_lm import (causal_lm_state_dict, load_causal_lm, merge_keys, save_causal_lm,
+from mergecal.backbones.hf_causal_lm import (causal_lm_state_dict, load_causal_lm, save_causal_lm,
                                              save_causal_lm_weights, stored_state_dict, weights_digest)
 from mergecal.backbones.hf_causal_lm_merge import merge_causal_lms
 from mergecal.data.llm import (CATEGORIES, LlmSuiteConfig, build_llm_suite, knowledge_words, load_records,
@@ -103,11 +103,6 @@ def test_sharded_save_load_round_trip_and_merge_keys(micro, tmp_path):
     from_disk = causal_lm_state_dict(sharded)
     assert all(torch.equal(from_disk[k], stored[k]) for k in stored) and from_disk.keys() == stored.keys()
 
-    keys = merge_keys(sharded)
-    assert keys.tied_embeddings and keys.embeddings == ("model.embed_tokens.weight",)
-    assert set(keys.merge) == set(stored) and not keys.skip
-    assert set(keys.matrices) == {k for k, v in stored.items() if v.ndim == 2}
-
 
 def test_merged_state_dict_saves_as_a_loadable_model(micro, tmp_path):
     path, model, _ = micro
@@ -153,7 +148,7 @@ def test_missing_and_pickle_only_directories_are_clear_errors(micro, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (pickled / name).write_bytes((path / name).read_bytes())
     torch.save(stored_state_dict(model), pickled / "pytorch_model.bin")
-    for load in (load_causal_lm, causal_lm_state_dict, merge_keys):
+    for load in (load_causal_lm, causal_lm_state_dict):
         with pytest.raises(CheckpointError, match="allow_unsafe_pickle=True") as err:
             load(pickled)
         assert str(pickled) in str(err.value) and "\n" not in str(err.value)

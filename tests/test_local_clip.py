@@ -18,6 +18,7 @@ import yaml
 from local_models import CLIP_ARCH, CLIP_TASKS, CreatesAFile, perturbed, write_image_datasets, write_unrelated_files
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
+from mergecal.pipeline import hashing
 from mergecal.pipeline.tracks.local_clip import stages as local_clip
 from mergecal.pipeline.tracks.local_llm import stages as local_llm
 from mergecal.pipeline.config import load_params, parse_params
@@ -327,9 +328,9 @@ def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what
     tensors[key] = tensors[key] + 0.5
     save_file(tensors, str(shard), metadata={"format": "pt"})
     reads = []
-    real = cells_mod._sha256_file
-    monkeypatch.setattr(cells_mod, "_sha256_file", lambda path: reads.append(Path(path)) or real(path))
-    cells_mod._file_digest.cache_clear()
+    real = hashing._sha256_file
+    monkeypatch.setattr(hashing, "_sha256_file", lambda path: reads.append(Path(path)) or real(path))
+    hashing.file_digest_at.cache_clear()
     with pytest.warns(UserWarning):
         _stages(root, name)
     assert [p.name for p in reads if "ckpt" in p.parts] == [shard.name]

@@ -16,6 +16,7 @@ import yaml
 from local_models import CreatesAFile, write_unrelated_files
 from mergecal.errors import CheckpointError, MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
+from mergecal.pipeline import hashing
 from mergecal.pipeline.tracks.local_llm import stages as local_llm
 from mergecal.pipeline.config import load_params, parse_params
 
@@ -91,22 +92,22 @@ def test_content_hashes_are_cached_on_disk_by_path_size_and_mtime(tmp_path, monk
     files = [tmp_path / "a.bin", tmp_path / "b.bin"]
     for i, f in enumerate(files):
         f.write_bytes(bytes([i]) * 3000)
-    first = [cells_mod.file_digest(f, cache) for f in files]
+    first = [hashing.file_digest(f, cache) for f in files]
     assert len(list(cache.iterdir())) == 2
 
     reads = []
-    real = cells_mod._sha256_file
-    monkeypatch.setattr(cells_mod, "_sha256_file", lambda path: reads.append(Path(path).name) or real(path))
-    cells_mod._file_digest.cache_clear()  # as a new process: only the on-disk records
-    assert [cells_mod.file_digest(f, cache) for f in files] == first and reads == []
+    real = hashing._sha256_file
+    monkeypatch.setattr(hashing, "_sha256_file", lambda path: reads.append(Path(path).name) or real(path))
+    hashing.file_digest_at.cache_clear()  # as a new process: only the on-disk records
+    assert [hashing.file_digest(f, cache) for f in files] == first and reads == []
 
     files[1].write_bytes(bytes([7]) * 3000)  # same size, new bytes, new mtime
     stat = files[1].stat()
     os.utime(files[1], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    cells_mod._file_digest.cache_clear()
-    again = [cells_mod.file_digest(f, cache) for f in files]
+    hashing.file_digest_at.cache_clear()
+    again = [hashing.file_digest(f, cache) for f in files]
     assert reads == ["b.bin"] and again[0] == first[0] and again[1] != first[1]
-    assert cells_mod.content_record(files[1], cache) == {"size": 3000, "sha256": again[1]}
+    assert hashing.content_record(files[1], cache) == {"size": 3000, "sha256": again[1]}
     assert reads == ["b.bin"]  # the new record serves it
 
 
@@ -190,7 +191,7 @@ def test_local_inputs_record_only_the_files_the_loaders_read_and_refuse_a_path_h
     written = local_llm.inputs_path(lab).read_text()
     base = {name.removeprefix("base/") for name in files if name.startswith("base/")}
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= base and not set(unrelated) & base, base
-    shadow_digest = cells_mod.file_digest(lab / "base" / "shadow")
+    shadow_digest = hashing.file_digest(lab / "base" / "shadow")
     assert not [name for name in unrelated if name in written] and shadow_digest not in written
     assert "expert.sentiment/model.safetensors.index.json" in files  # a sharded expert: its index and shards
 
@@ -312,9 +313,9 @@ def test_local_tracks_run_through_the_flow_cache_and_recompute_exactly_what_chan
     tensors[key] = tensors[key] + 0.5
     save_file(tensors, str(shard), metadata={"format": "pt"})
     reads = []
-    real = cells_mod._sha256_file
-    monkeypatch.setattr(cells_mod, "_sha256_file", lambda path: reads.append(Path(path)) or real(path))
-    cells_mod._file_digest.cache_clear()
+    real = hashing._sha256_file
+    monkeypatch.setattr(hashing, "_sha256_file", lambda path: reads.append(Path(path)) or real(path))
+    hashing.file_digest_at.cache_clear()
     _stages(root, name)
     assert [p.name for p in reads if "ckpt" in p.parts] == [shard.name]
     third = flow_module.run_benchmark(params_path=name, root=str(root))

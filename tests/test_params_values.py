@@ -171,7 +171,7 @@ def test_magic_fixed_scaling_rows_hold_fscs_network_task_feature_where_fsc_runs(
     """#29: `fsc(task_feature=network)` beside `fsc` at MAGIC's lambda = 0.3 for TA and TIES: a vision cell per
     regime whose recipe id names the option; the text and LLM tracks skip it as they skip `fsc`, with its reason."""
     from mergecal.pipeline.cells import enumerate_cells
-    from mergecal.pipeline.tracks import skipped_cells
+    from mergecal.pipeline.tracks.registry import skipped_cells
 
     params = load_params(REPO / "params.yaml")
     cells = [c for c in enumerate_cells(params) if c.calibration in ("fsc@λ=0.3", "fsc(task_feature=network)@λ=0.3")]

@@ -138,7 +138,7 @@ def test_cells_cover_the_matrix_with_distinct_ids(built):
     llm_cells = [c for c in cells if c.track == "llm"]
     assert sorted(c.chain for c in llm_cells if c.merge == "ties") == ["{merge}", "{merge}>svc"]
     assert len(llm_cells) == 2 + n_merges * 2 + n_fixed
-    from mergecal.pipeline.tracks import skipped_cells
+    from mergecal.pipeline.tracks.registry import skipped_cells
 
     skipped = skipped_cells(params)
     assert sorted({(c.track, c.chain) for c, _ in skipped}) == [
@@ -288,7 +288,9 @@ def test_a_refit_at_the_pipelines_thread_count_is_the_stored_fine_tune_and_each_
     thread count's), the process's thread count is restored, and each track's regime with a task-arithmetic row
     gets a verdict (the LLM's refit and merges written in a scratch directory that is gone after)."""
     from mergecal.checkpoint import load_state_dict
-    from mergecal.pipeline.refit_stability import measure_refits, text_refit, vision_refit
+    from mergecal.pipeline.refit_stability import measure_refits
+    from mergecal.pipeline.tracks.text.diagnostics import refit as text_refit
+    from mergecal.pipeline.tracks.vision.diagnostics import refit as vision_refit
 
     root, params = built
     task, variant = params.vision.norm_mismatch_task, "norm_mismatch"
@@ -773,7 +775,8 @@ def test_stages_write_only_what_a_later_stage_reads(built):
 def test_every_registered_track_implements_the_track_protocol():
     """#33: the interface is written down (``tracks.Track``) and every registered track provides all of it, so the
     cells call it without probing for optional parts."""
-    from mergecal.pipeline.tracks import MODULES, Track, get_track
+    from mergecal.pipeline.tracks.protocol import Track
+    from mergecal.pipeline.tracks.registry import MODULES, get_track
 
     for name in MODULES:
         track = get_track(name)
@@ -803,7 +806,7 @@ def test_run_cell_searches_the_grid_on_the_session_its_track_opens(monkeypatch):
     the curve logged, the chosen merge evaluated once, inside the session (closed after)."""
     from contextlib import contextmanager
 
-    from mergecal.pipeline.tracks import Session
+    from mergecal.pipeline.tracks.protocol import Session
     from mergecal.recipe import Recipe
 
     calls = []

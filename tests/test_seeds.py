@@ -10,7 +10,7 @@ import yaml
 
 from mergecal.pipeline.cells import cell_inputs, enumerate_cells, source_index
 from mergecal.pipeline.config import parse_params
-from mergecal.pipeline.tracks import skipped_cells
+from mergecal.pipeline.tracks.registry import skipped_cells
 from mergecal.pipeline.workspace import full_params, smoke_overrides
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ ARCHITECTURES: dict[str, dict] = {
         "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
     },
     # the default benchmark's backbone: tiny's layers and widths on 8x8 patches, so 16 image tokens instead of
-    # 64: on CPU a fine-tuning step is 2.8-3.2x and evaluation 4.4-5.1x faster (scripts/perf_eval_speed.py)
+    # 64: on CPU a fine-tuning step is 2.8-3.2x and evaluation 4.4-5.1x faster (evidence/scripts/perf_eval_speed.py)
     "mergecal-vit-tiny-p8": {
         "embed_dim": 64,
         "vision_cfg": {"image_size": 32, "layers": 4, "width": 64, "head_width": 32, "patch_size": 8},

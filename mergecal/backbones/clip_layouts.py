@@ -117,13 +117,6 @@ def strip_image_encoder_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[s
     return {k[len("model."):]: v for k, v in state_dict.items()}
 
 
-def to_open_clip_layout(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Any supported CLIP layout (open_clip, HF CLIPModel, task_vectors ImageEncoder) in open_clip's."""
-    if is_hf_clip(state_dict):
-        return hf_clip_to_open_clip(state_dict)
-    return strip_image_encoder_prefix(state_dict)
-
-
 _BARE_VISION = ("embeddings.", "encoder.layers.", "pre_layrnorm.", "post_layernorm.")
 
 

@@ -17,12 +17,11 @@ import json
 import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import (INDEX_SUFFIX, SafetensorsSource, ShardedCheckpointWriter, load_state_dict, read_index,
+from ..checkpoint import (INDEX_SUFFIX, ShardedCheckpointWriter, load_state_dict, read_index,
                           safetensors_files, shard_file)
 from ..device import resolve_device
 from ..errors import CheckpointError
@@ -183,43 +182,6 @@ def load_into(model, state: Mapping[str, torch.Tensor], *, name: str = "state di
                               f"unexpected {unexpected[:3]}")
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-
-
-@dataclass(frozen=True)
-class CausalLmKeys:
-    """Which stored keys a merge touches. ``merge``: every floating-point key (the ``all_float`` rule of TA,
-    TIES, DARE, ...); ``skip``: integer buffers, taken from the pretrained model; ``matrices``: 2-D float keys,
-    what SVD-based methods factorise (embeddings included: [vocab, hidden]); ``embeddings``: input embedding and,
-    when untied, the output head; ``tied_embeddings``: the output head shares the input embedding, stored once."""
-
-    merge: tuple[str, ...]
-    skip: tuple[str, ...]
-    matrices: tuple[str, ...]
-    embeddings: tuple[str, ...]
-    tied_embeddings: bool
-
-
-def merge_keys(model_dir: str | os.PathLike, *, allow_unsafe_pickle: bool = False) -> CausalLmKeys:
-    """Read from the checkpoint's metadata (no tensors loaded for safetensors)."""
-    from transformers import AutoConfig
-
-    path = Path(model_dir)
-    if weight_format(path) == "safetensors":
-        source = SafetensorsSource(path)
-        meta = {k: (source.shape(k), source.dtype(k)) for k in source.keys()}
-    else:
-        state = causal_lm_state_dict(path, allow_unsafe_pickle=allow_unsafe_pickle)
-        meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    tied = bool(getattr(config, "tie_word_embeddings", False)) and "lm_head.weight" not in meta
-    floats = tuple(k for k, (_, dtype) in meta.items() if dtype.is_floating_point)
-    return CausalLmKeys(
-        merge=floats,
-        skip=tuple(k for k in meta if k not in floats),
-        matrices=tuple(k for k in floats if len(meta[k][0]) == 2),
-        embeddings=tuple(k for k in floats if "embed_tokens" in k or k.endswith("wte.weight") or k == "lm_head.weight"),
-        tied_embeddings=tied,
-    )
 
 
 def save_causal_lm_weights(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],

@@ -1,8 +1,7 @@
-"""Confidence of a classifier's predictions: entropy, expected calibration error and temperature scaling.
+"""Confidence of a classifier's predictions: entropy and expected calibration error.
 
 DisTaC (Yoshida et al., arXiv:2508.01148, Sec. 3.2, 4.2 and 6.2) makes low-confidence
-source models over-confident before merging, measured by the mean prediction entropy, and advises restoring
-reliable confidence afterwards with post-hoc temperature scaling of the merged model (Guo et al., 2017).
+source models over-confident before merging, measured by the mean prediction entropy.
 All functions take logits [N, C] (and integer labels [N]) and compute in float64.
 """
 
@@ -37,13 +36,6 @@ def _labels(labels: torch.Tensor, n: int, c: int) -> torch.Tensor:
     return labels.long()
 
 
-def _check_temperature(temperature: float) -> float:
-    temperature = float(temperature)
-    if not (temperature > 0.0 and math.isfinite(temperature)):
-        raise ParameterError(f"confidence: parameter 'temperature' must be a finite number > 0, got {temperature}")
-    return temperature
-
-
 def prediction_entropy(logits: torch.Tensor) -> float:
     """Mean entropy of softmax(logits) in nats, H = logsumexp(z) - sum_c p_c z_c per row.
 
@@ -54,13 +46,6 @@ def prediction_entropy(logits: torch.Tensor) -> float:
     pz = torch.where(p > 0, p * z, torch.zeros_like(z))  # 0 * -inf would be NaN
     entropy = torch.logsumexp(z, dim=-1) - pz.sum(dim=-1)
     return float(entropy.mean())
-
-
-def negative_log_likelihood(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """Mean cross-entropy of softmax(logits) against integer ``labels`` (nats)."""
-    z = _logits(logits)
-    y = _labels(labels, z.shape[0], z.shape[1]).to(z.device)
-    return float(torch.nn.functional.cross_entropy(z, y))
 
 
 def expected_calibration_error(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = 15) -> float:
@@ -84,52 +69,3 @@ def expected_calibration_error(logits: torch.Tensor, labels: torch.Tensor, n_bin
     return float((correct_sum - conf_sum).abs().sum() / z.shape[0])
 
 
-def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / T (a new tensor with the dtype of ``logits``); T > 1 softens, T < 1 sharpens."""
-    return logits / _check_temperature(temperature)
-
-
-def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, *, t_min: float = 1e-2, t_max: float = 1e2,
-                    iterations: int = 100) -> float:
-    """Post-hoc temperature scaling (Guo et al., 2017): the T > 0 minimising the NLL of softmax(logits / T).
-
-    With b = 1/T the NLL, mean_i [logsumexp(b z_i) - b z_{i, y_i}], is convex in b, and its derivative
-    mean_i [E_{softmax(b z_i)}[z_i] - z_{i, y_i}] is nondecreasing; the minimiser is found by bisection on
-    that derivative over log b in [1/t_max, 1/t_min], which is deterministic and needs no step size. When
-    the optimum lies outside [t_min, t_max] the nearer bound is returned; logits whose rows are all constant
-    carry no information about T and give 1.0. Fit on held-out (validation) logits, not training ones.
-    """
-    if not (0.0 < t_min < t_max and math.isfinite(t_max)):
-        raise ParameterError(f"confidence: parameters 't_min', 't_max' must satisfy 0 < t_min < t_max, "
-                             f"got {t_min}, {t_max}")
-    if iterations < 1:
-        raise ParameterError(f"confidence: parameter 'iterations' must be >= 1, got {iterations}")
-    z = _logits(logits)
-    y = _labels(labels, z.shape[0], z.shape[1]).to(z.device)
-    finite = torch.where(torch.isfinite(z), z, torch.zeros_like(z))
-    if not bool((finite.amax(dim=-1) > finite.amin(dim=-1)).any()):
-        return 1.0
-    z_true = z.gather(1, y[:, None]).squeeze(1)
-    if bool(torch.isinf(z_true).any()):
-        raise ParameterError("confidence: parameter 'logits' gives -inf to a true label; "
-                             "the NLL is infinite for every T")
-
-    def slope(b: float) -> float:  # d NLL / d b
-        p = torch.softmax(b * z, dim=-1)
-        expected = torch.where(p > 0, p * z, torch.zeros_like(z)).sum(dim=-1)
-        return float((expected - z_true).mean())
-
-    lo, hi = math.log(1.0 / t_max), math.log(1.0 / t_min)  # log b
-    if slope(math.exp(lo)) >= 0.0:
-        return t_max
-    if slope(math.exp(hi)) <= 0.0:
-        return t_min
-    for _ in range(iterations):
-        mid = 0.5 * (lo + hi)
-        if slope(math.exp(mid)) < 0.0:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 1e-12:
-            break
-    return 1.0 / math.exp(0.5 * (lo + hi))

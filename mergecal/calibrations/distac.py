@@ -26,11 +26,8 @@ lives inside the model built by ``build_model`` and stays frozen, as in the pape
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -39,7 +36,7 @@ from pydantic import Field, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..checkpoint import DictSource, save_state_dict
+from ..checkpoint import DictSource
 from ..config_types import Count, NonNegativeInt, Probability, Steps
 from ..errors import ParameterError, UnknownNameError
 from ..methods.base import HyperParams, build_params
@@ -343,17 +340,6 @@ def distill_task_vector(build_model: Callable[[dict[str, torch.Tensor]], nn.Modu
         else:
             conditioned[key] = value.detach().clone()
     return conditioned, history
-
-
-def save_conditioned(state_dict: StateDict, path: str | os.PathLike, params: DistacParams | Mapping[str, Any],
-                     metadata: Mapping[str, Any] | None = None) -> Path:
-    """Write a conditioned model as one safetensors file (atomically), with the DisTaC parameters as JSON
-    under the metadata key ``distac_params``. Non-string ``metadata`` values are stored as JSON."""
-    params = as_distac_params(params)
-    meta = {str(k): (v if isinstance(v, str) else json.dumps(v, sort_keys=True)) for k, v in (metadata or {}).items()}
-    meta["distac_params"] = params.model_dump_json()
-    meta.setdefault("mergecal_calibration", "distac")
-    return save_state_dict(state_dict, path, meta)
 
 
 @register_calibration("distac", phase="pre", needs_data=True)

@@ -26,7 +26,7 @@ def predict_logits(model: torch.nn.Module, head: torch.Tensor, images: np.ndarra
     model.eval().to(device)
     size = image_size(model)
     # inference mode: no autograd bookkeeping at all (speed against no_grad is within run-to-run noise on 2 CPU
-    # cores: 0.95-1.20x, scripts/perf_eval_speed.py). The model was moved before entering it, so its
+    # cores: 0.95-1.20x, evidence/scripts/perf_eval_speed.py). The model was moved before entering it, so its
     # parameters stay ordinary tensors
     with torch.inference_mode():
         out = [logits(model, head, preprocess(images[i:i + batch_size], size).to(device)).float().cpu()

@@ -33,12 +33,6 @@ def _lambdas(mask_lambda: float | list[float], K: int) -> list[float]:
     return lambdas
 
 
-def tall_masks(taus: list[torch.Tensor], mask_lambda: float | list[float]) -> list[torch.Tensor]:
-    """Boolean TALL masks m_t = |tau_t| > lambda_t |sum_s tau_s - tau_t|, one per task."""
-    total = sum_of(taus)
-    return [tau.abs() > lam * (total - tau).abs() for tau, lam in zip(taus, _lambdas(mask_lambda, len(taus)))]
-
-
 @register
 class Consensus(MergeMethod):
     name = "consensus"

@@ -28,16 +28,16 @@ import torch
 from .. import __version__
 from ..calibrations import registry
 from ..calibrations.registry import get_calibration
-from ..checkpoint import atomic_write_text
-from ..errors import CheckpointError, MergecalError
+from ..errors import MergecalError
 from ..methods import MERGE_METHODS
 from ..perf.memory import peak_memory
 from ..recipe import Recipe
-from . import tracks
 from .chains import calibration_name, fixed_chain, scaling_source
 from .config import Params
+from .hashing import HASH_CACHE, file_digest, file_digest_at
 from .imports import import_closure, import_graph, module_files
-from .tracks import enabled_tracks, track_of
+from .tracks import registry as track_registry
+from .tracks.registry import enabled_tracks, track_of
 
 REFERENCES = ("zeroshot", "finetuned")
 
@@ -122,53 +122,6 @@ def cell_inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, str]:
     return {role: str(path) for role, path in track_of(cell).inputs(cell, params, root).items()}
 
 
-#: per-file record of content hashes (size, sha256) by (path, size, mtime), so that a rerun reads no
-#: multi-GB checkpoint again: one JSON file per path, written atomically (several processes may hash)
-HASH_CACHE = Path(".mergecal") / "hashes"
-
-
-def _sha256_file(path: str) -> str:
-    """The streaming read (1 MiB blocks) behind every content hash."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-@lru_cache(maxsize=4096)
-def _file_digest(path: str, size: int, mtime_ns: int, cache_dir: str | None = None) -> str:
-    record = None
-    if cache_dir is not None:
-        record = Path(cache_dir) / f"{hashlib.sha256(path.encode()).hexdigest()[:32]}.json"
-        try:
-            known = json.loads(record.read_text())
-            if (known["path"], known["size"], known["mtime_ns"]) == (path, size, mtime_ns):
-                return known["sha256"]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # absent, cut short or of another file: hash again
-    digest = _sha256_file(path)
-    if record is not None:
-        atomic_write_text(record, json.dumps({"path": path, "size": size, "mtime_ns": mtime_ns, "sha256": digest}))
-    return digest
-
-
-def file_digest(path: str | Path, cache_dir: str | Path | None = None) -> str:
-    """sha256 of a file's bytes, read streaming; cached in memory and, with ``cache_dir``, on disk by
-    (path, size, mtime): a file whose size or mtime changed is read again, an unchanged one never."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: input of the benchmark not found (run `dvc repro` to build it)")
-    stat = path.stat()
-    return _file_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns,
-                        None if cache_dir is None else str(cache_dir))
-
-
-def content_record(path: str | Path, cache_dir: str | Path | None = None) -> dict[str, Any]:
-    """``{"size": bytes, "sha256": hex}`` of a file (what the stages of own-model tracks record)."""
-    return {"size": Path(path).stat().st_size, "sha256": file_digest(path, cache_dir)}
-
-
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # parts of the package that never change a cell's result: reports, speed benchmarks, the command line
 NOT_CELL_CODE = ("reports", "perf", "cli", "ui")
@@ -195,13 +148,13 @@ def step_modules() -> dict[str, str]:
 
 def track_modules() -> dict[str, str]:
     """``Cell.track`` (before any ``:``) -> the module implementing it (its track package's ``cells``)."""
-    return {name: f"{tracks.__name__}.{module}" for name, module in tracks.MODULES.items()}
+    return {name: f"{track_registry.PACKAGE}.{module}" for name, module in track_registry.MODULES.items()}
 
 
 def track_package_modules(graph) -> frozenset[str]:
     """Every module of every registered track package (``tracks/<name>/``): one plug-in family, so a track's
     modules come into a cell's closure only from its own track (or a track it builds on: local_llm on llm)."""
-    packages = {f"{tracks.__name__}.{module.split('.')[0]}" for module in tracks.MODULES.values()}
+    packages = {f"{track_registry.PACKAGE}.{module.split('.')[0]}" for module in track_registry.MODULES.values()}
     return frozenset(m for m in graph if any(m == p or m.startswith(p + ".") for p in packages))
 
 
@@ -234,7 +187,7 @@ def cell_code_digest(track: str, recipe: str, package_dir: Path = PACKAGE_DIR) -
     h = hashlib.sha256()
     for relative, path in sorted(sources[module] for module in cell_code_modules(track, recipe, graph)):
         stat = os.stat(path)  # the bytes are read again only if size or mtime changed
-        h.update(f"{relative}\0{_file_digest(path, stat.st_size, stat.st_mtime_ns)}\0".encode())
+        h.update(f"{relative}\0{file_digest_at(path, stat.st_size, stat.st_mtime_ns)}\0".encode())
     return h.hexdigest()
 
 

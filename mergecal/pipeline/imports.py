@@ -27,7 +27,7 @@ PROJECT_PACKAGES = ("mergecal", "flows", "stages")
 LAZY_IMPORTS = {
     "mergecal": ("exports", "_EXPORTS", "mergecal"),
     "mergecal.calibrations.registry": ("dict", "MODULES", "mergecal.calibrations"),
-    "mergecal.pipeline.tracks": ("dict", ("MODULES", "SECTIONS"), "mergecal.pipeline.tracks"),
+    "mergecal.pipeline.tracks.registry": ("dict", ("MODULES", "SECTIONS", "DIAGNOSTICS"), "mergecal.pipeline.tracks"),
     "mergecal.pipeline.tracks.vision.params": ("calls", "_library_default", "mergecal"),
 }
 
@@ -49,12 +49,14 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imported_names(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+def imported_names(tree: ast.Module, module: str, is_package: bool, *, annotations: bool = False) -> set[str]:
     """Absolute names of what the module imports, anywhere in it (``from a import b`` gives ``a`` and ``a.b``: b
-    may be a module; the caller resolves names to modules)."""
+    may be a module; the caller resolves names to modules); ``if TYPE_CHECKING:`` imports only with
+    ``annotations``."""
     package = module.split(".") if is_package else module.split(".")[:-1]
-    never_run = {id(node) for test in ast.walk(tree) if isinstance(test, ast.If) and _is_type_checking(test.test)
-                 for statement in test.body for node in ast.walk(statement)}
+    never_run = set() if annotations else {
+        id(node) for test in ast.walk(tree) if isinstance(test, ast.If) and _is_type_checking(test.test)
+        for statement in test.body for node in ast.walk(statement)}
     names: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in never_run:
@@ -174,12 +176,12 @@ def import_closure(graph: Graph, roots: Iterable[str], plugins: Iterable[frozens
 
 #: registry -> the package of its members: a registry imports every member so that its name resolves
 REGISTRIES = {"mergecal.methods": "mergecal.methods", "mergecal.calibrations.registry": "mergecal.calibrations",
-              "mergecal.pipeline.tracks": "mergecal.pipeline.tracks"}
+              "mergecal.pipeline.tracks.registry": "mergecal.pipeline.tracks"}
 #: the params.yaml validation (and each track's section, ``tracks/<name>/params.py``), and the packages it
 #: imports only to check settings (a merge's or calibration's parameters, a chain's recipe), never to compute
 PARAMS_VALIDATION = ("mergecal.pipeline.config", ("mergecal.methods", "mergecal.calibrations", "mergecal.recipe",
                                                    "mergecal.pipeline.chains"))
-TRACK_PACKAGES = REGISTRIES["mergecal.pipeline.tracks"]
+TRACK_PACKAGES = REGISTRIES["mergecal.pipeline.tracks.registry"]
 
 
 def _within(module: str, package: str) -> bool:
@@ -194,19 +196,28 @@ def is_track_section(module: str) -> bool:
 
 def registry_members(graph: Graph) -> set[str]:
     """The merge methods, calibrations and tracks: what the registries import, less their own infrastructure
-    (``base``, the registry itself)."""
+    (``base``, the registry itself) and the tracks' stability diagnostics (``diagnostics_members``)."""
     return {target for registry, package in REGISTRIES.items() if registry in graph for target in graph[registry]
             if _within(target, package) and target != package and target != registry
-            and target.rpartition(".")[2] != "base"}
+            and target.rpartition(".")[2] != "base"} - diagnostics_members(graph)
 
 
-def stage_closure(graph: Graph, module: str, *, runs_every_member: bool = False) -> set[str]:
+def diagnostics_members(graph: Graph) -> set[str]:
+    """The tracks' stability diagnostics (``tracks/<name>/diagnostics.py``, the registry's ``DIAGNOSTICS``)."""
+    registry = next(r for r, package in REGISTRIES.items() if package == TRACK_PACKAGES)
+    return {target for target in graph.get(registry, ()) if _within(target, TRACK_PACKAGES)
+            and target.rpartition(".")[2] == "diagnostics"}
+
+
+def stage_closure(graph: Graph, module: str, *, runs_every_member: bool = False,
+                  runs_diagnostics: bool = False) -> set[str]:
     """The modules a DVC stage whose command runs ``module`` depends on: its import closure, less two kinds of
     import that compute nothing the stage writes: a registry importing its members (so that names resolve) and
     the params validation (``config`` and the tracks' sections) importing a method's or calibration's parameter
     classes. A member comes in when a
     module the stage runs imports it directly (the DisTaC stage and ``calibrations/distac.py``), or, with
-    ``runs_every_member`` (the benchmark stage, which dispatches every cell through the registries), always."""
+    ``runs_every_member`` (the benchmark stage, which dispatches every cell through the registries), always; the
+    tracks' diagnostics with ``runs_diagnostics`` (the stability stage, which reaches them through the registry)."""
     validator, validated = PARAMS_VALIDATION
 
     def skip(source: str, target: str) -> bool:
@@ -215,7 +226,8 @@ def stage_closure(graph: Graph, module: str, *, runs_every_member: bool = False)
             return target.rpartition(".")[2] != "base" and not is_track_section(target)
         return (source == validator or is_track_section(source)) and any(_within(target, p) for p in validated)
 
-    roots = {module} | (registry_members(graph) if runs_every_member else set())
+    roots = {module} | (registry_members(graph) if runs_every_member else set()) \
+        | (diagnostics_members(graph) if runs_diagnostics else set())
     return import_closure(graph, roots, skip_edge=skip)
 
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import CheckpointError, MergecalError, ParameterError
-from .cells import content_record
+from .hashing import content_record
 from .results import one_line
 
 

@@ -4,7 +4,8 @@ The weight-noise diagnostic (``mergecal.pipeline.stability``) perturbs a merge t
 whether the evaluation flips on near-ties. It cannot see what another CPU or thread count does to training, where
 round-off in step 1 can grow over hundreds of steps (issue #30: a threads-1 refit of the default moved
 norm-mismatch rows by up to 7.9 points, standard ones by up to 2.0). This diagnostic measures that part directly
-and cheaply, for each enabled track (vision, text, LLM) and each of its regimes:
+and cheaply, for each enabled track that the registry's ``DIAGNOSTICS`` names (the track's ``diagnostics``
+module: which model to refit, how to score a merge) and each of its regimes:
 
 1. the fine-tune with the largest task vector (the one that moved furthest from the pretrained weights: the
    norm-mismatch regime's 10x-lr model, by construction) is trained again, with the hyperparameters and seed its
@@ -23,32 +24,17 @@ fine-tunes are stable too.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from ..backbones.hf_causal_lm_merge import merge_causal_lms
-from ..backbones.hf_text import load_encoder
-from ..checkpoint import load_state_dict
-from ..data.llm import load_records
 from ..errors import MergecalError
-from ..merge import merge_models
-from ..methods.task_arithmetic import TaskArithmetic
-from ..train.finetune import FinetuneConfig
-from ..train.finetune import finetune as finetune_clip
-from ..train.finetune_text import TextFinetuneConfig, finetune_text_task
-from ..train.lm import LmTrainConfig, finetune_lm
-from .cells import per_example_results
 from .config import Params
-from .stability import MERGE, Examples, enabled_tracks, move_summary
+from .stability import MERGE, Examples, move_summary
 from .threads import pin_threads
-from .tracks.llm.stages import base_dir, data_root, expert_dir, lm_eval_setup, work_dir
-from .tracks.text.stages import TextModels, finetuned_path, n_classes, split
-from .tracks.vision.stages import VisionModels, evaluate_tasks, is_visual, paths_for, regime_variants, task_split
+from .tracks.registry import diagnosed_tracks
 
 States = dict[str, torch.Tensor]
 
@@ -125,152 +111,13 @@ def regime_stability(stored: Callable[[float], Examples], refitted: Callable[[fl
             "stable": all(r["stable"] for r in measured)}
 
 
-def _task_arithmetic(params: Params, scaling: float) -> TaskArithmetic:
-    return TaskArithmetic(**{**params.benchmark.merges.get(MERGE, {}), "scaling": scaling})
-
-
-# --- each track's refit and evaluation ----------------------------------------------------------------------------
-
-def vision_refit(params: Params, root, task: str, variant: str, *, threads: int, device: str = "cpu",
-                 seed: int | None = None) -> States:
-    """The image-encoder state of ``task``'s ``variant`` fine-tune trained again at ``threads`` threads, with the
-    hyperparameters and seed its stored file records (at the pipeline's own thread count: that file, bit for bit;
-    a test checks it)."""
-    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ..backbones.open_clip_vit import load_clip
-
-    paths = paths_for(params, root, seed)
-    config = FinetuneConfig(**recorded(paths.finetuned(variant, task).with_suffix(".json"), "hyperparameters"))
-    model = load_clip(params.vision.arch, paths.pretrained)
-    head = load_state_dict(paths.heads)[task]
-    images, labels = task_split(paths.data, task, "train")
-    with threads_pinned(threads):  # validation as the stage passed it: the same calls, so the same random streams
-        state, _ = finetune_clip(model, head, images, labels, config,
-                                 validation=task_split(paths.data, task, "validation"), device=device, progress=False)
-    return {k: v.contiguous() for k, v in state.items() if is_visual(k)}
-
-
-def vision_regimes(params: Params, root, rows_of, *, threads: int, device: str, seed: int) -> Iterator[tuple]:
-    """Per vision regime: (regime, None) when it has no row to measure, else (regime, (refit task, variant,
-    bit-identical, the stored models' scorer, the refit's scorer or None when bit-identical)); a scorer maps a
-    scaling to the task-arithmetic merge's per-example test outcomes."""
-    models, tasks = VisionModels(params, root, seed), list(params.vision.tasks)
-    pretrained = models.visual_pretrained()
-
-    def scorer(finetuned: list[States]) -> Callable[[float], Examples]:
-        def score(scaling: float) -> Examples:
-            merged = merge_models(pretrained, finetuned, _task_arithmetic(params, scaling))
-            test = evaluate_tasks(models.model(merged), models.heads, models.paths.data, tasks, "test",
-                                  batch_size=params.benchmark.evaluation.batch_size, device=device, per_example=True)
-            return per_example_results(tasks, test)
-        return score
-
-    for regime in params.vision.regimes:
-        if not rows_of(regime):
-            yield regime, None
-            continue
-        names = list(regime_variants(params.vision, regime).items())  # (task, variant) in task order
-        stored = [load_state_dict(models.paths.finetuned(variant, task)) for task, variant in names]
-        task, variant = largest_task_vector(pretrained, dict(zip(names, stored)))
-        index = names.index((task, variant))
-        refitted = list(stored)
-        refitted[index] = vision_refit(params, root, task, variant, threads=threads, device=device, seed=seed)
-        same = identical(refitted[index], stored[index])
-        yield regime, (task, variant, same, scorer(stored), None if same else scorer(refitted))
-
-
-def text_refit(params: Params, root, task: str, *, threads: int, device: str = "cpu",
-               seed: int | None = None) -> tuple[States, States]:
-    """(encoder state, head state) of ``task``'s text fine-tune trained again at ``threads`` threads, with the
-    hyperparameters and seed its stored file records."""
-    config = TextFinetuneConfig(**recorded(finetuned_path(params, root, task, seed).with_suffix(".json"),
-                                           "hyperparameters"))
-    encoder, _ = load_encoder()
-    pretrained = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
-    texts, labels = split(root, task, "train")
-    with threads_pinned(threads):
-        state, head, _ = finetune_text_task(pretrained, texts, labels, n_classes(root, task), config,
-                                            progress=False, device=device)
-    return state, head
-
-
-class RefitHeadTextModels(TextModels):
-    """``TextModels`` whose ``task`` classifies with the refit model's head instead of the stored one."""
-
-    def __init__(self, params: Params, root, seed: int, task: str, head: States):
-        super().__init__(params, root, seed)
-        self.refit_task, self.refit_head = task, head
-
-    def head(self, task: str) -> States:
-        return self.refit_head if task == self.refit_task else super().head(task)
-
-
-def text_regimes(params: Params, root, rows_of, *, threads: int, device: str, seed: int) -> Iterator[tuple]:
-    """``vision_regimes``' tuples for the text track's regimes (the refit model with its own head)."""
-    models, tasks = TextModels(params, root, seed), list(params.text.tasks)
-
-    def scorer(evaluator: TextModels, encoders: list[States]) -> Callable[[float], Examples]:
-        def score(scaling: float) -> Examples:
-            merged = merge_models(evaluator.pretrained, encoders, _task_arithmetic(params, scaling))
-            return per_example_results(tasks, evaluator.evaluate(merged, tasks, "test", device=device,
-                                                                 per_example=True))
-        return score
-
-    for regime in params.text.regimes:
-        if not rows_of(regime):
-            yield regime, None
-            continue
-        stored = {task: models.finetuned(task) for task in tasks}  # (full encoder, head)
-        task = largest_task_vector(models.pretrained, {t: encoder for t, (encoder, _) in stored.items()})
-        state, head = text_refit(params, root, task, threads=threads, device=device, seed=seed)
-        encoder = {k: state[k] for k in models.pretrained}  # the float tensors a stored model holds
-        same = identical(encoder, stored[task][0]) and identical(head, stored[task][1])
-        encoders = [stored[t][0] for t in tasks]
-        refitted = [encoder if t == task else stored[t][0] for t in tasks]
-        yield regime, (task, "standard", same, scorer(models, encoders),
-                       None if same else scorer(RefitHeadTextModels(params, root, seed, task, head), refitted))
-
-
-def llm_regimes(params: Params, root, rows_of, *, threads: int, device: str, seed: int,
-                scratch: Path) -> Iterator[tuple]:
-    """``vision_regimes``' tuple for the LLM track's one regime: the refit expert written under ``scratch``, each
-    scored merge written there and deleted after its lm-eval scoring."""
-    if not rows_of("standard"):
-        yield "standard", None
-        return
-    tasks, base = list(params.llm.tasks), base_dir(params, root)
-    experts = {t: expert_dir(params, root, t, seed) for t in tasks}
-    pretrained = load_state_dict(base / "model.safetensors")
-    stored = {t: load_state_dict(d / "model.safetensors") for t, d in experts.items()}
-    task = largest_task_vector(pretrained, stored)
-    config = LmTrainConfig(**recorded(experts[task] / "training.json", "config"))
-    with threads_pinned(threads):
-        refit_dir = finetune_lm(base, load_records(data_root(root), task, "train"), scratch / f"refit-{task}",
-                                task=task, config=config, progress=False, device=device)
-    same = identical(load_state_dict(refit_dir / "model.safetensors"), stored[task])
-    scorer_setup = lm_eval_setup(params, root)
-
-    def scorer(directories: list[Path]) -> Callable[[float], Examples]:
-        def score(scaling: float) -> Examples:
-            merged = merge_causal_lms(base, directories, _task_arithmetic(params, scaling), scratch / "merged",
-                                      device=device, overwrite=True)
-            examples: Examples = {}
-            scorer_setup.score(merged, tasks, "test", device=device, cache=False, examples=examples)
-            shutil.rmtree(merged)
-            return examples
-        return score
-
-    refitted = [refit_dir if t == task else experts[t] for t in tasks]
-    yield "standard", (task, "standard", same, scorer([experts[t] for t in tasks]),
-                       None if same else scorer(refitted))
-
-
 def measure_refits(params: Params, root, results: dict, *, device: str = "cpu") -> list[dict]:
     """One entry per enabled track and regime (``reports/stability.json``'s ``refits``)."""
     root = Path(root)
     seed, threads = params.seeds[0], other_threads(params.threads)
     entries = []
-    for track, settings in enabled_tracks(params):
+    for track, diagnostics in diagnosed_tracks(params):
+        settings = getattr(params, track)
         base = {"track": track, "backbone": settings.backbone, "task_set": settings.task_set, "recipe": MERGE,
                 "threads": params.threads, "refit_threads": threads}
         if len(params.seeds) > 1:
@@ -279,15 +126,7 @@ def measure_refits(params: Params, root, results: dict, *, device: str = "cpu") 
         def rows_of(regime: str, track: str = track) -> list[tuple[str, float]]:
             return task_arithmetic_rows(results, track, regime, seed)
 
-        scratch = None
-        if track == "llm":
-            work_dir(root).mkdir(parents=True, exist_ok=True)
-            scratch = Path(tempfile.mkdtemp(prefix="refit-", dir=work_dir(root)))
-        try:
-            options = {"threads": threads, "device": device, "seed": seed}
-            regimes = (vision_regimes(params, root, rows_of, **options) if track == "vision"
-                       else text_regimes(params, root, rows_of, **options) if track == "text"
-                       else llm_regimes(params, root, rows_of, scratch=scratch, **options))
+        with diagnostics.refit_regimes(params, root, rows_of, threads=threads, device=device, seed=seed) as regimes:
             for regime, measured in regimes:
                 entry = {**base, "regime": regime}
                 if measured is None:
@@ -297,7 +136,4 @@ def measure_refits(params: Params, root, results: dict, *, device: str = "cpu") 
                 task, variant, same, stored, refitted = measured
                 entries.append({**entry, "refit": {"task": task, "variant": variant, "identical": same},
                                 **regime_stability(stored, refitted, rows_of(regime))})
-        finally:
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
     return entries

@@ -15,32 +15,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..backbones.hf_causal_lm_merge import merge_causal_lms
-from ..checkpoint import load_state_dict, save_state_dict
 from ..errors import MergecalError
-from ..merge import merge_models
 from ..methods.task_arithmetic import TaskArithmetic
 from ..reports.intervals import stratified_interval, weighted_means
 from ..reports.stability import section_markdown
-from .cells import per_example_results
 from .config import Params
-from .tracks.llm.stages import base_dir, expert_dir, lm_eval_setup, work_dir
-from .tracks.text.stages import TextModels
-from .tracks.vision.stages import VisionModels, evaluate_tasks
+from .tracks.registry import diagnosed_tracks
 
 RELATIVE_SIZE = 1e-6  # float32 round-off is ~6e-8 relative: a few ulps, what another CPU or thread count changes
 SEEDS = (0, 1, 2)
 MERGE = "task_arithmetic"
 REGIME = "standard"
-TRACKS = ("vision", "text", "llm")
 
 Examples = dict[str, list]  # {task: each test example's outcome (0/1 or the metric's per-document score)}
 
@@ -124,80 +115,20 @@ def chosen_scaling(results: dict, track: str, label: str = MERGE, regime: str = 
     return None
 
 
-# --- each track's evaluation of its merged state, as is (seed None) or perturbed ---------------------------------
-
-def _task_arithmetic(params: Params, scaling: float):
+def task_arithmetic(params: Params, scaling: float) -> TaskArithmetic:
+    """The benchmark's task-arithmetic merge (params.yaml's settings) at ``scaling``: what both diagnostics
+    re-measure."""
     return TaskArithmetic(**{**params.benchmark.merges.get(MERGE, {}), "scaling": scaling})
 
 
-def vision_evaluation(params: Params, root: Path, scaling: float, device: str) -> Callable[[int | None], Examples]:
-    models, tasks = VisionModels(params, root), list(params.vision.tasks)
-    merged = merge_models(models.visual_pretrained(), models.finetuned(REGIME), _task_arithmetic(params, scaling))
-
-    def evaluate(seed: int | None) -> Examples:
-        state = merged if seed is None else perturbed(merged, seed)
-        test = evaluate_tasks(models.model(state), models.heads, models.paths.data, tasks, "test",
-                              batch_size=params.benchmark.evaluation.batch_size, device=device, per_example=True)
-        return per_example_results(tasks, test)
-
-    return evaluate
-
-
-def text_evaluation(params: Params, root: Path, scaling: float, device: str) -> Callable[[int | None], Examples]:
-    models, tasks = TextModels(params, root), list(params.text.tasks)
-    merged = merge_models(models.pretrained, [models.finetuned(t)[0] for t in tasks],
-                          _task_arithmetic(params, scaling))
-
-    def evaluate(seed: int | None) -> Examples:
-        state = merged if seed is None else perturbed(merged, seed)
-        return per_example_results(tasks, models.evaluate(state, tasks, "test", device=device, per_example=True))
-
-    return evaluate
-
-
-def perturbed_model_dir(source: Path, out: Path, seed: int) -> Path:
-    """A copy of the model directory ``source`` at ``out`` whose safetensors weights are ``perturbed``."""
-    from safetensors import safe_open
-
-    shutil.copytree(source, out)
-    for path in sorted(out.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata()
-        save_state_dict(perturbed(load_state_dict(path), seed), path, metadata)
-    return out
-
-
-def llm_evaluation(params: Params, root: Path, scaling: float, device: str,
-                   scratch: Path) -> Callable[[int | None], Examples]:
-    """The LLM's merge written once under ``scratch``; each perturbation a perturbed copy, scored and deleted."""
-    tasks = list(params.llm.tasks)
-    merged = merge_causal_lms(base_dir(params, root), [expert_dir(params, root, t) for t in tasks],
-                              _task_arithmetic(params, scaling), scratch / "merged", device=device)
-    scorer = lm_eval_setup(params, root)
-
-    def evaluate(seed: int | None) -> Examples:
-        directory = merged if seed is None else perturbed_model_dir(merged, scratch / f"seed-{seed}", seed)
-        examples: Examples = {}
-        scorer.score(directory, tasks, "test", device=device, cache=False, examples=examples)
-        if seed is not None:
-            shutil.rmtree(directory)
-        return examples
-
-    return evaluate
-
-
-def enabled_tracks(params: Params) -> list[tuple[str, object]]:
-    """(track, its params section) of every enabled track among ``TRACKS``, in that order."""
-    sections = {"vision": params.vision, "text": params.text, "llm": params.llm}
-    return [(track, sections[track]) for track in TRACKS if sections[track].enabled]
-
-
 def measure(params: Params, root: str | Path, results: dict, *, device: str = "cpu") -> dict:
-    """The stability document (``reports/stability.json``) of every enabled track among ``TRACKS``, on the models
+    """The stability document (``reports/stability.json``) of every enabled track with diagnostics (the
+    registry's ``DIAGNOSTICS``), on the models
     of the first fine-tuning seed (``params.seeds``; the document names it when there are several)."""
     root = Path(root)
     entries = []
-    for track, settings in enabled_tracks(params):
+    for track, diagnostics in diagnosed_tracks(params):
+        settings = getattr(params, track)
         entry = {"track": track, "backbone": settings.backbone, "task_set": settings.task_set, "recipe": MERGE,
                  "regime": REGIME}
         scaling = chosen_scaling(results, track, seed=params.seeds[0])
@@ -205,16 +136,8 @@ def measure(params: Params, root: str | Path, results: dict, *, device: str = "c
             entries.append({**entry, "stable": None, "not_measured": f"results/benchmark.json has no {MERGE} row "
                             f"with a chosen scaling for the {REGIME} regime"})
             continue
-        if track == "llm":
-            work_dir(root).mkdir(parents=True, exist_ok=True)
-            scratch = Path(tempfile.mkdtemp(prefix="stability-", dir=work_dir(root)))
-            try:
-                figures = track_stability(llm_evaluation(params, root, scaling, device, scratch))
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-        else:
-            evaluation = vision_evaluation if track == "vision" else text_evaluation
-            figures = track_stability(evaluation(params, root, scaling, device))
+        with diagnostics.noise_evaluation(params, root, scaling, device) as evaluate:
+            figures = track_stability(evaluate)
         entries.append({**entry, "scaling": scaling, **figures})
     document = {"relative_size": RELATIVE_SIZE, "seeds": list(SEEDS), "tracks": entries}
     if len(params.seeds) > 1:  # one seed's models measure the pipeline's stability; the others are not measured

@@ -98,7 +98,8 @@ def classifier_logits(model: torch.nn.Module, encoded: Mapping[str, torch.Tensor
     mask = encoded["attention_mask"]
     order = torch.argsort(mask.sum(1), descending=True, stable=True)
     chunks = []
-    with torch.inference_mode():  # no autograd bookkeeping; speed as no_grad within noise (scripts/perf_eval_speed.py)
+    # no autograd bookkeeping; speed as no_grad within noise (evidence/scripts/perf_eval_speed.py)
+    with torch.inference_mode():
         for i in range(0, len(order), batch_size):
             idx = order[i:i + batch_size]
             ids, batch_mask = _trim(encoded["input_ids"][idx], mask[idx])

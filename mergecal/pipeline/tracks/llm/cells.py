@@ -18,7 +18,7 @@ from ....recipe import Recipe
 from ...cells import (REFERENCES, Cell, CellResult, base_params, flat_params, jsonable_diagnostics, matrix_chains,
                      per_example_results, per_seed, per_seed_skipped, recipe_cell)
 from ...config import Params
-from .. import Session
+from ..protocol import Session
 from .stages import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
 
 NAME = "llm"

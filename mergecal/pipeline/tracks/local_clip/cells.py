@@ -40,7 +40,8 @@ from .stages import (TaskData, VisualView, arch_of, build_model, checkpoint_file
 from .calibration import distac_dir, read_recorded, sensitivity_path, train_sample
 from ...own_models import checked_reference, role_files
 from ..vision.stages import check_distac_file
-from .. import Session, cell_track, configured_track, configured_tracks
+from ..protocol import Session
+from ..registry import cell_track, configured_track, configured_tracks
 
 NAME = "local_clip"
 

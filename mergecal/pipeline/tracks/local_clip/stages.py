@@ -37,7 +37,7 @@ from ....data.real_vision import (DatasetError, canonical_task, expected_layouts
                                 task_metadata)
 from ....data.real_vision import dataset_files as split_files
 from ....errors import CheckpointError, MergecalError
-from ...cells import HASH_CACHE, file_digest
+from ...hashing import HASH_CACHE, file_digest
 from .params import LocalClipTrack
 from ...own_models import check_test_counts, loaded_files, name_under, resolve, tracks_dir
 from ...results import one_line

@@ -22,7 +22,7 @@ from .params import LocalLlmTrack
 from .stages import (base_path, check_expert, check_model_dir, expert_path, references_path, scorer, task_files,
                          work_dir)
 from ...own_models import checked_reference, role_files
-from .. import cell_track, configured_track, configured_tracks
+from ..registry import cell_track, configured_track, configured_tracks
 from ..llm import cells as llm
 
 NAME = "local_llm"

@@ -36,7 +36,7 @@ from ....errors import CheckpointError, MergecalError, ParameterError
 from ....evaluation.lm_eval_registry import config_digest, write_variant_yamls
 from ....evaluation.lm_eval_tasks import task_sources as sources
 from ..local_clip import stages as local_clip
-from ...cells import HASH_CACHE
+from ...hashing import HASH_CACHE
 from ...config import Params
 from .params import LocalLlmTrack
 from ..llm.stages import LmEval, expert_reference, suite_config_digests, suite_lm_eval

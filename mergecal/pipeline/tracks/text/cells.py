@@ -14,7 +14,7 @@ from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_refer
                      jsonable_diagnostics, matrix_chains, per_example_results, per_seed, per_seed_skipped, recipe_cell,
                      summaries, validation_averages)
 from ...config import Params
-from .. import Session
+from ..protocol import Session
 from .stages import TextModels, data_root, finetuned_path, references_path
 
 NAME = "text"

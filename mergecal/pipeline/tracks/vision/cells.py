@@ -17,7 +17,7 @@ from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_refer
                      jsonable_diagnostics, matrix_chains, per_example_results, per_seed, recipe_cell, summaries,
                      uses_sensitivity, validation_averages)
 from ...config import Params
-from .. import Session
+from ..protocol import Session
 from .stages import (VisionModels, check_distac_file, distac_params, evaluate_tasks, paths_for, preprocessed,
                       regime_variants, task_split)
 

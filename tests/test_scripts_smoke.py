@@ -1,0 +1,40 @@
+"""#41: every script under scripts/ is run by something (the Makefile, a stage, a test); this runs the one that
+needs a GPU for its figures on the CPU, so that a library change that breaks it is seen here, not on a lent GPU."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # about 40 s: every method three times on a ViT-B/32 block
+def test_check_cuda_merges_runs_every_method_cpu_against_cpu(capsys):
+    """scripts/check_cuda_merges.py on one device: the two merges are the same computation, so every method's row
+    and a difference of 0."""
+    from mergecal.methods import MERGE_METHODS
+
+    assert load("check_cuda_merges").main(["--blocks", "1", "--tasks", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^\| (\w+) \| [\d.]+ \| [\d.]+ \| (\S+) \|$", out, flags=re.M))
+    assert sorted(rows) == sorted(MERGE_METHODS)
+    assert all(float(diff) == 0.0 for diff in rows.values()), rows
+    assert "largest difference (all but dare): 0.0e+00" in out
+
+
+def test_every_script_is_run_by_something():
+    """A script nothing runs breaks unseen: each is named by the Makefile, dvc.yaml, the library or a test."""
+    runners = [ROOT / "Makefile", ROOT / "dvc.yaml", *ROOT.joinpath("tests").glob("*.py")]
+    text = "\n".join(path.read_text() for path in runners)
+    unrun = [p.name for p in sorted((ROOT / "scripts").glob("*.py")) if p.stem != "__init__"
+             and not re.search(rf"scripts[/.\"', ]+{p.stem}\b", text)]
+    assert unrun == []
