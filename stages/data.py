@@ -4,7 +4,7 @@ from stages._common import run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.vision import stages as vision
+    from mergecal.pipeline.tracks.clip.built import stages as vision
 
     manifest = vision.build_data(params, root)
     print(f"data/vision: {len(manifest['digests'])} splits")

@@ -4,7 +4,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.vision import stages as vision
+    from mergecal.pipeline.tracks.clip.built import stages as vision
 
     for regime, info in vision.distac(params, root, seed=args.seed, device=device(params)).items():
         print(f"{regime}: conditioned {', '.join(info['conditioned']) or 'nothing'}")

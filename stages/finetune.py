@@ -4,7 +4,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.vision import stages as vision
+    from mergecal.pipeline.tracks.clip.built import stages as vision
 
     vision.finetune_all(params, root, seed=args.seed, device=device(params), progress=False)
 

@@ -4,7 +4,7 @@ from stages._common import run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.llm import stages as llm
+    from mergecal.pipeline.tracks.causal_lm.built import stages as llm
 
     manifest = llm.build_data(params, root)
     print("LLM suite: " + ", ".join(f"{name} {n}" for name, n in manifest["sizes"].items()))

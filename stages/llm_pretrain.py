@@ -6,7 +6,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.llm import stages as llm
+    from mergecal.pipeline.tracks.causal_lm.built import stages as llm
 
     start = time.perf_counter()  # printed to the stage log only: outputs carry no wall-clock figure
     meta = llm.pretrain(params, root, device=device(params))

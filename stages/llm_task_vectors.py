@@ -7,7 +7,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.llm import stages as llm
+    from mergecal.pipeline.tracks.causal_lm.built import stages as llm
 
     start = time.perf_counter()
     report = llm.references(params, root, seed=args.seed, device=device(params))

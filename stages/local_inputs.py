@@ -8,9 +8,9 @@ from stages._common import run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.local_llm import stages as local_llm
+    from mergecal.pipeline.tracks import lab_files
 
-    recorded = local_llm.record_inputs(params, root)
+    recorded = lab_files.record_inputs(params, root)
     for name, track in recorded.items():
         missing = [role for role, entry in track["files"].items() if "missing" in entry]
         errors = [f"{role}: {entry['error']}" for role, entry in track["files"].items() if "error" in entry]

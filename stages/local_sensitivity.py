@@ -6,7 +6,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.local_clip.calibration import all_tracks
+    from mergecal.pipeline.tracks.clip.files.calibration import all_tracks
 
     all_tracks(params, root, "probe", device=device(params))
 

@@ -10,24 +10,12 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.local_llm import stages as local_llm
+    from mergecal.pipeline.tracks import lab_files
 
     start = time.perf_counter()
-    for name, report in local_llm.all_references(params, root, device=device(params)).items():
-        if "error" in report:
-            print(f"{name}: ERROR {report['error']}")
-            continue
-        for task, info in report["tasks"].items():
-            if "error" in info:
-                print(f"{name}/{task}: ERROR {info['error']}")
-            elif report.get("kind") == "clip":
-                print(f"{name}/{task}: fine-tuned {info['test_accuracy']:.3f}, zero-shot "
-                      f"{info['zeroshot']['test']['accuracy']:.3f} (test, {info['n']['test']} images); "
-                      f"|tau| {info['norm']:.2f} ({info['relative_norm']:.4f} of |theta_0|)")
-            else:
-                base = report["base"]["test"]
-                print(f"{name}/{task}: expert {info['test_accuracy']:.3f}, base {base[task]:.3f}; "
-                      f"|tau| {info['norm']:.2f} ({info['relative_norm']:.4f} of |theta_0|)")
+    references = lab_files.all_references(params, root, device=device(params))
+    for line in lab_files.report_lines(params, references):
+        print(line)
     print(f"scored in {time.perf_counter() - start:.0f} s")
 
 

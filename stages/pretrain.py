@@ -6,7 +6,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.vision import stages as vision
+    from mergecal.pipeline.tracks.clip.built import stages as vision
 
     start = time.perf_counter()  # printed to the stage log only: outputs carry no wall-clock figure
     report = vision.pretrain(params, root, device=device(params))

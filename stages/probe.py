@@ -4,7 +4,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.vision import stages as vision
+    from mergecal.pipeline.tracks.clip.built import stages as vision
 
     for regime, keys in vision.probe(params, root, seed=args.seed, device=device(params)).items():
         print(f"{regime}: most sensitive {', '.join(keys[:3])}")

@@ -4,7 +4,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.vision import stages as vision
+    from mergecal.pipeline.tracks.clip.built import stages as vision
 
     for regime, tasks in vision.task_vectors(params, root, seed=args.seed, device=device(params)).items():
         acc = sum(t["test_accuracy"] for t in tasks.values()) / len(tasks)

@@ -4,7 +4,7 @@ from stages._common import run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.text import stages as text
+    from mergecal.pipeline.tracks.text.built import stages as text
 
     manifest = text.build_data(params, root)
     print(f"data/text: {len(manifest['tasks'])} tasks")

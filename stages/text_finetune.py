@@ -6,7 +6,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.text import stages as text
+    from mergecal.pipeline.tracks.text.built import stages as text
 
     start = time.perf_counter()  # printed to the stage log only: outputs carry no wall-clock figure
     meta = text.finetune(params, args.task, root, seed=args.seed, device=device(params))

@@ -4,7 +4,7 @@ from stages._common import device, run
 
 
 def stage(params, root, args):
-    from mergecal.pipeline.tracks.text import stages as text
+    from mergecal.pipeline.tracks.text.built import stages as text
 
     report = text.references(params, root, seed=args.seed, device=device(params))
     print("fine-tuned test accuracy: " + ", ".join(f"{t} {r['test_accuracy']:.3f}" for t, r in report.items()))

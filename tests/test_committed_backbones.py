@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mergecal.pipeline.tracks.llm import stages as llm
-from mergecal.pipeline.tracks.vision import stages as vision
+from mergecal.pipeline.tracks.causal_lm.built import stages as llm
+from mergecal.pipeline.tracks.clip.built import stages as vision
 from mergecal.pipeline.config import parse_params
 from mergecal.pipeline.threads import pin_threads
 from mergecal.pipeline.workspace import smoke_overrides

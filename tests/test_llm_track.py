@@ -285,8 +285,8 @@ def test_streamed_recipe_merge_equals_the_in_memory_recipe(micro, tmp_path):
 def test_a_model_scored_once_leaves_no_response_cache(suite, micro, tmp_path):
     """A cell's merges are scored once and deleted: LmEval.score(cache=False) writes no lm-eval response cache
     (it costs about half of an LLM cell), and gives the same scores as a cached call."""
-    from mergecal.pipeline.tracks.llm.params import LlmEvaluation
-    from mergecal.pipeline.tracks.llm.stages import LmEval, suite_lm_eval
+    from mergecal.pipeline.tracks.causal_lm.params import LlmEvaluation
+    from mergecal.pipeline.tracks.causal_lm.scoring import LmEval, suite_lm_eval
 
     root, _ = suite
     path, _, _ = micro
@@ -305,7 +305,7 @@ def test_lm_eval_scoring_does_not_import_open_clip():
     import subprocess
     import sys
 
-    code = ("import sys, mergecal.evaluation.lm_eval_tasks, mergecal.pipeline.tracks.llm.stages; "
+    code = ("import sys, mergecal.evaluation.lm_eval_tasks, mergecal.pipeline.tracks.causal_lm.built.stages; "
             "assert 'open_clip' not in sys.modules, 'open_clip imported'; "
             "from mergecal.evaluation import evaluate; assert evaluate.__module__ == 'mergecal.evaluation.zeroshot'; "
             "assert 'open_clip' in sys.modules")

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from mergecal.errors import CheckpointError, ParameterError, UnknownNameError
-from mergecal.pipeline.tracks.local_llm import stages as local_llm
+from mergecal.pipeline.tracks import lab_files
+from mergecal.pipeline.tracks.causal_lm.files import stages as local_llm
 from mergecal.pipeline.config import parse_params
 
 MICRO = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -214,7 +215,7 @@ def test_registry_task_digests_follow_lm_evals_version_and_the_task_definition(l
     assert set(digests) == {"arc_easy", "arc_challenge"} and digests["arc_easy"] != digests["arc_challenge"]
     assert local_llm.task_config_digests(config, root) == digests  # stable
     params = parse_params({"local_llm": [_track()]})  # the local_inputs stage records them: local_tracks reruns
-    assert local_llm.record_inputs(params, root)["lab-registry"]["registry"] == digests
+    assert lab_files.record_inputs(params, root)["lab-registry"]["registry"] == digests
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9" if name == "lm_eval" else real(name))
     assert lm_eval_registry.config_digest("arc_easy") != digests["arc_easy"]

@@ -19,8 +19,10 @@ from local_models import CLIP_ARCH, CLIP_TASKS, CreatesAFile, perturbed, write_i
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
 from mergecal.pipeline import hashing
-from mergecal.pipeline.tracks.local_clip import stages as local_clip
-from mergecal.pipeline.tracks.local_llm import stages as local_llm
+from mergecal.backbones import clip_checkpoints
+from mergecal.pipeline.tracks.clip.files import stages as local_clip
+from mergecal.pipeline import own_models
+from mergecal.pipeline.tracks import lab_files
 from mergecal.pipeline.config import load_params, parse_params
 
 ARCH, TASKS = CLIP_ARCH, CLIP_TASKS
@@ -129,17 +131,17 @@ def test_every_layout_reads_as_the_same_open_clip_image_encoder(lab):
     """open_clip safetensors, task_vectors' pickled ImageEncoder (opt-in), HF CLIPVisionModel with and without
     the vision_model. prefix, sharded: the same keys as the pretrained image encoder, in open_clip's layout."""
     root, _ = lab
-    oc = local_clip.open_checkpoint(root / "ckpt/oc/pretrained.safetensors")
+    oc = clip_checkpoints.open_checkpoint(root / "ckpt/oc/pretrained.safetensors")
     for name in ("MNIST.safetensors", "EuroSAT/finetuned.pt", "SVHN"):
         with pytest.warns(UserWarning, match="finetuned.pt: unpickling") if name.endswith(".pt") else _nothing():
-            view = local_clip.finetuned_visual(oc, root / "ckpt/oc" / name, allow_unsafe_pickle=True)
-        assert view.keys() == local_clip.visual_keys(oc)
+            view = clip_checkpoints.finetuned_visual(oc, root / "ckpt/oc" / name, allow_unsafe_pickle=True)
+        assert view.keys() == clip_checkpoints.visual_keys(oc)
         deltas = [float((view.get(k) - oc.get(k).float()).abs().max()) for k in view.keys()]
         assert max(deltas) > 0 and (name != "SVHN" or float((view.get("visual.proj") - oc.get("visual.proj")).abs()
                                                             .max()) == 0)  # no projection: the pretrained one
-    hf = local_clip.open_checkpoint(root / "ckpt/hf/pretrained")
-    arch = local_clip.register_hf_arch(root / "ckpt/hf/pretrained")
-    model = local_clip.build_model(arch, hf)  # every key of the HF CLIP maps onto open_clip's architecture
+    hf = clip_checkpoints.open_checkpoint(root / "ckpt/hf/pretrained")
+    arch = clip_checkpoints.register_hf_arch(root / "ckpt/hf/pretrained")
+    model = clip_checkpoints.build_model(arch, hf)  # every key of the HF CLIP maps onto open_clip's architecture
     assert set(model.state_dict()) == set(hf.keys())
     # and the architecture read from config.json computes what the HF model computes, image and text
     from transformers import CLIPModel
@@ -156,8 +158,8 @@ def test_every_layout_reads_as_the_same_open_clip_image_encoder(lab):
                                    rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(model.encode_text(text), getattr(hf_text, "pooler_output", hf_text),
                                    rtol=1e-4, atol=1e-5)
-    view = local_clip.finetuned_visual(hf, root / "ckpt/hf/MNIST")
-    assert view.keys() == local_clip.visual_keys(hf)
+    view = clip_checkpoints.finetuned_visual(hf, root / "ckpt/hf/MNIST")
+    assert view.keys() == clip_checkpoints.visual_keys(hf)
 
 
 class _nothing:
@@ -170,7 +172,7 @@ class _nothing:
 
 def test_bad_checkpoints_are_one_line_and_a_pickle_is_never_unpickled_without_the_opt_in(lab):
     root, marker = lab
-    oc = local_clip.open_checkpoint(root / "ckpt/oc/pretrained.safetensors")
+    oc = clip_checkpoints.open_checkpoint(root / "ckpt/oc/pretrained.safetensors")
     cases = [("bad/other-arch.safetensors", False,
               r"other-arch.safetensors: architecture differs from the pretrained model: key 'visual\..*' is not in "
               r".*pretrained.safetensors"),
@@ -181,7 +183,7 @@ def test_bad_checkpoints_are_one_line_and_a_pickle_is_never_unpickled_without_th
              ("bad/nowhere.safetensors", False, r"nowhere.safetensors: checkpoint not found")]
     for name, opt_in, message in cases:
         with pytest.raises(CheckpointError, match=message) as err:
-            local_clip.finetuned_visual(oc, root / "ckpt" / name, allow_unsafe_pickle=opt_in)
+            clip_checkpoints.finetuned_visual(oc, root / "ckpt" / name, allow_unsafe_pickle=opt_in)
         assert "\n" not in str(err.value)
     assert not marker.exists()  # refused from its name: not a byte was read
 
@@ -201,9 +203,9 @@ def test_local_inputs_record_only_the_checkpoint_and_dataset_files_the_loaders_r
         write_unrelated_files(tmp_path / "data" / folder)
     track = _hf_track(model={"pretrained": str(tmp_path / "pretrained")},
                       datasets={t: str(tmp_path / "data") for t in TASKS})
-    files = local_llm.record_inputs(parse_params({"local_clip": [track]}), tmp_path)["hf"]["files"]
+    files = lab_files.record_inputs(parse_params({"local_clip": [track]}), tmp_path)["hf"]["files"]
     assert not [name for name in files if name.rsplit("/", 1)[-1] in unrelated], sorted(files)
-    written = local_llm.inputs_path(tmp_path).read_text()
+    written = own_models.inputs_path(tmp_path).read_text()
     assert "shadow" not in written and "notes.txt" not in written
     assert {"pretrained/config.json", "pretrained/model.safetensors", "dataset.MNIST/mnist/test/0/0.png",
             "dataset.EuroSAT/EuroSAT/data/test-00000-of-00001.parquet"} <= set(files)
@@ -221,8 +223,8 @@ def test_local_inputs_record_only_the_checkpoint_and_dataset_files_the_loaders_r
     for key, value, message in cases:
         bad = parse_params({"local_clip": [{**track, key: value}]})
         with pytest.raises(ParameterError, match="^params.yaml: " + message) as info:
-            local_llm.record_inputs(bad, tmp_path)
-        assert "\n" not in str(info.value) and local_llm.inputs_path(tmp_path).read_text() == written
+            lab_files.record_inputs(bad, tmp_path)
+        assert "\n" not in str(info.value) and own_models.inputs_path(tmp_path).read_text() == written
 
 
 def test_a_task_with_fewer_test_images_than_min_test_is_refused(lab):

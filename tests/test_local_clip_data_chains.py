@@ -14,10 +14,11 @@ from safetensors import safe_open
 from local_models import CLIP_ARCH, CLIP_TASKS, perturbed, write_clip_track
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline.tracks.local_clip import calibration
-from mergecal.pipeline.tracks.local_clip import stages as local_clip
+from mergecal.pipeline.tracks.clip.files import calibration
+from mergecal.backbones import clip_checkpoints
+from mergecal.pipeline.tracks.clip.files import stages as local_clip
 from mergecal.pipeline.config import load_params
-from mergecal.pipeline.tracks.local_clip import cells as track_mod
+from mergecal.pipeline.tracks.clip.files import cells as track_mod
 
 CHAINS = ["{merge}", "{merge}>wsc", "{merge}>dsc", "distac>{merge}", "distac>{merge}>svc>dsc"]
 
@@ -65,9 +66,9 @@ def test_the_probe_ranks_image_encoder_keys_once_per_track_deterministically(lab
     ranking = SensitivityRanking.load(path)
     assert len(ranking.sensitive) == 3 and all(k.startswith("visual.") for k, _ in ranking.scores)
     # the candidates are MAGIC's layers (probing.candidates: the weight matrices WSC calibrates), each with its interval
-    checkpoint = local_clip.open_checkpoint(local_clip.pretrained_path(track, root))
+    checkpoint = clip_checkpoints.open_checkpoint(local_clip.pretrained_path(track, root))
     layers = get_key_rule("wsc_weights")
-    expected = [k for k in local_clip.visual_keys(checkpoint)
+    expected = [k for k in clip_checkpoints.visual_keys(checkpoint)
                 if layers.matches(k, tuple(checkpoint.get(k).shape), checkpoint.get(k).dtype)]
     assert sorted(k for k, _ in ranking.scores) == sorted(expected) and set(ranking.drops) == set(expected)
     assert ranking.metadata["metric"] == "nll" and ranking.top_separated is not None
@@ -166,10 +167,10 @@ def test_a_cell_refuses_distac_files_of_other_parameters(lab):
 
 
 def test_a_distac_file_is_read_only_with_the_step_it_records(tmp_path):
-    """The check both CLIP tracks make of a DisTaC stage's file (``vision.check_distac_file``): its ``distac``
+    """The check both CLIP tracks make of a DisTaC stage's file (``clip.family.check_distac_file``): its ``distac``
     metadata is the expected step; another step, no record or an unreadable file is one line naming the file."""
     from mergecal.checkpoint import save_state_dict
-    from mergecal.pipeline.tracks.vision.stages import check_distac_file
+    from mergecal.pipeline.tracks.clip.family import check_distac_file
 
     step = {"steps": 4, "batch_size": 8}
     path = save_state_dict({"w": torch.zeros(2)}, tmp_path / "SVHN.safetensors", {"distac": json.dumps(step)})
@@ -240,7 +241,7 @@ def test_a_tracks_distac_is_the_papers_preset_unless_it_overrides_it():
 def test_fsc_reads_exactly_the_fsc_steps_sample_count(lab):
     """The count the recipe id states (``fsc(n_samples_per_task=...)``) is the count loaded: no other setting."""
     from mergecal.calibrations.fsc import FscParams
-    from mergecal.pipeline.tracks.local_clip.cells import _fsc_data
+    from mergecal.pipeline.tracks.clip.files.cells import _fsc_data
 
     root, params, track = lab
     tasks = list(track.finetuned)

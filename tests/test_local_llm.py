@@ -17,7 +17,9 @@ from local_models import CreatesAFile, write_unrelated_files
 from mergecal.errors import CheckpointError, MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
 from mergecal.pipeline import hashing
-from mergecal.pipeline.tracks.local_llm import stages as local_llm
+from mergecal.pipeline import own_models
+from mergecal.pipeline.tracks import lab_files
+from mergecal.pipeline.tracks.causal_lm.files import stages as local_llm
 from mergecal.pipeline.config import load_params, parse_params
 
 MICRO = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -71,7 +73,7 @@ def test_a_disabled_track_has_no_cells_and_a_cell_names_its_own_track():
     """Cells are named local_llm:<track name> and read their own track's settings; a cell of a track that
     params.yaml no longer has is one line."""
     from mergecal.errors import MergecalError
-    from mergecal.pipeline.tracks.local_llm import cells as track_mod
+    from mergecal.pipeline.tracks.causal_lm.files import cells as track_mod
 
     lab, off = (_track(name, {"maximum": "m", "sentiment": "s"}, **extra)
                 for name, extra in (("lab", {}), ("lab-off", {"enabled": False})))
@@ -187,8 +189,8 @@ def test_local_inputs_record_only_the_files_the_loaders_read_and_refuse_a_path_h
     unrelated = write_unrelated_files(lab / "base")
     experts = {"maximum": str(root / "ckpt" / "max"), "sentiment": str(root / "ckpt" / "sent")}
     params = parse_params({"local_llm": [_track("lab", experts, base=str(lab / "base"))]})
-    files = local_llm.record_inputs(params, lab)["lab"]["files"]
-    written = local_llm.inputs_path(lab).read_text()
+    files = lab_files.record_inputs(params, lab)["lab"]["files"]
+    written = own_models.inputs_path(lab).read_text()
     base = {name.removeprefix("base/") for name in files if name.startswith("base/")}
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= base and not set(unrelated) & base, base
     shadow_digest = hashing.file_digest(lab / "base" / "shadow")
@@ -205,7 +207,7 @@ def test_local_inputs_record_only_the_files_the_loaders_read_and_refuse_a_path_h
         assert err == (f"error: params.yaml: local_llm.0.base: {lab / bad} holds no model files (expected "
                        "config.json, tokenizer files and *.safetensors or pytorch_model*.bin); nothing of it is "
                        "read\n"), err
-        assert local_llm.inputs_path(lab).read_text() == written
+        assert own_models.inputs_path(lab).read_text() == written
 
 
 def test_a_task_directory_records_the_yamls_of_its_tasks_alone_and_one_defining_none_is_refused(tmp_path):
@@ -232,8 +234,8 @@ def test_a_task_directory_records_the_yamls_of_its_tasks_alone_and_one_defining_
     with pytest.raises(ParameterError, match=r"^params.yaml: local_llm.0.task_dir: .*/etc defines none of the track's "
                                              r"lm-eval tasks \(expected \*.yaml files with task: maximum, "
                                              r"maximum_validation, sentiment, sentiment_validation\)") as info:
-        local_llm.record_inputs(elsewhere, tmp_path)
-    assert "\n" not in str(info.value) and not local_llm.inputs_path(tmp_path).exists()
+        lab_files.record_inputs(elsewhere, tmp_path)
+    assert "\n" not in str(info.value) and not own_models.inputs_path(tmp_path).exists()
 
 
 # ---------------------------------------------------------------------------------------------- the flow
@@ -258,8 +260,8 @@ def _write_params(root: Path, tracks: list[dict], name: str, chains=("{merge}", 
 def _stages(root: Path, params_name: str):
     """The stages `local_inputs` and `local_tracks`, in process."""
     params = load_params(root / params_name)
-    local_llm.record_inputs(params, root)
-    return local_llm.all_references(params, root)
+    lab_files.record_inputs(params, root)
+    return lab_files.all_references(params, root)
 
 
 @pytest.mark.integration
@@ -433,7 +435,7 @@ def test_task_code_is_refused_before_it_is_imported_unless_the_track_trusts_it(c
     assert "\n" not in str(info.value) and not marker.exists()
     report = local_llm.references(params.local_llm[0], root)
     assert "trust_task_code" in report["error"] and "base" not in report and not marker.exists()
-    recorded = local_llm.record_inputs(params, tmp_path)["lab-yaml"]["files"]
+    recorded = lab_files.record_inputs(params, tmp_path)["lab-yaml"]["files"]
     assert "task_dir/utils.py" in recorded and not marker.exists()
 
     trusted = parse_params({"local_llm": [_yaml_track(yamls, trust_task_code=True)]}).local_llm[0]

@@ -193,7 +193,7 @@ def test_the_testbeds_distac_deviates_from_the_paper_in_steps_and_lr_only_each_w
     """#29: params.yaml's `distac` keeps the paper's protocol (the library default: 500 steps, batch 128, lr 1e-5,
     beta 0.5, constant lr) but for 10x the lr over 10x fewer steps, each deviating line saying why."""
     from mergecal.calibrations.distac import DistacParams
-    from mergecal.pipeline.tracks.vision.stages import distac_params
+    from mergecal.pipeline.tracks.clip.built.stages import distac_params
 
     params, paper = load_params(REPO / "params.yaml"), DistacParams()
     for regime in ("standard", "norm_mismatch", "low_confidence"):

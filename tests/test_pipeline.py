@@ -15,9 +15,9 @@ import yaml
 
 from mergecal.errors import MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
-from mergecal.pipeline.tracks.llm import stages as llm
-from mergecal.pipeline.tracks.text import stages as text
-from mergecal.pipeline.tracks.vision import stages as vision
+from mergecal.pipeline.tracks.causal_lm.built import stages as llm
+from mergecal.pipeline.tracks.text.built import stages as text
+from mergecal.pipeline.tracks.clip.built import stages as vision
 from mergecal.pipeline.config import load_params, parse_params
 from mergecal.pipeline.workspace import PIPELINE_FILES, SMOKE_PARAMS, create_workspace
 
@@ -221,10 +221,10 @@ def test_cell_code_digest_follows_the_modules_each_cell_imports(tmp_path, monkey
     assert svc and svc == {i for i, s in enumerate(steps) if "svc" in s}
     fsc = changed_by("calibrations/fsc.py")
     assert fsc and fsc == {i for i, s in enumerate(steps) if "fsc" in s} and fsc != svc
-    llm = changed_by("pipeline/tracks/llm/cells.py")
+    llm = changed_by("pipeline/tracks/causal_lm/built/cells.py")
     assert llm and llm == {i for i, c in enumerate(cells) if c.track == "llm"}
     # a track is one package: an edit to any module of it that computes its cells reruns that track's cells only
-    text_stages = changed_by("pipeline/tracks/text/stages.py")
+    text_stages = changed_by("pipeline/tracks/text/built/stages.py")
     assert text_stages and text_stages == {i for i, c in enumerate(cells) if c.track == "text"}
     for core in ("pipeline/cells.py", "merge.py"):
         assert changed_by(core) == set(range(len(cells))), core
@@ -289,8 +289,8 @@ def test_a_refit_at_the_pipelines_thread_count_is_the_stored_fine_tune_and_each_
     gets a verdict (the LLM's refit and merges written in a scratch directory that is gone after)."""
     from mergecal.checkpoint import load_state_dict
     from mergecal.pipeline.refit_stability import measure_refits
-    from mergecal.pipeline.tracks.text.diagnostics import refit as text_refit
-    from mergecal.pipeline.tracks.vision.diagnostics import refit as vision_refit
+    from mergecal.pipeline.tracks.text.built.diagnostics import refit as text_refit
+    from mergecal.pipeline.tracks.clip.built.diagnostics import refit as vision_refit
 
     root, params = built
     task, variant = params.vision.norm_mismatch_task, "norm_mismatch"

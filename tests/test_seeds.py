@@ -76,9 +76,9 @@ def test_a_stage_refuses_a_seed_that_params_yaml_does_not_list(tmp_path, capsys)
 
 @pytest.mark.parametrize("track", ["vision", "text", "llm"])
 def test_a_seeds_paths_lie_under_its_own_directory(track, tmp_path):
-    from mergecal.pipeline.tracks.llm import stages as llm
-    from mergecal.pipeline.tracks.text import stages as text
-    from mergecal.pipeline.tracks.vision import stages as vision
+    from mergecal.pipeline.tracks.causal_lm.built import stages as llm
+    from mergecal.pipeline.tracks.text.built import stages as text
+    from mergecal.pipeline.tracks.clip.built import stages as vision
 
     params = _params([4, 7])
     path = {"vision": lambda s: vision.paths_for(params, tmp_path, s).finetuned("standard", "digits"),
@@ -96,11 +96,10 @@ class _Loaded(Exception):
 def test_a_cells_reference_and_session_load_its_own_seeds_models(track_name, merge, tmp_path, monkeypatch):
     """Every path from a cell to the models it scores carries the cell's seed (a reference row or a session that
     loaded the first seed's models would score seed 0 under every seed's label)."""
-    import importlib
-
     from mergecal.pipeline.cells import run_cell
+    from mergecal.pipeline.tracks.registry import get_track
 
-    module = importlib.import_module(f"mergecal.pipeline.tracks.{track_name}.cells")
+    module = get_track(track_name)
     params = _params([0, 3])
     seen = []
 

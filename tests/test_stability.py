@@ -150,7 +150,7 @@ def test_a_perturbed_model_directory_is_a_copy_with_only_its_weights_perturbed(t
     """The LLM track's perturbation: the merged directory copied, each safetensors file perturbed (metadata kept),
     config and tokenizer files as they were, the source untouched."""
     from mergecal.checkpoint import load_state_dict, save_state_dict
-    from mergecal.pipeline.tracks.llm.diagnostics import perturbed_model_dir
+    from mergecal.pipeline.tracks.causal_lm.built.diagnostics import perturbed_model_dir
     from safetensors import safe_open
 
     source = tmp_path / "merged"

@@ -7,7 +7,7 @@ import pytest
 
 from mergecal.pipeline.config import parse_params
 from mergecal.pipeline.testbed import health_markdown, vision_health
-from mergecal.pipeline.tracks.vision.stages import paths_for
+from mergecal.pipeline.tracks.clip.built.stages import paths_for
 
 TASKS = ["objects", "digits"]
 

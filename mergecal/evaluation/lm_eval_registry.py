@@ -19,7 +19,7 @@ registry. Indexing lm-eval's registry, to look the tasks up, parses thousands of
 Task code. A registry YAML's ``!function`` entries (Python files shipped with lm-eval) run only for the tasks a
 track names: the index and ``task_config`` read YAMLs without resolving them (``resolve_func=False``), and
 scoring loads only the variants of the named tasks. So registry tracks need no ``trust_task_code`` (a
-``task_dir`` track's own YAMLs do: ``mergecal.pipeline.tracks.local_llm.stages.check_task_code``).
+``task_dir`` track's own YAMLs do: ``mergecal.pipeline.tracks.causal_lm.files.stages.check_task_code``).
 """
 
 from __future__ import annotations

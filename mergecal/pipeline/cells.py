@@ -152,8 +152,9 @@ def track_modules() -> dict[str, str]:
 
 
 def track_package_modules(graph) -> frozenset[str]:
-    """Every module of every registered track package (``tracks/<name>/``): one plug-in family, so a track's
-    modules come into a cell's closure only from its own track (or a track it builds on: local_llm on llm)."""
+    """Every module of every registered model family's package (``tracks/<family>/``): one plug-in family, so a
+    track's modules come into a cell's closure only from its own source and family (``family.py`` and what it
+    imports), never from another source's (the registry imports them all)."""
     packages = {f"{track_registry.PACKAGE}.{module.split('.')[0]}" for module in track_registry.MODULES.values()}
     return frozenset(m for m in graph if any(m == p or m.startswith(p + ".") for p in packages))
 

@@ -28,7 +28,7 @@ LAZY_IMPORTS = {
     "mergecal": ("exports", "_EXPORTS", "mergecal"),
     "mergecal.calibrations.registry": ("dict", "MODULES", "mergecal.calibrations"),
     "mergecal.pipeline.tracks.registry": ("dict", ("MODULES", "SECTIONS", "DIAGNOSTICS"), "mergecal.pipeline.tracks"),
-    "mergecal.pipeline.tracks.vision.params": ("calls", "_library_default", "mergecal"),
+    "mergecal.pipeline.tracks.clip.built.params": ("calls", "_library_default", "mergecal"),
 }
 
 Graph = Mapping[str, frozenset[str]]
@@ -189,9 +189,9 @@ def _within(module: str, package: str) -> bool:
 
 
 def is_track_section(module: str) -> bool:
-    """A track's params.yaml section (``tracks/<name>/params.py``): part of the params validation."""
-    return _within(module, TRACK_PACKAGES) and module.count(".") == TRACK_PACKAGES.count(".") + 2 \
-        and module.endswith(".params")
+    """A track's params.yaml section or a family's shared settings (``tracks/**/params.py``): part of the params
+    validation."""
+    return _within(module, TRACK_PACKAGES) and module.endswith(".params")
 
 
 def registry_members(graph: Graph) -> set[str]:

@@ -18,7 +18,7 @@ import numpy as np
 from ..merge import merge_models
 from ..methods.task_arithmetic import TaskArithmetic
 from .config import Params
-from .tracks.vision.stages import VisionModels, evaluate_tasks, paths_for
+from .tracks.clip.built.stages import VisionModels, evaluate_tasks, paths_for
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ DisTaC's norm-mismatch condition is a ``standard`` fine-tune at a multiple of th
 
 Splits are the caller's: every image given is trained on, and the accuracy reported at the end is measured on the
 ``validation`` images given (the pipeline passes its held-out validation split,
-``pipeline.tracks.vision.stages.task_split``).
+``pipeline.tracks.clip.built.stages.task_split``).
 """
 
 from __future__ import annotations

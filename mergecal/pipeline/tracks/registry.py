@@ -1,6 +1,8 @@
-"""The registry of tracks: ``Cell.track`` -> its package's module implementing ``protocol.Track``, and each
-track's params.yaml section. Below the interface and the cells (it imports neither), so that ``config`` and
-``cells`` read it without an import circle."""
+"""The registry of tracks: ``Cell.track`` -> the module implementing ``protocol.Track``, each track's params.yaml
+section and its stability diagnostics. A track is a source of a model family (``tracks/<family>/<source>/``:
+``clip/built`` is the ``vision`` track, ``clip/files`` the ``local_clip`` tracks, ...); the track names are the
+ones params.yaml and the leaderboard use. Below the interface and the cells (it imports neither), so that
+``config`` and ``cells`` read it without an import circle."""
 
 from __future__ import annotations
 
@@ -9,24 +11,25 @@ from types import ModuleType
 
 from ...errors import MergecalError
 
-#: the package of the track packages (``tracks/<name>/``)
+#: the package of the families' packages (``tracks/<family>/<source>/``)
 PACKAGE = __package__
 
-#: the registered tracks, in matrix order: Cell.track (before any ``:``) -> its package's module implementing
+#: the registered tracks, in matrix order: Cell.track (before any ``:``) -> its source's module implementing
 #: ``Track`` (imported on first use: a track may pull in heavy libraries)
-MODULES = {"vision": "vision.cells", "text": "text.cells", "llm": "llm.cells", "local_llm": "local_llm.cells",
-           "local_clip": "local_clip.cells"}
+MODULES = {"vision": "clip.built.cells", "text": "text.built.cells", "llm": "causal_lm.built.cells",
+           "local_llm": "causal_lm.files.cells", "local_clip": "clip.files.cells"}
 #: and its params.yaml section, keyed by the track's name: the package's ``params.SECTION`` (pydantic models
 #: only, so that loading params.yaml imports no torch; ``mergecal.pipeline.config`` composes them)
-SECTIONS = {"vision": "vision.params", "text": "text.params", "llm": "llm.params", "local_llm": "local_llm.params",
-            "local_clip": "local_clip.params"}
+SECTIONS = {"vision": "clip.built.params", "text": "text.built.params", "llm": "causal_lm.built.params",
+            "local_llm": "causal_lm.files.params", "local_clip": "clip.files.params"}
 
 #: the tracks the stability diagnostics measure (``mergecal.pipeline.stability``, ``refit_stability``), keyed by
 #: the track's name: its package's module giving ``noise_evaluation`` (its task-arithmetic merge under weight noise)
 #: and ``refit_regimes`` (per regime, its largest fine-tune refit at another thread count). A track of a lab's own
 #: checkpoints has none: nothing of it is trained here. Never imported by the cells: an edit there reruns the
 #: stability stage only.
-DIAGNOSTICS = {"vision": "vision.diagnostics", "text": "text.diagnostics", "llm": "llm.diagnostics"}
+DIAGNOSTICS = {"vision": "clip.built.diagnostics", "text": "text.built.diagnostics",
+               "llm": "causal_lm.built.diagnostics"}
 
 
 def get_track(name: str) -> ModuleType:

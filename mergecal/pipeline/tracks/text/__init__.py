@@ -1,4 +1,3 @@
-"""The text track: the packaged MiniLM encoder with a head per task (``cells``), built by its DVC stages
-(``stages``)."""
-
-from .params import SECTION, TextTrack  # noqa: F401  (its params.yaml section)
+"""The text-encoder family: a BERT-family encoder with one classification head per task, the encoders merged and
+every task scored with its own head. One source: ``built`` (the ``text`` track: the packaged pretrained MiniLM,
+fine-tuned by the pipeline on its text suite)."""

@@ -7,18 +7,19 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
-from ....calibrations.probing import SensitivityRanking
-from ....checkpoint import load_state_dict
-from ....data.vision import load_split
-from ....recipe import Recipe
-from ....run_recipe import RecipeInputs, recipe_trials
-from ....task_vectors import task_vector
-from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
+from .....calibrations.probing import SensitivityRanking
+from .....checkpoint import load_state_dict
+from .....data.vision import load_split
+from .....recipe import Recipe
+from .....run_recipe import RecipeInputs, recipe_trials
+from .....task_vectors import task_vector
+from ....cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
                      jsonable_diagnostics, matrix_chains, per_example_results, per_seed, recipe_cell, summaries,
                      uses_sensitivity, validation_averages)
-from ...config import Params
-from ..protocol import Session
-from .stages import (VisionModels, check_distac_file, distac_params, evaluate_tasks, paths_for, preprocessed,
+from ....config import Params
+from ...protocol import Session
+from ..family import check_distac_file
+from .stages import (VisionModels, distac_params, evaluate_tasks, paths_for, preprocessed,
                       regime_variants, task_split)
 
 NAME = "vision"

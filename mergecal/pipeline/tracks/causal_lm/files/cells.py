@@ -1,7 +1,7 @@
 """LLM families from local directories (``local_llm:`` in params.yaml), one configured track each: cells named
-``local_llm:<name>``, the same cells, merges and lm-eval scoring as the embedded LLM track
-(``mergecal.pipeline.tracks.llm.cells``), on the lab's own base and experts, read in place (never copied). What the
-stages record: ``.stages``.
+``local_llm:<name>``: the causal-LM family's ``files`` source, the same cells, merges and lm-eval scoring as the
+``built`` one (``..family``), on the lab's own base and experts, read in place (never copied). What the stages
+record: ``.stages``.
 
 A cell's inputs are the files of the model directories it reads (the base; the experts unless it is the
 ``zeroshot`` row), the files defining its tasks and its track's references.json, each hashed by content (cached
@@ -13,17 +13,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ....backbones.hf_causal_lm import model_dir_files
-from ....errors import MergecalError
-from ....recipe import Recipe
-from ...cells import Cell, CellResult, per_seed, per_seed_skipped
-from ...config import Params
+from .....backbones.hf_causal_lm import model_dir_files
+from .....errors import MergecalError
+from .....recipe import Recipe
+from ....cells import Cell, CellResult, per_seed, per_seed_skipped
+from ....config import Params
 from .params import LocalLlmTrack
 from .stages import (base_path, check_expert, check_model_dir, expert_path, references_path, scorer, task_files,
                          work_dir)
-from ...own_models import checked_reference, role_files
-from ..registry import cell_track, configured_track, configured_tracks
-from ..llm import cells as llm
+from ....own_models import checked_reference, role_files
+from ...registry import cell_track, configured_track, configured_tracks
+from .. import family
 
 NAME = "local_llm"
 
@@ -35,13 +35,13 @@ def enabled(params: Params) -> bool:
 def cells(params: Params) -> list[Cell]:
     # a lab's own checkpoints are not fine-tuned here: their cells run once, under the first seed
     return per_seed([cell for t in configured_tracks(params, NAME)
-                     for cell in llm.family_cells(params, cell_track(NAME, t), t.name, t.task_set, t.task_names)],
+                     for cell in family.cells(params, cell_track(NAME, t), t.name, t.task_set, t.task_names)],
                     params.seeds[:1])
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
     return per_seed_skipped([item for t in configured_tracks(params, NAME)
-                             for item in llm.family_skipped(params, cell_track(NAME, t), t.name, t.task_set,
+                             for item in family.skipped(params, cell_track(NAME, t), t.name, t.task_set,
                                                             t.task_names)], params.seeds[:1])
 
 
@@ -63,13 +63,13 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
 
 
 def fingerprint(params: Params):
-    return {"lm_eval": llm.lm_eval_version()}
+    return {"lm_eval": family.lm_eval_version()}
 
 
 def cell_fingerprint(cell: Cell, params: Params):
     """The cell's own track's settings (another track's edit changes none of its ids)."""
     track = configured_track(cell, params)
-    return {"track": track.model_dump(mode="json"), "lm_eval": llm.lm_eval_version()}
+    return {"track": track.model_dump(mode="json"), "lm_eval": family.lm_eval_version()}
 
 
 def _reference(track: LocalLlmTrack, cell: Cell, root: Path) -> dict:
@@ -89,19 +89,19 @@ def _checked_models(cell: Cell, track: LocalLlmTrack, root: Path) -> tuple[Path,
     return base, experts
 
 
-def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
-    root = Path(root)
-    track = configured_track(cell, params)
+def models(cell: Cell, track: LocalLlmTrack, root: Path) -> family.Models:
+    """The cell's models, checked (``_checked_models``), the track's scorer and its references (or the stage's
+    recorded error of what this cell needs)."""
     reference = _reference(track, cell, root)
-    base, _ = _checked_models(cell, track, root)
-    return llm.family_reference(cell, reference, base, scorer(track, root), device=device)
+    base, experts = _checked_models(cell, track, root)
+    return family.Models(reference, base, experts, scorer(track, root), work_dir(root) / "merged")
+
+
+def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
+    return family.reference(cell, models(cell, configured_track(cell, params), Path(root)), device=device)
 
 
 def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
             device: str = "cpu"):
-    root = Path(root)
-    track = configured_track(cell, params)
-    reference = _reference(track, cell, root)
-    base, experts = _checked_models(cell, track, root)
-    return llm.family_session(cell, recipe, reference, base, experts, scorer(track, root), work_dir(root) / "merged",
-                              device=device)
+    return family.session(cell, recipe, models(cell, configured_track(cell, params), Path(root)),
+                                 device=device)

@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ....backbones.hf_text import build_classifier, load_encoder, tokenize
-from ....checkpoint import SafetensorsSource, atomic_write_text, load_state_dict, save_state_dict
-from ....data.text import TextSuiteConfig, build_text_suite, load_text_split
-from ....data.vision import validation_indices
-from ....train.finetune_text import (TextFinetuneConfig, classifier_logits, evaluate_text, finetune_text_task,
+from .....backbones.hf_text import build_classifier, load_encoder, tokenize
+from .....checkpoint import SafetensorsSource, atomic_write_text, load_state_dict, save_state_dict
+from .....data.text import TextSuiteConfig, build_text_suite, load_text_split
+from .....data.vision import validation_indices
+from .....train.finetune_text import (TextFinetuneConfig, classifier_logits, evaluate_text, finetune_text_task,
                                      text_scores)
-from ...config import Params, fine_tuning_seed, seed_dir
+from ....config import Params, fine_tuning_seed, seed_dir
 
 HEAD = "head."
 

@@ -6,9 +6,9 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from ....config_types import ConfigValueError, PositiveReal
-from ....regimes import OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime
-from ...params_base import Strict, _check_dataclass, _distinct
+from .....config_types import ConfigValueError, PositiveReal
+from .....regimes import OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime
+from ....params_base import Strict, _check_dataclass, _distinct
 
 
 def _library_default(module: str, cls: str, field: str) -> Any:
@@ -43,7 +43,7 @@ class VisionTrack(Strict):
     @field_validator("arch")
     @classmethod
     def _arch(cls, arch: str) -> str:
-        from ....backbones.architectures import ARCHITECTURES
+        from .....backbones.architectures import ARCHITECTURES
 
         if arch not in ARCHITECTURES:  # the track pretrains its own CLIP: one of the project's architectures
             raise ValueError(f"unknown architecture {arch!r}; choose from: {', '.join(ARCHITECTURES)}")
@@ -52,7 +52,7 @@ class VisionTrack(Strict):
     @field_validator("task_set")
     @classmethod
     def _task_set(cls, task_set: str) -> str:
-        from ....data.vision import TASK_SETS
+        from .....data.vision import TASK_SETS
 
         if task_set not in TASK_SETS:
             raise ValueError(f"unknown task set {task_set!r}; choose from: {', '.join(TASK_SETS)}")
@@ -60,7 +60,7 @@ class VisionTrack(Strict):
 
     @model_validator(mode="after")
     def _tasks(self) -> "VisionTrack":
-        from ....data.vision import TASK_SETS
+        from .....data.vision import TASK_SETS
 
         allowed = TASK_SETS[self.task_set]
         if self.tasks is None:
@@ -84,9 +84,9 @@ class VisionTrack(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "VisionTrack":
-        from ....data.vision import SuiteConfig
-        from ....train.finetune import FinetuneConfig
-        from ....train.pretrain_clip import PretrainConfig
+        from .....data.vision import SuiteConfig
+        from .....train.finetune import FinetuneConfig
+        from .....train.pretrain_clip import PretrainConfig
 
         for regime in self.regimes:
             if OBJECTIVE_OF_REGIME[regime] not in self.finetune_variants:

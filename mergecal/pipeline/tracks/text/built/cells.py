@@ -8,13 +8,13 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
-from ....recipe import Recipe
-from ....run_recipe import RecipeInputs, recipe_trials
-from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
+from .....recipe import Recipe
+from .....run_recipe import RecipeInputs, recipe_trials
+from ....cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
                      jsonable_diagnostics, matrix_chains, per_example_results, per_seed, per_seed_skipped, recipe_cell,
                      summaries, validation_averages)
-from ...config import Params
-from ..protocol import Session
+from ....config import Params
+from ...protocol import Session
 from .stages import TextModels, data_root, finetuned_path, references_path
 
 NAME = "text"

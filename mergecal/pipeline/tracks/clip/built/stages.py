@@ -30,18 +30,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ....calibrations.distac import DistacStepParams, condition_models
-from ....calibrations.probing import make_accuracy_probe, make_probe, probe_sensitivity
-from ....checkpoint import atomic_write_text, load_state_dict, save_state_dict
-from ....data.vision import PROBE_TASK, TASKS, SuiteConfig, build_vision_suite, load_split, validation_indices
-from ....errors import CheckpointError
-from ....methods.base import build_params
-from ....regimes import DISTAC_PRESETS
-from ....task_vectors import relative_norms, task_vector
-from ....train.finetune import FinetuneConfig
-from ....train.finetune import finetune as finetune_clip
-from ....train.pretrain_clip import PretrainConfig, pretrain_clip
-from ...config import Params, fine_tuning_seed, seed_dir
+from .....calibrations.distac import DistacStepParams, condition_models
+from .....calibrations.probing import make_accuracy_probe, make_probe, probe_sensitivity
+from .....checkpoint import atomic_write_text, load_state_dict, save_state_dict
+from .....data.vision import PROBE_TASK, TASKS, SuiteConfig, build_vision_suite, load_split, validation_indices
+from .....errors import CheckpointError
+from .....methods.base import build_params
+from .....regimes import DISTAC_PRESETS
+from .....task_vectors import relative_norms, task_vector
+from .....train.finetune import FinetuneConfig
+from .....train.finetune import finetune as finetune_clip
+from .....train.pretrain_clip import PretrainConfig, pretrain_clip
+from ....config import Params, fine_tuning_seed, seed_dir
+from ..family import TaskHeadModel
 from .params import VisionTrack
 
 VISUAL_PREFIX = "visual."
@@ -130,10 +131,10 @@ def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", pro
     """Pretrain the CLIP, then cache every task's zero-shot head (the text tower is never fine-tuned, so the
     heads hold for every fine-tuned and merged model) and score the zero-shot model."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....backbones.open_clip_vit import get_tokenizer, save_clip, zero_shot_head
+    from .....backbones.open_clip_vit import get_tokenizer, save_clip, zero_shot_head
 
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....evaluation.zeroshot import evaluate
+    from .....evaluation.zeroshot import evaluate
 
     track, paths = params.vision, paths_for(params, root)
     config = PretrainConfig(**{"seed": params.seed, **track.pretrain, "arch": track.arch})
@@ -164,7 +165,7 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
     """Fine-tune one task in one variant (Ilharco et al.: image encoder only, frozen zero-shot head) with
     fine-tuning seed ``seed`` (None: the first of ``params.seeds``)."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....backbones.open_clip_vit import load_clip
+    from .....backbones.open_clip_vit import load_clip
 
     track, paths = params.vision, paths_for(params, root, seed)
     if task not in track.tasks:
@@ -243,7 +244,7 @@ class VisionModels:
 
     def model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-        from ....backbones.open_clip_vit import load_clip
+        from .....backbones.open_clip_vit import load_clip
 
         return load_clip(self.track.arch, self.full_state(state))
 
@@ -251,34 +252,9 @@ class VisionModels:
         return {k: v for k, v in self.pretrained.items() if is_visual(k)}
 
 
-class TaskHeadModel(torch.nn.Module):
-    """A CLIP classifying with one task's frozen zero-shot head: logits = scale * norm(f(x)) @ W. Its state
-    dict keys are the CLIP's (the head is a buffer that is not saved), as DisTaC needs."""
-
-    def __init__(self, clip: torch.nn.Module, head: torch.Tensor):
-        super().__init__()
-        self.clip = clip
-        self.register_buffer("head", head.detach().clone(), persistent=False)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-        from ....backbones.open_clip_vit import logits
-
-        return logits(self.clip, self.head, images)
-
-    def state_dict(self, *args, **kwargs):  # the CLIP's own key names
-        return self.clip.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
-        return self.clip.load_state_dict(state, strict=strict, assign=assign)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        return self.clip.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
-
-
 def preprocessed(images: np.ndarray, arch: str) -> torch.Tensor:
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....backbones.open_clip_vit import ARCHITECTURES, preprocess
+    from .....backbones.open_clip_vit import ARCHITECTURES, preprocess
 
     size = ARCHITECTURES[arch]["vision_cfg"]["image_size"] if arch in ARCHITECTURES else None
     return preprocess(images, size)
@@ -288,7 +264,7 @@ def evaluate_tasks(model: torch.nn.Module, heads: dict[str, torch.Tensor], data_
                    split: str, *, max_items: int | None = None, batch_size: int = 256,
                    device: str = "cpu", per_example: bool = False) -> dict[str, dict[str, float]]:
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....evaluation.zeroshot import evaluate
+    from .....evaluation.zeroshot import evaluate
 
     out = {}
     for task in tasks:
@@ -362,22 +338,6 @@ def distac(params: Params, root: str | Path = ".", *, seed: int | None = None, d
         atomic_write_text(out_dir / "distac.json", json.dumps(info, indent=2, default=str))
         report[regime] = info
     return report
-
-
-def check_distac_file(path: Path, expected: dict, against: str) -> None:
-    """A DisTaC stage's conditioned checkpoint (this module's ``distac``,
-    ``mergecal.pipeline.tracks.local_clip.calibration``) whose recorded step (its ``distac`` metadata) is
-    ``expected``: one CheckpointError naming ``path`` otherwise (``against``: where ``expected`` comes from, for
-    the message)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            stored = json.loads((fh.metadata() or {}).get("distac", "null"))
-    except (OSError, SafetensorError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: not a readable DisTaC checkpoint ({err})") from None
-    if stored != expected:
-        raise CheckpointError(f"{path}: DisTaC parameters differ from {against} (rerun `dvc repro`)")
 
 
 def probe(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",

@@ -1,18 +1,6 @@
-"""The LLM track of the pipeline: a tiny Llama pretrained on the synthetic corpus, one expert per task, merged
-experts scored with lm-eval on the suite's local task YAMLs.
-
-    data/llm/                                       the suite (mergecal.data.llm): JSON lines per task and split
-    models/<backbone>/base/                         tokenizer + pretrained model (a Hugging Face directory)
-    models/<backbone>/seeds/<s>/                    one fine-tuning seed's (``seeds`` in params.yaml):
-      experts/<task>/                               one fine-tuned expert per task (same layout)
-      task_vectors/diagnostics.json                 each expert's validation/test score (lm-eval), the base's, and
-                                                    task-vector norms per layer type
-
-Outside DVC's outputs (they hold absolute paths or run-time state): ``.mergecal/llm/lm_eval_tasks`` (the task
-YAMLs, which name the data files by absolute path, as lm-eval needs), ``.mergecal/llm/lm_eval_cache``
-(response caches, one file per model's weight digest) and ``.mergecal/llm/merged`` (merged models of the
-running cells, deleted when a cell is done).
-"""
+"""How the causal-LM family scores a model, for every source: lm-eval on task YAMLs (``LmEval``), the suite's tasks'
+configurations by content (``suite_config_digests``, ``suite_lm_eval``), and what the references hold of the base
+and of each expert (``base_reference``, ``expert_reference``: scores and task-vector norms read key by key)."""
 
 from __future__ import annotations
 
@@ -21,65 +9,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ....checkpoint import SafetensorsSource, atomic_write_text
-from ....data.llm import TASKS, LlmSuiteConfig, build_llm_suite, load_records, split_path
+from ....checkpoint import SafetensorsSource
+from ....data.llm import TASKS, split_path
 from ....errors import MergecalError
 from ....evaluation.lm_eval_tasks import evaluate_lm, task_config, task_name, write_task_yamls
-from ....train.lm import LmTrainConfig, TinyLlamaShape, finetune_lm, pretrain_lm, read_metadata
-from ...config import Params, fine_tuning_seed, seed_dir
-
-WORK = Path(".mergecal") / "llm"
-
-
-def data_root(root: str | Path) -> Path:
-    return Path(root) / "data" / "llm"
-
-
-def models_root(params: Params, root: str | Path) -> Path:
-    return Path(root) / "models" / params.llm.backbone
-
-
-def base_dir(params: Params, root: str | Path) -> Path:
-    return models_root(params, root) / "base"
-
-
-def seed_root(params: Params, root: str | Path, seed: int | None = None) -> Path:
-    """Fine-tuning seed ``seed``'s experts and references (None: the first of ``params.seeds``)."""
-    return seed_dir(models_root(params, root), fine_tuning_seed(params, seed))
-
-
-def expert_dir(params: Params, root: str | Path, task: str, seed: int | None = None) -> Path:
-    return seed_root(params, root, seed) / "experts" / task
-
-
-def diagnostics_path(params: Params, root: str | Path, seed: int | None = None) -> Path:
-    return seed_root(params, root, seed) / "task_vectors" / "diagnostics.json"
-
-
-def work_dir(root: str | Path) -> Path:
-    return Path(root) / WORK
-
-
-def build_data(params: Params, root: str | Path = ".") -> dict:
-    return build_llm_suite(data_root(root), LlmSuiteConfig(**{"seed": params.seed, **params.llm.data}),
-                           tasks=tuple(params.llm.tasks))
-
-
-def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", progress: bool = True) -> dict:
-    corpus = [r["text"] for r in load_records(data_root(root), "pretrain", "train")]
-    out = pretrain_lm(corpus, base_dir(params, root), shape=TinyLlamaShape(**params.llm.shape),
-                      config=LmTrainConfig(**{"seed": params.seed, **params.llm.pretrain}), progress=progress,
-                      device=device)
-    return read_metadata(out)
-
-
-def finetune(params: Params, task: str, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
-             progress: bool = True) -> dict:
-    seed = fine_tuning_seed(params, seed)
-    config = LmTrainConfig(**params.llm.finetune_config(task, seed))
-    out = finetune_lm(base_dir(params, root), load_records(data_root(root), task, "train"),
-                      expert_dir(params, root, task, seed), task=task, config=config, progress=progress, device=device)
-    return read_metadata(out)
 
 
 def suite_config_digests(data: Path, tasks) -> dict[str, str]:
@@ -95,15 +28,11 @@ def suite_config_digests(data: Path, tasks) -> dict[str, str]:
     return out
 
 
-def task_config_digests(params: Params, root: str | Path) -> dict[str, str]:
-    return suite_config_digests(data_root(root), params.llm.tasks)
-
-
 @dataclass(frozen=True)
 class LmEval:
     """How a track scores models with lm-eval: the YAML directory, the lm-eval task name of each (task, split),
     the metric read per task, the response-cache directory, the validation limit (None: every document) and
-    the batch size. Shared by the embedded LLM track and the local ones (``mergecal.pipeline.tracks.local_llm``)."""
+    the batch size. Shared by every source of the family."""
 
     task_dir: Path
     names: dict[str, dict[str, str]]  # {task: {split: lm-eval task name}}
@@ -155,12 +84,6 @@ def suite_lm_eval(data: Path, tasks, out: Path, cache: Path, evaluation, n_valid
                   {t: TASKS[t].metric for t in tasks}, cache, limit, evaluation.batch_size)
 
 
-def lm_eval_setup(params: Params, root: str | Path) -> LmEval:
-    return suite_lm_eval(data_root(root), params.llm.tasks, work_dir(root) / "lm_eval_tasks",
-                         work_dir(root) / "lm_eval_cache", params.llm.evaluation,
-                         LlmSuiteConfig(**params.llm.data).n_validation)
-
-
 def layer_type(key: str) -> str:
     """A Llama key's layer type, for norms per type: attention, mlp, norm, embedding, other."""
     if "embed_tokens" in key or key == "lm_head.weight":
@@ -204,17 +127,3 @@ def base_reference(scorer: LmEval, base: Path, tasks, *, device: str = "cpu") ->
     return {"validation": scorer.score(base, tasks, "validation", device=device),
             "test": scorer.score(base, tasks, "test", device=device)}
 
-
-def references(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu") -> dict:
-    """The stage ``llm_task_vectors``: each expert's score on its own task (validation and test: normalized
-    score's denominator), the base model's scores and the task vectors' norms."""
-    tasks = params.llm.tasks
-    base = base_dir(params, root)
-    scorer = lm_eval_setup(params, root)
-    report = {"base": base_reference(scorer, base, tasks, device=device), "tasks": {}}
-    for task in tasks:
-        report["tasks"][task] = expert_reference(scorer, base, expert_dir(params, root, task, seed), task, tasks,
-                                                 device=device)
-    report["task_configs"] = task_config_digests(params, root)
-    atomic_write_text(diagnostics_path(params, root, seed), json.dumps(report, indent=2, sort_keys=True))
-    return report

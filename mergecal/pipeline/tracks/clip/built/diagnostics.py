@@ -9,14 +9,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ....checkpoint import load_state_dict
-from ....merge import merge_models
-from ....train.finetune import FinetuneConfig
-from ....train.finetune import finetune as finetune_clip
-from ...cells import per_example_results
-from ...config import Params
-from ...refit_stability import States, identical, largest_task_vector, recorded, threads_pinned
-from ...stability import REGIME, Examples, perturbed, task_arithmetic
+from .....checkpoint import load_state_dict
+from .....merge import merge_models
+from .....train.finetune import FinetuneConfig
+from .....train.finetune import finetune as finetune_clip
+from ....cells import per_example_results
+from ....config import Params
+from ....refit_stability import States, identical, largest_task_vector, recorded, threads_pinned
+from ....stability import REGIME, Examples, perturbed, task_arithmetic
 from .stages import VisionModels, evaluate_tasks, is_visual, paths_for, regime_variants, task_split
 
 
@@ -42,7 +42,7 @@ def refit(params: Params, root, task: str, variant: str, *, threads: int, device
     hyperparameters and seed its stored file records (at the pipeline's own thread count: that file, bit for bit;
     a test checks it)."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....backbones.open_clip_vit import load_clip
+    from .....backbones.open_clip_vit import load_clip
 
     paths = paths_for(params, root, seed)
     config = FinetuneConfig(**recorded(paths.finetuned(variant, task).with_suffix(".json"), "hyperparameters"))

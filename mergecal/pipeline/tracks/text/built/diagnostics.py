@@ -7,13 +7,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ....backbones.hf_text import load_encoder
-from ....merge import merge_models
-from ....train.finetune_text import TextFinetuneConfig, finetune_text_task
-from ...cells import per_example_results
-from ...config import Params
-from ...refit_stability import States, identical, largest_task_vector, recorded, threads_pinned
-from ...stability import Examples, perturbed, task_arithmetic
+from .....backbones.hf_text import load_encoder
+from .....merge import merge_models
+from .....train.finetune_text import TextFinetuneConfig, finetune_text_task
+from ....cells import per_example_results
+from ....config import Params
+from ....refit_stability import States, identical, largest_task_vector, recorded, threads_pinned
+from ....stability import Examples, perturbed, task_arithmetic
 from .stages import TextModels, finetuned_path, n_classes, split
 
 

@@ -3,7 +3,7 @@ benchmarked as the embedded LLM track is, without copying a checkpoint.
 
     models/local/inputs.json                     stage ``local_inputs``: size and sha256 of each file the
                                                  loaders read of every configured model directory and
-                                                 task_dir (``record_inputs``), and of no other file
+                                                 task_dir (``input_records``), and of no other file
     models/local/tracks/<name>/references.json   stage ``local_tracks``: lm-eval scores of the base and each
                                                  expert (validation, test), task-vector norms, or the error
                                                  that makes the model unusable
@@ -29,19 +29,18 @@ import hashlib
 import json
 from pathlib import Path
 
-from ....backbones.hf_causal_lm import check_same_family, model_dir_files, weight_format
-from ....checkpoint import SafetensorsSource, atomic_write_text
-from ....data.llm import LlmSuiteConfig, build_llm_suite
-from ....errors import CheckpointError, MergecalError, ParameterError
-from ....evaluation.lm_eval_registry import config_digest, write_variant_yamls
-from ....evaluation.lm_eval_tasks import task_sources as sources
-from ..local_clip import stages as local_clip
-from ...hashing import HASH_CACHE
-from ...config import Params
+from .....backbones.hf_causal_lm import check_same_family, model_dir_files, weight_format
+from .....checkpoint import SafetensorsSource, atomic_write_text
+from .....data.llm import LlmSuiteConfig, build_llm_suite
+from .....errors import CheckpointError, MergecalError, ParameterError
+from .....evaluation.lm_eval_registry import config_digest, write_variant_yamls
+from .....evaluation.lm_eval_tasks import task_sources as sources
+from ....config import Params
 from .params import LocalLlmTrack
-from ..llm.stages import LmEval, expert_reference, suite_config_digests, suite_lm_eval
-from ...own_models import check_test_counts, content_records, inputs_path, loaded_files, name_under, resolve, tracks_dir
-from ...results import one_line
+from ..scoring import LmEval, expert_reference, suite_config_digests, suite_lm_eval
+from ....own_models import (check_test_counts, content_records, loaded_files, name_under, resolve,
+                            tracks_dir)
+from ....results import one_line
 
 WORK = Path(".mergecal") / "local"
 CONVERT_HINT = ("convert it once to safetensors: python -c \"from mergecal.backbones.hf_causal_lm import "
@@ -199,13 +198,16 @@ def model_inputs(track: LocalLlmTrack, root: str | Path, where: str = "") -> dic
     return files
 
 
-def record_inputs(params: Params, root: str | Path = ".") -> dict:
-    """The stage ``local_inputs`` (run every time: it stats files and reads only those whose size or mtime
-    changed): size and sha256 of each file the tracks' loaders read (model directories, task files, the CLIP
-    tracks' checkpoints and datasets) and of no other file, so that DVC reruns ``local_tracks`` exactly when a
-    byte changed. A missing path is recorded as missing; a path that holds none of the files its loader reads
-    (a wrong path) is refused, one line naming its params key."""
-    cache = Path(root) / HASH_CACHE
+def configured(params: Params) -> list:
+    """This source's tracks in params.yaml (``local_llm:``)."""
+    return params.local_llm
+
+
+def input_records(params: Params, root: str | Path, cache: Path) -> dict:
+    """This source's part of the stage ``local_inputs`` (``tracks.lab_files.record_inputs``): per track, size and
+    sha256 of each file the loaders read (model directories, task files) and of no other file, so that DVC reruns
+    ``local_tracks`` exactly when a byte changed. A missing path is recorded as missing; a path that holds none of
+    the files its loader reads (a wrong path) is refused, one line naming its params key."""
     out = {}
     for index, track in enumerate(params.local_llm):
         where = f"params.yaml: local_llm.{index}."
@@ -225,10 +227,6 @@ def record_inputs(params: Params, root: str | Path = ".") -> dict:
                 out[track.name]["registry"] = task_config_digests(track, root)
             except MergecalError as err:  # an unknown task: local_tracks records the error for the track's cells
                 out[track.name]["registry"] = {"error": str(err)}
-    for index, track in enumerate(params.local_clip):  # CLIP tracks (mergecal.pipeline.tracks.local_clip)
-        found = local_clip.input_files(track, root, f"params.yaml: local_clip.{index}.")
-        out[track.name] = {"settings": track.model_dump(mode="json"), "files": content_records(found, cache)}
-    atomic_write_text(inputs_path(root), json.dumps(out, indent=2, sort_keys=True))
     return out
 
 
@@ -264,10 +262,16 @@ def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, d
 
 
 def all_references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict[str, dict]:
-    """The stage ``local_tracks``: every configured track's references, LLM and CLIP (an index of them beside,
-    so that the output directory exists when no track is configured)."""
-    out = {track.name: references(track, root, seed=params.seed, device=device) for track in params.local_llm}
-    out.update({track.name: local_clip.references(track, root, seed=params.seed, device=device)
-                for track in params.local_clip})
-    atomic_write_text(tracks_dir(root) / "index.json", json.dumps(sorted(out), indent=2))
-    return out
+    """This source's part of the stage ``local_tracks``: every configured track's references."""
+    return {track.name: references(track, root, seed=params.seed, device=device) for track in params.local_llm}
+
+
+def report_lines(name: str, report: dict) -> list[str]:
+    """What the stage ``local_tracks`` prints of a track's references."""
+    if "error" in report:
+        return [f"{name}: ERROR {report['error']}"]
+    base = report["base"]["test"]
+    return [f"{name}/{task}: ERROR {info['error']}" if "error" in info else
+            f"{name}/{task}: expert {info['test_accuracy']:.3f}, base {base[task]:.3f}; "
+            f"|tau| {info['norm']:.2f} ({info['relative_norm']:.4f} of |theta_0|)"
+            for task, info in report["tasks"].items()]

@@ -28,18 +28,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ....calibrations.distac import distill_task_vector, kappas_from_norms
-from ....calibrations.probing import make_probe, probe_sensitivity
-from ....checkpoint import atomic_write_text, load_state_dict, save_state_dict
-from ....errors import CheckpointError, ParameterError
-from ...config import Params
+from .....calibrations.distac import distill_task_vector, kappas_from_norms
+from .....calibrations.probing import make_probe, probe_sensitivity
+from .....checkpoint import atomic_write_text, load_state_dict, save_state_dict
+from .....errors import CheckpointError, ParameterError
+from ....config import Params
 from .params import LocalClipTrack
-from .stages import (VISUAL, TaskData, arch_of, build_model, check_labels, finetuned_path, finetuned_visual,
-                         heads_path, load_visual, open_checkpoint, pretrained_path, pretrained_visual, references_path,
-                         sample)
-from ...own_models import checked_reference, local_root
-from ...results import one_line
-from ..vision.stages import TaskHeadModel
+from .....backbones.clip_checkpoints import (VISUAL, build_model, finetuned_visual, load_visual, open_checkpoint,
+                                             pretrained_visual)
+from .stages import (TaskData, arch_of, check_labels, finetuned_path, heads_path, pretrained_path, references_path,
+                     sample)
+from ....own_models import checked_reference, local_root
+from ....results import one_line
+from ..family import TaskHeadModel
 
 
 def sensitivity_path(track: LocalClipTrack, root: str | Path) -> Path:
@@ -83,7 +84,7 @@ def probe(params: Params, track: LocalClipTrack, root: str | Path = ".", *, devi
           progress: bool = False) -> dict:
     """The track's sensitivity ranking (module docstring), written to ``sensitivity_path``."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....backbones.open_clip_vit import image_size, preprocess
+    from .....backbones.open_clip_vit import image_size, preprocess
 
     root, probing = Path(root), params.probing
     _checked_references(track, root)
@@ -124,7 +125,7 @@ def distac(params: Params, track: LocalClipTrack, root: str | Path = ".", *, dev
     """DisTaC-condition the track's models (module docstring): one model in memory at a time, each conditioned
     image encoder written atomically, then ``distac.json``."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....backbones.open_clip_vit import image_size, preprocess
+    from .....backbones.open_clip_vit import image_size, preprocess
 
     root = Path(root)
     reference = _checked_references(track, root)

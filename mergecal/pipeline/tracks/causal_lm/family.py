@@ -1,8 +1,10 @@
-"""The LLM track: a tiny Llama and its experts (Hugging Face directories), merged checkpoint to checkpoint by the
-streaming path (``merge_causal_lms``: key by key, sharded safetensors out, so the same cell code runs a 7B family)
-and scored with lm-eval on the suite's local task YAMLs. Weight-space chains only: DisTaC and MAGIC's
-feature-space steps (FSC, so DSC) have no causal-LM adapter, and their chains are listed as skipped with that
-reason. What its DVC stages build: ``.stages``."""
+"""What every source of the causal-LM family shares: its cells (references, then every weight-space chain; the
+chains that need data listed as skipped), and a cell's computation over the ``Models`` a source gives (the base
+and experts' directories, the lm-eval scorer, the references): the ``zeroshot``/``finetuned`` rows and a recipe
+cell's session, merged checkpoint to checkpoint by the streaming path (``merge_causal_lms``: key by key, sharded
+safetensors out, so the same cell code runs a 7B family) and scored with lm-eval. Weight-space chains only:
+DisTaC and MAGIC's feature-space steps (FSC, so DSC) have no causal-LM adapter. A source module (``built``: the
+pipeline's own tiny Llama; ``files``: a lab's directories) never imports another."""
 
 from __future__ import annotations
 
@@ -11,26 +13,36 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from ....backbones.hf_causal_lm_merge import merge_causal_lms
 from ....recipe import Recipe
 from ...cells import (REFERENCES, Cell, CellResult, base_params, flat_params, jsonable_diagnostics, matrix_chains,
-                     per_example_results, per_seed, per_seed_skipped, recipe_cell)
+                       per_example_results, recipe_cell)
 from ...config import Params
 from ..protocol import Session
-from .stages import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
+from .scoring import LmEval
 
-NAME = "llm"
+
+@dataclass(frozen=True)
+class Models:
+    """What a source gives a cell: the references its stage wrote (base and experts' scores, norms, task
+    configurations), the base's directory, the experts' (task order of the cell), the lm-eval scorer, and the
+    folder under which the cell writes its scratch merges."""
+
+    reference: dict
+    base: Path
+    experts: list[Path]
+    scorer: LmEval
+    scratch: Path
+
+
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no causal-LM "
                "adapter yet; the LLM track runs weight-space chains (merge, svc, wsc)")
 
 
-def enabled(params: Params) -> bool:
-    return params.llm.enabled
-
-
-def family_cells(params: Params, track: str, backbone: str, task_set: str, tasks) -> list[Cell]:
+def cells(params: Params, track: str, backbone: str, task_set: str, tasks) -> list[Cell]:
     """The cells of an LLM family (a base and one expert per task): references, then every weight-space
     chain of the matrix."""
     out = [Cell(track, backbone, task_set, tuple(tasks), "standard", ref, "") for ref in REFERENCES]
@@ -42,46 +54,11 @@ def family_cells(params: Params, track: str, backbone: str, task_set: str, tasks
     return out
 
 
-def family_skipped(params: Params, track: str, backbone: str, task_set: str, tasks,
-                   reason: str = SKIP_REASON) -> list[tuple[Cell, str]]:
+def skipped(params: Params, track: str, backbone: str, task_set: str, tasks,
+            reason: str = SKIP_REASON) -> list[tuple[Cell, str]]:
     """The chains an LLM family cannot run, as cells with the reason (the leaderboard lists them)."""
     return [(Cell(track, backbone, task_set, tuple(tasks), "standard", merge, chain, recipe.label), reason)
             for merge, chain, _, _, recipe in matrix_chains(params) if any(s.needs_data for s in recipe.steps)]
-
-
-def cells(params: Params) -> list[Cell]:
-    track = params.llm
-    return per_seed(family_cells(params, NAME, track.backbone, track.task_set, track.tasks), params.seeds)
-
-
-def skipped(params: Params) -> list[tuple[Cell, str]]:
-    track = params.llm
-    return per_seed_skipped(family_skipped(params, NAME, track.backbone, track.task_set, track.tasks), params.seeds)
-
-
-def model_files(models: dict[str, Path]) -> dict[str, Path]:
-    """{role/file name: path} of every file of each model directory (config, tokenizer, weights)."""
-    files = {}
-    for role, directory in models.items():
-        for path in sorted(p for p in directory.iterdir() if p.is_file()) if directory.is_dir() else [directory]:
-            files[f"{role}/{path.name}"] = path
-    return files
-
-
-def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
-    files = {"data_manifest": data_root(root) / "manifest.json", "reference": diagnostics_path(params, root, cell.seed)}
-    models = {"base": base_dir(params, root)}
-    if cell.merge != "zeroshot":
-        models.update({f"expert.{t}": expert_dir(params, root, t, cell.seed) for t in cell.tasks})
-    return {**files, **model_files(models)}
-
-
-def fingerprint(params: Params):
-    return {"evaluation": params.llm.evaluation.model_dump(), "lm_eval": lm_eval_version()}
-
-
-def cell_fingerprint(cell: Cell, params: Params):
-    return fingerprint(params)
 
 
 def lm_eval_version() -> str:
@@ -109,24 +86,10 @@ def logged_params(cell: Cell, reference: dict) -> dict[str, str]:
     return logged
 
 
-def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
-    root = Path(root)
-    reference = json.loads(diagnostics_path(params, root, cell.seed).read_text())
-    return family_reference(cell, reference, base_dir(params, root), lm_eval_setup(params, root), device=device)
-
-
-def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
-            device: str = "cpu"):
-    root = Path(root)
-    reference = json.loads(diagnostics_path(params, root, cell.seed).read_text())
-    return family_session(cell, recipe, reference, base_dir(params, root),
-                          [expert_dir(params, root, t, cell.seed) for t in cell.tasks], lm_eval_setup(params, root),
-                          work_dir(root) / "merged", device=device)
-
-
-def family_reference(cell: Cell, reference: dict, base: Path, scorer, *, device: str = "cpu") -> CellResult:
-    """The ``zeroshot`` row (the base scored on test with lm-eval, ``scorer``: a ``.stages.LmEval``) or the
-    ``finetuned`` row (each expert's own score, from the family's references)."""
+def reference(cell: Cell, models: Models, *, device: str = "cpu") -> CellResult:
+    """The ``zeroshot`` row (the base scored on test with lm-eval) or the ``finetuned`` row (each expert's own
+    score, from the source's references)."""
+    reference, base, scorer = models.reference, models.base, models.scorer
     tasks = list(cell.tasks)
     logged = logged_params(cell, reference)
     if cell.merge == "zeroshot":
@@ -140,12 +103,12 @@ def family_reference(cell: Cell, reference: dict, base: Path, scorer, *, device:
 
 
 @contextmanager
-def family_session(cell: Cell, recipe: Recipe, reference: dict, base: Path, experts: list[Path], scorer,
-                   scratch_root: Path, *, device: str = "cpu") -> Iterator[Session]:
-    """A recipe cell of a family: the experts merged checkpoint to checkpoint (weight-space chain) into a scratch
-    directory for each scaling, scored on validation with lm-eval (``scorer``: a ``.stages.LmEval``); only the
-    best merge so far stays on disk, and the scratch directory goes when the cell ends. ``reference``: the
-    family's references (base and experts' scores, norms, task configurations)."""
+def session(cell: Cell, recipe: Recipe, models: Models, *, device: str = "cpu") -> Iterator[Session]:
+    """A recipe cell: the experts merged checkpoint to checkpoint (weight-space chain) into a scratch directory
+    for each scaling, scored on validation with lm-eval; only the best merge so far stays on disk, and the
+    scratch directory goes when the cell ends."""
+    reference, base, experts, scorer, scratch_root = (models.reference, models.base, models.experts, models.scorer,
+                                                      models.scratch)
     tasks = list(cell.tasks)
     scratch_root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="cell-", dir=scratch_root))
@@ -189,3 +152,4 @@ def family_session(cell: Cell, recipe: Recipe, reference: dict, base: Path, expe
         yield Session(merged, validate, result)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+

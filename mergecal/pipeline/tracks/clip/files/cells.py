@@ -22,26 +22,26 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
-from ....calibrations.fsc import calibrate_fsc
-from ....calibrations.probing import SensitivityRanking
-from ....checkpoint import SafetensorsSource, load_state_dict
-from ....errors import CheckpointError, MergecalError
-from ....merge import iter_weight_space
-from ....recipe import Recipe
-from ....task_vectors import TaskVectorSet
-from ...cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
+from .....calibrations.fsc import calibrate_fsc
+from .....calibrations.probing import SensitivityRanking
+from .....checkpoint import SafetensorsSource, load_state_dict
+from .....errors import CheckpointError, MergecalError
+from .....merge import iter_weight_space
+from .....recipe import Recipe
+from .....task_vectors import TaskVectorSet
+from ....cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
                      jsonable_diagnostics, matrix_chains, per_example_results, per_seed, recipe_cell, summaries,
                      uses_sensitivity, validation_averages)
-from ...config import Params
+from ....config import Params
 from .params import LocalClipTrack
-from .stages import (TaskData, VisualView, arch_of, build_model, checkpoint_files, finetuned_path,
-                          finetuned_visual, heads_path, load_visual, model_paths, open_checkpoint, pretrained_path,
-                          pretrained_visual, references_path, visual_keys)
+from .....backbones.clip_checkpoints import (VisualView, build_model, checkpoint_files, finetuned_visual, load_visual,
+                                             open_checkpoint, pretrained_visual, visual_keys)
+from .stages import TaskData, arch_of, finetuned_path, heads_path, model_paths, pretrained_path, references_path
 from .calibration import distac_dir, read_recorded, sensitivity_path, train_sample
-from ...own_models import checked_reference, role_files
-from ..vision.stages import check_distac_file
-from ..protocol import Session
-from ..registry import cell_track, configured_track, configured_tracks
+from ....own_models import checked_reference, role_files
+from ..family import check_distac_file
+from ...protocol import Session
+from ...registry import cell_track, configured_track, configured_tracks
 
 NAME = "local_clip"
 
@@ -158,7 +158,7 @@ def _fsc_data(params: Params, track: LocalClipTrack, root: Path, tasks: list[str
     import torch
 
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....backbones.open_clip_vit import preprocess
+    from .....backbones.open_clip_vit import preprocess
 
     n = fsc_params.n_samples_per_task
     data = [preprocess(train_sample(params, track, t, root, n, "the FSC step's n_samples_per_task", size,
@@ -194,7 +194,7 @@ def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params,
     """A recipe cell: DisTaC-conditioned encoders (read from the stage's files) replace their checkpoints, the
     merge and weight-space steps stream into the model, an FSC step hooks a copy of it."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....backbones.open_clip_vit import image_size
+    from .....backbones.open_clip_vit import image_size
 
     root = Path(root)
     track = configured_track(cell, params)

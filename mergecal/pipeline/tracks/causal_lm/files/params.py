@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ....config_types import ConfigValueError, Count
-from ...params_base import MIN_TEST_EXAMPLES, Strict, _check_dataclass
-from ..llm.params import LlmEvaluation
+from .....config_types import ConfigValueError, Count
+from ....params_base import MIN_TEST_EXAMPLES, Strict, _check_dataclass
+from ..params import LlmEvaluation
 
 
 class LocalLmTask(Strict):
@@ -64,7 +64,7 @@ class LocalLlmTrack(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "LocalLlmTrack":
-        from ....data.llm import TASKS, LlmSuiteConfig
+        from .....data.llm import TASKS, LlmSuiteConfig
 
         if self.task_source == "task_dir" and self.task_dir is None:
             raise ConfigValueError("task_dir", "missing: task_source: task_dir names a directory of lm-eval YAMLs")

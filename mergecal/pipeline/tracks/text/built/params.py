@@ -6,12 +6,12 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from ....regimes import Objective
-from ...params_base import Strict, _check_dataclass, _distinct, _known_tasks
+from .....regimes import Objective
+from ....params_base import Strict, _check_dataclass, _distinct, _known_tasks
 
 
 def _library_default_tasks() -> tuple[str, ...]:
-    from ....data.text import DEFAULT_TASKS
+    from .....data.text import DEFAULT_TASKS
 
     return DEFAULT_TASKS
 
@@ -30,7 +30,7 @@ class TextTrack(Strict):
     @field_validator("tasks")
     @classmethod
     def _tasks(cls, tasks: list[str]) -> list[str]:
-        from ....data.text import ALL_TASKS
+        from .....data.text import ALL_TASKS
 
         return _known_tasks(tasks, ALL_TASKS, "choose from")
 
@@ -41,8 +41,8 @@ class TextTrack(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "TextTrack":
-        from ....data.text import TextSuiteConfig
-        from ....train.finetune_text import TextFinetuneConfig
+        from .....data.text import TextSuiteConfig
+        from .....train.finetune_text import TextFinetuneConfig
 
         self.data = _check_dataclass(TextSuiteConfig, self.data, "data")
         self.finetune = _check_dataclass(TextFinetuneConfig, self.finetune, "finetune")

@@ -6,17 +6,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ....config_types import ConfigValueError, Count
-from ...params_base import Strict, _check_dataclass, _distinct, _known_tasks
-
-
-class LlmEvaluation(Strict):
-    """lm-eval settings of the LLM track: documents per task on validation (choosing the scaling; all of them
-    when larger than the split) and the batch size of each lm-eval scoring call."""
-
-    max_validation: Count = 150
-    batch_size: Count = 32
-
+from .....config_types import ConfigValueError
+from ....params_base import Strict, _check_dataclass, _distinct, _known_tasks
+from ..params import LlmEvaluation
 
 
 class LlmTrack(Strict):
@@ -38,7 +30,7 @@ class LlmTrack(Strict):
     @field_validator("tasks")
     @classmethod
     def _tasks(cls, tasks: list[str]) -> list[str]:
-        from ....data.llm import TASKS
+        from .....data.llm import TASKS
 
         return _known_tasks(tasks, TASKS, "the LLM suite's tasks are")
 
@@ -49,8 +41,8 @@ class LlmTrack(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "LlmTrack":
-        from ....data.llm import LlmSuiteConfig
-        from ....train.lm import LmTrainConfig, TinyLlamaShape
+        from .....data.llm import LlmSuiteConfig
+        from .....train.lm import LmTrainConfig, TinyLlamaShape
 
         self.data = _check_dataclass(LlmSuiteConfig, self.data, "data")
         self.shape = _check_dataclass(TinyLlamaShape, self.shape, "shape")
@@ -71,7 +63,7 @@ class LlmTrack(Strict):
 
 
 def _library_default_llm_tasks() -> tuple[str, ...]:
-    from ....data.llm import TASKS
+    from .....data.llm import TASKS
 
     return tuple(TASKS)
 

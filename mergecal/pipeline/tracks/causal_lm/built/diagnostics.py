@@ -10,13 +10,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ....backbones.hf_causal_lm_merge import merge_causal_lms
-from ....checkpoint import load_state_dict, save_state_dict
-from ....data.llm import load_records
-from ....train.lm import LmTrainConfig, finetune_lm
-from ...config import Params
-from ...refit_stability import identical, largest_task_vector, recorded, threads_pinned
-from ...stability import Examples, perturbed, task_arithmetic
+from .....backbones.hf_causal_lm_merge import merge_causal_lms
+from .....checkpoint import load_state_dict, save_state_dict
+from .....data.llm import load_records
+from .....train.lm import LmTrainConfig, finetune_lm
+from ....config import Params
+from ....refit_stability import identical, largest_task_vector, recorded, threads_pinned
+from ....stability import Examples, perturbed, task_arithmetic
 from .stages import base_dir, data_root, expert_dir, lm_eval_setup, work_dir
 
 

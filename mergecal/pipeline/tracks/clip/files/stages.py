@@ -23,27 +23,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ....backbones.clip_layouts import OpenClipLayoutSource
-from ....backbones.loading import load_weights_file
-from ....checkpoint import (INDEX_SUFFIX, PICKLE_SUFFIXES, DictSource, SafetensorsSource, atomic_write_text,
-                          safetensors_files, save_state_dict, weights_candidates)
-from ....data.real_vision import (DatasetError, canonical_task, expected_layouts, find_layout, load_real_split,
+from .....backbones.clip_checkpoints import (CHECKPOINT_FILES, VisualView, build_model, checkpoint_files,
+                                             finetuned_visual, load_visual, open_checkpoint, pretrained_visual,
+                                             register_hf_arch)
+from .....checkpoint import atomic_write_text, save_state_dict
+from .....data.real_vision import (DatasetError, canonical_task, expected_layouts, find_layout, load_real_split,
                                 task_metadata)
-from ....data.real_vision import dataset_files as split_files
-from ....errors import CheckpointError, MergecalError
-from ...hashing import HASH_CACHE, file_digest
+from .....data.real_vision import dataset_files as split_files
+from .....errors import CheckpointError, MergecalError
+from ....hashing import HASH_CACHE, file_digest
 from .params import LocalClipTrack
-from ...own_models import check_test_counts, loaded_files, name_under, resolve, tracks_dir
-from ...results import one_line
-
-VISUAL = "visual."
-PROJECTION = "visual.proj"  # absent from a CLIPVisionModel: the pretrained one is kept
+from ....config import Params
+from ....own_models import check_test_counts, content_records, loaded_files, name_under, resolve, tracks_dir
+from ....results import one_line
 
 
 def track_dir(track: LocalClipTrack, root: str | Path) -> Path:
@@ -72,150 +69,8 @@ def dataset_root(track: LocalClipTrack, task: str, root: str | Path) -> Path:
 
 # ----------------------------------------------------------------------------------------------- checkpoints
 
-def open_checkpoint(path: Path, *, allow_unsafe_pickle: bool = False):
-    """A checkpoint file or HF directory as a lazy ``TensorSource`` in open_clip's layout. A pickled file is
-    refused from its name, before a byte of it is read, unless ``allow_unsafe_pickle``."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: checkpoint not found (nothing is downloaded; give a local file or directory)")
-    if path.is_file() and path.suffix in PICKLE_SUFFIXES:
-        if not allow_unsafe_pickle:
-            raise CheckpointError(f"{path}: a pickled checkpoint; unpickling can run arbitrary code, so it is not "
-                                  "read: convert it to safetensors, or set allow_unsafe_pickle: true on the track "
-                                  "for a file you trust")
-        warnings.warn(f"{path}: unpickling (allow_unsafe_pickle: true); this runs any code the file holds",
-                      stacklevel=2)
-        try:
-            state = load_weights_file(path, allow_unsafe_pickle=True)
-        except (ImportError, AttributeError) as err:  # a pickled module whose class is not importable here
-            raise CheckpointError(f"{path}: cannot unpickle ({type(err).__name__}: {err}); put the code that "
-                                  "saved it (e.g. task_vectors' src/) on PYTHONPATH, or convert it") from None
-        return OpenClipLayoutSource(DictSource(state, str(path)), str(path))
-    return OpenClipLayoutSource(SafetensorsSource(path), str(path))
-
-
-def register_hf_arch(directory: Path) -> str:
-    """The open_clip architecture of a Hugging Face CLIP directory (from its config.json), registered under a
-    name derived from that config."""
-    import open_clip
-    from transformers import CLIPConfig
-
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: checkpoint not found (nothing is downloaded; give a local file or "
-                              "directory)")
-    try:
-        config = CLIPConfig.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
-        raise CheckpointError(f"{directory}: not a Hugging Face CLIP directory ({str(err).splitlines()[0]})") from None
-    v, t = config.vision_config, config.text_config
-    if v.hidden_act != t.hidden_act or v.hidden_act not in ("quick_gelu", "gelu"):
-        raise CheckpointError(f"{directory}/config.json: activation {v.hidden_act!r}/{t.hidden_act!r}; open_clip "
-                              "builds quick_gelu or gelu towers")
-    cfg = {"embed_dim": config.projection_dim, "quick_gelu": v.hidden_act == "quick_gelu",
-           "vision_cfg": {"image_size": v.image_size, "patch_size": v.patch_size, "layers": v.num_hidden_layers,
-                          "width": v.hidden_size, "head_width": v.hidden_size // v.num_attention_heads,
-                          "mlp_ratio": v.intermediate_size / v.hidden_size},
-           "text_cfg": {"context_length": t.max_position_embeddings, "vocab_size": t.vocab_size,
-                        "width": t.hidden_size, "heads": t.num_attention_heads, "layers": t.num_hidden_layers,
-                        "mlp_ratio": t.intermediate_size / t.hidden_size}}
-    name = "hf-clip-" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
-    if name not in open_clip.list_models():
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="mergecal-archs-") as tmp:
-            (Path(tmp) / f"{name}.json").write_text(json.dumps(cfg))
-            open_clip.add_model_config(Path(tmp) / f"{name}.json")
-    return name
-
-
 def arch_of(track: LocalClipTrack, root: str | Path) -> str:
     return track.model.arch or register_hf_arch(pretrained_path(track, root))
-
-
-class VisualView:
-    """The image-encoder keys of a checkpoint in float32 (the merge's compute dtype, so that a float16
-    pretrained and float32 fine-tuned checkpoints compare); ``fill`` gives the keys it lacks
-    (``visual.proj`` of a CLIPVisionModel: the pretrained one)."""
-
-    def __init__(self, source, keys: list[str], fill=None):
-        self.source, self.name, self._keys, self.fill = source, source.name, keys, fill
-        self._own = set(source.keys())
-        self._shape = {k: tuple((source if k in self._own else fill).shape(k)) for k in keys}
-
-    def keys(self) -> list[str]:
-        return list(self._keys)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self._shape[key]
-
-    def dtype(self, key: str) -> torch.dtype:
-        return torch.float32
-
-    def get(self, key: str) -> torch.Tensor:
-        return (self.source if key in self._own else self.fill).get(key).float()
-
-
-def visual_keys(source) -> list[str]:
-    return [k for k in source.keys() if k.startswith(VISUAL) and source.dtype(k).is_floating_point]
-
-
-def pretrained_visual(pre) -> VisualView:
-    keys = visual_keys(pre)
-    if not keys:
-        raise CheckpointError(f"{pre.name}: no image-encoder keys (visual.* / vision_model.*)")
-    return VisualView(pre, keys)
-
-
-def finetuned_visual(pre, path: Path, *, allow_unsafe_pickle: bool = False) -> VisualView:
-    """A fine-tuned checkpoint's image encoder over the pretrained one's keys, checked from headers: the same
-    keys (a missing projection excepted) and shapes, else one line naming the file and the first key."""
-    ft = open_checkpoint(path, allow_unsafe_pickle=allow_unsafe_pickle)
-    wanted, own = visual_keys(pre), set(visual_keys(ft))
-    if not own:
-        raise CheckpointError(f"{path}: no image-encoder keys (visual.* / vision_model.*): not a CLIP image encoder")
-    extra = sorted(own - set(wanted))
-    missing = [k for k in wanted if k not in own and k != PROJECTION]
-    if extra or missing:
-        key, where = (extra[0], "is not in") if extra else (missing[0], "is missing, though it is in")
-        raise CheckpointError(f"{path}: architecture differs from the pretrained model: key {key!r} {where} "
-                              f"{pre.name}")
-    for key in sorted(own):
-        if tuple(ft.shape(key)) != tuple(pre.shape(key)):
-            raise CheckpointError(f"{path}: architecture differs from the pretrained model: key {key!r} has shape "
-                                  f"{tuple(ft.shape(key))}, {tuple(pre.shape(key))} in {pre.name}")
-    return VisualView(ft, wanted, fill=pre)
-
-
-def build_model(arch: str, pre) -> torch.nn.Module:
-    """``arch`` with the pretrained weights, copied key by key into the model (no second copy in memory)."""
-    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....backbones.open_clip_vit import create_clip
-
-    try:
-        model = create_clip(arch, seed=0)
-    except MergecalError as err:
-        raise CheckpointError(f"model.arch: {err}") from None
-    state = model.state_dict()
-    missing = [k for k in state if k not in set(pre.keys())]
-    unexpected = [k for k in pre.keys() if k not in state]
-    if missing or unexpected:
-        key = missing[0] if missing else unexpected[0]
-        raise CheckpointError(f"{pre.name}: not a {arch} checkpoint: key {key!r} is "
-                              f"{'missing' if missing else 'not in the architecture'}")
-    with torch.no_grad():
-        for key, tensor in state.items():
-            if tuple(pre.shape(key)) != tuple(tensor.shape):
-                raise CheckpointError(f"{pre.name}: not a {arch} checkpoint: key {key!r} has shape "
-                                      f"{tuple(pre.shape(key))}, the architecture {tuple(tensor.shape)}")
-            tensor.copy_(pre.get(key))
-    return model.eval()
-
-
-def load_visual(model: torch.nn.Module, items) -> None:
-    """Copy ``(key, tensor)`` pairs into the model's own tensors, one key at a time."""
-    state = model.state_dict()
-    with torch.no_grad():
-        for key, tensor in items:
-            state[key].copy_(tensor)
 
 
 # --------------------------------------------------------------------------------------------------- data
@@ -252,7 +107,7 @@ class TaskData:
     def score(self, model, head: torch.Tensor, task: str, split: str, device: str = "cpu", *,
               per_example: bool = False) -> dict[str, float]:
         # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-        from ....evaluation.zeroshot import logit_scores, predict_logits
+        from .....evaluation.zeroshot import logit_scores, predict_logits
 
         batch = self.track.evaluation.batch_size
         if split == "validation":
@@ -301,24 +156,6 @@ def model_paths(track: LocalClipTrack, root: str | Path) -> dict[str, Path]:
 def model_keys(track: LocalClipTrack) -> dict[str, str]:
     """{role in inputs.json: the params key of its path}."""
     return {"pretrained": "model.pretrained", **{f"finetuned.{t}": f"finetuned.{t}" for t in track.finetuned}}
-
-
-CHECKPOINT_FILES = ("checkpoint files (expected a .safetensors file or index, a pickled .pt/.pth/.bin/.ckpt file, "
-                    "or a directory with config.json and model.safetensors or *.safetensors.index.json)")
-
-
-def checkpoint_files(path: Path, *, with_config: bool = False) -> list[Path]:
-    """The files ``open_checkpoint`` reads for ``path`` (and ``register_hf_arch``: config.json, when
-    ``with_config``): a pickled file; a safetensors file, or an index and its shards (``safetensors_files``);
-    a directory's safetensors. Empty when the path holds none of them."""
-    if path.is_file():
-        if path.suffix in PICKLE_SUFFIXES:
-            return [path]
-        return safetensors_files(path) if path.suffix == ".safetensors" or path.name.endswith(INDEX_SUFFIX) else []
-    if not path.is_dir():
-        return []
-    config = [path / "config.json"] if with_config and (path / "config.json").is_file() else []
-    return config + (safetensors_files(path) if weights_candidates(path) else [])
 
 
 def input_files(track: LocalClipTrack, root: str | Path, where: str = "") -> dict[str, Path | dict]:
@@ -378,7 +215,7 @@ def references(track: LocalClipTrack, root: str | Path = ".", *, seed: int = 0, 
     is the track's error; an unusable task (checkpoint, dataset) that task's; both one line, and the stage
     goes on with the other tasks and tracks."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
-    from ....backbones.open_clip_vit import get_tokenizer, image_size, zero_shot_head
+    from .....backbones.open_clip_vit import get_tokenizer, image_size, zero_shot_head
 
     root = Path(root)
     report: dict = {"name": track.name, "kind": "clip", "tasks": {}}
@@ -422,3 +259,34 @@ def references(track: LocalClipTrack, root: str | Path = ".", *, seed: int = 0, 
         data._validation.clear()
     atomic_write_text(references_path(track, root), json.dumps(report, indent=2, sort_keys=True))
     return report
+
+
+def configured(params: Params) -> list:
+    """This source's tracks in params.yaml (``local_clip:``)."""
+    return params.local_clip
+
+
+def input_records(params: Params, root: str | Path, cache: Path) -> dict:
+    """This source's part of the stage ``local_inputs`` (``tracks.lab_files.record_inputs``): per track, size and
+    sha256 of each file of its checkpoints and datasets that is read (``input_files``), and of no other file."""
+    out = {}
+    for index, track in enumerate(params.local_clip):
+        found = input_files(track, root, f"params.yaml: local_clip.{index}.")
+        out[track.name] = {"settings": track.model_dump(mode="json"), "files": content_records(found, cache)}
+    return out
+
+
+def all_references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict[str, dict]:
+    """This source's part of the stage ``local_tracks``: every configured track's references."""
+    return {track.name: references(track, root, seed=params.seed, device=device) for track in params.local_clip}
+
+
+def report_lines(name: str, report: dict) -> list[str]:
+    """What the stage ``local_tracks`` prints of a track's references."""
+    if "error" in report:
+        return [f"{name}: ERROR {report['error']}"]
+    return [f"{name}/{task}: ERROR {info['error']}" if "error" in info else
+            f"{name}/{task}: fine-tuned {info['test_accuracy']:.3f}, zero-shot "
+            f"{info['zeroshot']['test']['accuracy']:.3f} (test, {info['n']['test']} images); "
+            f"|tau| {info['norm']:.2f} ({info['relative_norm']:.4f} of |theta_0|)"
+            for task, info in report["tasks"].items()]

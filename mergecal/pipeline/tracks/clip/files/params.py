@@ -6,10 +6,10 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from ....config_types import ConfigValueError, Count
-from ....errors import MergecalError
-from ....regimes import DISTAC_PRESETS
-from ...params_base import MIN_TEST_EXAMPLES, Strict
+from .....config_types import ConfigValueError, Count
+from .....errors import MergecalError
+from .....regimes import DISTAC_PRESETS
+from ....params_base import MIN_TEST_EXAMPLES, Strict
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")  # a file; anything else is a directory
@@ -71,8 +71,8 @@ class LocalClipTrack(Strict):
     @field_validator("distac")
     @classmethod
     def _distac(cls, values: dict[str, Any]) -> dict[str, Any]:
-        from ....calibrations.distac import DistacStepParams
-        from ....methods.base import build_params
+        from .....calibrations.distac import DistacStepParams
+        from .....methods.base import build_params
 
         try:
             build_params(DistacStepParams, "distac", {"preset": "norm_mismatch", **values})
@@ -83,16 +83,16 @@ class LocalClipTrack(Strict):
     def distac_step(self):
         """The track's DisTaC step: the paper's preset for models without a known failure mode (the vision
         track's standard regime: norm matching, ``mergecal.regimes.DISTAC_PRESETS``), then ``distac``."""
-        from ....calibrations.distac import DistacStepParams
-        from ....methods.base import build_params
+        from .....calibrations.distac import DistacStepParams
+        from .....methods.base import build_params
 
         return build_params(DistacStepParams, "distac", {"preset": DISTAC_PRESETS["standard"], **self.distac})
 
     @field_validator("finetuned")
     @classmethod
     def _finetuned(cls, finetuned: dict[str, str]) -> dict[str, str]:
-        from ....data.real_vision import canonical_task
-        from ....data.real_vision_metadata import REAL_TASKS
+        from .....data.real_vision import canonical_task
+        from .....data.real_vision_metadata import REAL_TASKS
 
         if len(finetuned) < 2:
             raise ValueError(f"expected at least 2 fine-tuned checkpoints (task: path), got {len(finetuned)}")
@@ -107,8 +107,8 @@ class LocalClipTrack(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "LocalClipTrack":
-        from ....data.real_vision import canonical_task
-        from ....data.real_vision_metadata import CLASSNAMES
+        from .....data.real_vision import canonical_task
+        from .....data.real_vision_metadata import CLASSNAMES
 
         for task in self.finetuned:
             if not self.datasets.get(task):

@@ -1,0 +1,49 @@
+"""The two stages every source of a lab's files shares, over every family's such source (``causal_lm.files``: the
+``local_llm`` tracks; ``clip.files``: the ``local_clip`` tracks), so that one file, ``models/local/inputs.json``,
+is the dependency through which DVC reruns ``local_tracks`` exactly when a byte of a lab's file changed:
+
+* ``record_inputs`` (stage ``local_inputs``, always run; cheap): each source's ``input_records``, the size and
+  sha256 of each file its loaders read, hashes cached by path, size and mtime (``.mergecal/hashes``);
+* ``all_references`` (stage ``local_tracks``): each source's ``all_references``, and an index of the tracks, so
+  that the output directory exists when none is configured; ``report_lines`` what the stage prints.
+
+A new source of a lab's files is one more entry of ``SOURCES``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ...checkpoint import atomic_write_text
+from ..config import Params
+from ..hashing import HASH_CACHE
+from ..own_models import inputs_path, tracks_dir
+from .causal_lm.files import stages as causal_lm_files
+from .clip.files import stages as clip_files
+
+#: every family's source of a lab's files, in the order their tracks are recorded and scored
+SOURCES = (causal_lm_files, clip_files)
+
+
+def record_inputs(params: Params, root: str | Path = ".") -> dict:
+    """``inputs.json``: each source's records of its tracks' files (written atomically)."""
+    out = {}
+    for source in SOURCES:
+        out.update(source.input_records(params, root, Path(root) / HASH_CACHE))
+    atomic_write_text(inputs_path(root), json.dumps(out, indent=2, sort_keys=True))
+    return out
+
+
+def all_references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict[str, dict]:
+    """Every configured track's references, source by source, then ``tracks/index.json``."""
+    out = {}
+    for source in SOURCES:
+        out.update(source.all_references(params, root, device=device))
+    atomic_write_text(tracks_dir(root) / "index.json", json.dumps(sorted(out), indent=2))
+    return out
+
+
+def report_lines(params: Params, references: dict[str, dict]) -> list[str]:
+    """What the stage ``local_tracks`` prints: each track's lines, by its source."""
+    source_of = {track.name: source for source in SOURCES for track in source.configured(params)}
+    return [line for name, report in references.items() for line in source_of[name].report_lines(name, report)]
