@@ -15,6 +15,7 @@ import yaml
 
 from mergecal.errors import MergecalError, ParameterError
 from mergecal.pipeline import cells as cells_mod
+from mergecal.pipeline import code_digest
 from mergecal.pipeline.tracks.causal_lm.built import stages as llm
 from mergecal.pipeline.tracks.text.built import stages as text
 from mergecal.pipeline.tracks.clip.built import stages as vision
@@ -187,22 +188,22 @@ def test_cell_code_digest_follows_the_modules_each_cell_imports(tmp_path, monkey
     import functools
 
     package = tmp_path / "mergecal"
-    shutil.copytree(cells_mod.PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(code_digest.PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
     params = load_params(REPO / "params.yaml")
     cells = cells_mod.enumerate_cells(params)
     first_regime = {c.track: c.regime for c in reversed(cells)}  # one regime a track: the code digest ignores it
     cells = [c for c in cells if c.regime == first_regime[c.track]]
-    steps = [set(cells_mod.recipe_steps(c.recipe)) for c in cells]
+    steps = [set(code_digest.recipe_steps(c.recipe)) for c in cells]
     monkeypatch.setattr(cells_mod, "cell_inputs", lambda cell, params, root: {})  # only the code changes here
 
     def ids(package_dir: Path) -> list[str]:
         """Every cell's id, the code digest computed afresh over ``package_dir``."""
         monkeypatch.setattr(cells_mod, "cell_code_digest", functools.lru_cache(maxsize=None)(
-            functools.partial(cells_mod.cell_code_digest.__wrapped__, package_dir=package_dir)))
+            functools.partial(code_digest.cell_code_digest.__wrapped__, package_dir=package_dir)))
         return cells_mod.matrix_ids(cells, params, ".")
 
     before = ids(package)
-    assert before == ids(cells_mod.PACKAGE_DIR)  # the copy: the same ids
+    assert before == ids(code_digest.PACKAGE_DIR)  # the copy: the same ids
 
     def changed_by(*edited: str) -> set[int]:
         originals = {name: (package / name).read_text() for name in edited}
@@ -233,7 +234,7 @@ def test_cell_code_digest_follows_the_modules_each_cell_imports(tmp_path, monkey
     assert changed_by("evaluation/zeroshot.py") == {i for i, c in enumerate(cells) if c.track in ("vision", "llm")}
     assert changed_by("reports/leaderboard.py", "cli.py", "perf/merging.py", "perf/memory.py", "ui.py") == set()
     (package / "methods" / "new_method.py").write_text("from ..linalg import svd\n")
-    cells_mod._package_sources.cache_clear()  # the graph is read once a process: read it again with the new file
+    code_digest._package_sources.cache_clear()  # the graph is read once a process: read it again with the new file
     assert ids(package) == before
 
 
@@ -241,7 +242,7 @@ def test_cell_code_digest_is_logged_per_cell():
     params = load_params(REPO / "params.yaml")
     by_merge = {c.merge: c for c in cells_mod.enumerate_cells(params) if c.track == "vision" and c.chain == "{merge}"}
     logged = {m: cells_mod.base_params(c)["mergecal_code"] for m, c in by_merge.items()}
-    assert logged["ties"] == cells_mod.cell_code_digest("vision", by_merge["ties"].recipe)[:16]
+    assert logged["ties"] == code_digest.cell_code_digest("vision", by_merge["ties"].recipe)[:16]
     assert logged["ties"] != logged["task_arithmetic"]
 
 

@@ -7,16 +7,15 @@ module is generic. A cell is (track, regime, merge method, calibration chain), p
 denominator of normalized accuracy). A cell's id hashes everything its result depends on: the canonical
 recipe (every hyperparameter), the scaling grid, the evaluation settings, the bytes of every input file
 (checkpoints, heads, DisTaC-conditioned models, sensitivity ranking, data manifest) and the source of the
-modules that compute it (``cell_code_digest``: the shared core, the cell's track package and its recipe's steps). Equal
-ids, equal results: an edited method recomputes its own cells instead of reusing results of the old code, and
-no other cell.
+modules that compute it (``code_digest.cell_code_digest``: the shared core, the cell's track and its recipe's
+steps). Equal ids, equal results: an edited method recomputes its own cells instead of reusing results of the
+old code, and no other cell.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
@@ -26,17 +25,14 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..calibrations import registry
 from ..calibrations.registry import get_calibration
 from ..errors import MergecalError
-from ..methods import MERGE_METHODS
 from ..perf.memory import peak_memory
 from ..recipe import Recipe
 from .chains import calibration_name, fixed_chain, scaling_source
 from .config import Params
-from .hashing import HASH_CACHE, file_digest, file_digest_at
-from .imports import import_closure, import_graph, module_files
-from .tracks import registry as track_registry
+from .code_digest import cell_code_digest
+from .hashing import HASH_CACHE, file_digest
 from .tracks.registry import enabled_tracks, track_of
 
 REFERENCES = ("zeroshot", "finetuned")
@@ -120,76 +116,6 @@ def enumerate_cells(params: Params) -> list[Cell]:
 def cell_inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, str]:
     """The files a cell reads, by role (its track says which)."""
     return {role: str(path) for role, path in track_of(cell).inputs(cell, params, root).items()}
-
-
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
-# parts of the package that never change a cell's result: reports, speed benchmarks, the command line
-NOT_CELL_CODE = ("reports", "perf", "cli", "ui")
-
-
-def _not_cell_code(module: str) -> bool:
-    parts = module.split(".")
-    return len(parts) > 1 and parts[1] in NOT_CELL_CODE
-
-
-@lru_cache(maxsize=1024)
-def recipe_steps(recipe_id: str) -> tuple[str, ...]:
-    """The step names of a canonical recipe id (() for the reference cells, which have none)."""
-    return tuple(step.name for step in Recipe.parse(recipe_id).steps) if recipe_id else ()
-
-
-def step_modules() -> dict[str, str]:
-    """Recipe step name -> the module that defines it, as the registries say: each merge method's class, each
-    calibration's registering module (a composite's parts are the recipe's steps: ``Recipe`` expands it)."""
-    calibrations = registry.__name__.rpartition(".")[0]
-    return {**{name: cls.__module__ for name, cls in MERGE_METHODS.items()},
-            **{name: f"{calibrations}.{module}" for name, module in registry.MODULES.items()}}
-
-
-def track_modules() -> dict[str, str]:
-    """``Cell.track`` (before any ``:``) -> the module implementing it (its track package's ``cells``)."""
-    return {name: f"{track_registry.PACKAGE}.{module}" for name, module in track_registry.MODULES.items()}
-
-
-def track_package_modules(graph) -> frozenset[str]:
-    """Every module of every registered model family's package (``tracks/<family>/``): one plug-in family, so a
-    track's modules come into a cell's closure only from its own source and family (``family.py`` and what it
-    imports), never from another source's (the registry imports them all)."""
-    packages = {f"{track_registry.PACKAGE}.{module.split('.')[0]}" for module in track_registry.MODULES.values()}
-    return frozenset(m for m in graph if any(m == p or m.startswith(p + ".") for p in packages))
-
-
-def cell_code_modules(track: str, recipe: str, graph) -> set[str]:
-    """The modules a cell's result depends on: those that ``cells`` (this module), the cell's track's ``cells``
-    module and the modules of its recipe's steps import (``mergecal.pipeline.imports``). Methods, calibrations
-    and tracks the cell does not name stay out, though their registries import them all; the reports, speed
-    benchmarks and command line (``NOT_CELL_CODE``) too."""
-    steps = step_modules()
-    named = {track_modules()[track.split(":", 1)[0]]} | {steps[name] for name in recipe_steps(recipe)}
-    # a step registered from a module outside the package has no source here to hash
-    return import_closure(graph, {__name__, *(named & graph.keys())},
-                          plugins=(frozenset(steps.values()), track_package_modules(graph)), leave_out=_not_cell_code)
-
-
-@lru_cache(maxsize=8)
-def _package_sources(package_dir: Path) -> tuple[dict[str, frozenset[str]], dict[str, tuple[str, str]]]:
-    """The package's import graph and each module's source (path relative to the package, absolute path), read
-    once a process."""
-    files = module_files(package_dir.parent, (package_dir.name,))
-    return (import_graph(package_dir.parent, (package_dir.name,)),
-            {module: (path.relative_to(package_dir).as_posix(), str(path)) for module, path in files.items()})
-
-
-@lru_cache(maxsize=None)
-def cell_code_digest(track: str, recipe: str, package_dir: Path = PACKAGE_DIR) -> str:
-    """SHA-256 over the sources (path relative to the package, sha256 of its bytes) of ``cell_code_modules``;
-    computed once per (track, recipe) and process (an edit is seen by the next process: the next ``dvc repro``)."""
-    graph, sources = _package_sources(package_dir)
-    h = hashlib.sha256()
-    for relative, path in sorted(sources[module] for module in cell_code_modules(track, recipe, graph)):
-        stat = os.stat(path)  # the bytes are read again only if size or mtime changed
-        h.update(f"{relative}\0{file_digest_at(path, stat.st_size, stat.st_mtime_ns)}\0".encode())
-    return h.hexdigest()
 
 
 @lru_cache(maxsize=1024)

@@ -1,7 +1,7 @@
 """The project's own import graph, read from its sources with ``ast`` (nothing is imported).
 
 Two users: a benchmark cell's id hashes the sources of the modules its computation imports
-(``mergecal.pipeline.cells.cell_code_digest``), and each DVC stage depends on the modules its script imports
+(``mergecal.pipeline.code_digest``), and each DVC stage depends on the modules its script imports
 (``scripts/stage_deps.py`` keeps dvc.yaml's code deps equal to them). An edge is any import the module can run:
 at module level or inside a function; ``if TYPE_CHECKING:`` imports never run and are left out. Importing a
 module runs its packages' ``__init__.py`` first, so every module also depends on its parent packages.
