@@ -4,8 +4,9 @@ is the dependency through which DVC reruns ``local_tracks`` exactly when a byte 
 
 * ``record_inputs`` (stage ``local_inputs``, always run; cheap): each source's ``input_records``, the size and
   sha256 of each file its loaders read, hashes cached by path, size and mtime (``.mergecal/hashes``);
-* ``all_references`` (stage ``local_tracks``): each source's ``all_references``, and an index of the tracks, so
-  that the output directory exists when none is configured; ``report_lines`` what the stage prints.
+* ``all_references`` (stage ``local_tracks``): each configured track's ``references`` (its source's), and an index
+  of the tracks, so that the output directory exists when none is configured; ``report_lines`` what the stage
+  prints (each task's figures in its source's ``task_line``).
 
 A new source of a lab's files is one more entry of ``SOURCES``."""
 
@@ -36,14 +37,21 @@ def record_inputs(params: Params, root: str | Path = ".") -> dict:
 
 def all_references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict[str, dict]:
     """Every configured track's references, source by source, then ``tracks/index.json``."""
-    out = {}
-    for source in SOURCES:
-        out.update(source.all_references(params, root, device=device))
+    out = {track.name: source.references(track, root, seed=params.seed, device=device)
+           for source in SOURCES for track in source.configured(params)}
     atomic_write_text(tracks_dir(root) / "index.json", json.dumps(sorted(out), indent=2))
     return out
 
 
 def report_lines(params: Params, references: dict[str, dict]) -> list[str]:
-    """What the stage ``local_tracks`` prints: each track's lines, by its source."""
+    """What the stage ``local_tracks`` prints: a track's or a task's recorded error, else the task's figures."""
     source_of = {track.name: source for source in SOURCES for track in source.configured(params)}
-    return [line for name, report in references.items() for line in source_of[name].report_lines(name, report)]
+    lines = []
+    for name, report in references.items():
+        if "error" in report:
+            lines.append(f"{name}: ERROR {report['error']}")
+            continue
+        lines += [f"{name}/{task}: ERROR {info['error']}" if "error" in info else
+                  f"{name}/{task}: {source_of[name].task_line(report, task, info)}"
+                  for task, info in report["tasks"].items()]
+    return lines

@@ -261,17 +261,7 @@ def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, d
     return report
 
 
-def all_references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict[str, dict]:
-    """This source's part of the stage ``local_tracks``: every configured track's references."""
-    return {track.name: references(track, root, seed=params.seed, device=device) for track in params.local_llm}
-
-
-def report_lines(name: str, report: dict) -> list[str]:
-    """What the stage ``local_tracks`` prints of a track's references."""
-    if "error" in report:
-        return [f"{name}: ERROR {report['error']}"]
-    base = report["base"]["test"]
-    return [f"{name}/{task}: ERROR {info['error']}" if "error" in info else
-            f"{name}/{task}: expert {info['test_accuracy']:.3f}, base {base[task]:.3f}; "
-            f"|tau| {info['norm']:.2f} ({info['relative_norm']:.4f} of |theta_0|)"
-            for task, info in report["tasks"].items()]
+def task_line(report: dict, task: str, info: dict) -> str:
+    """What the stage ``local_tracks`` prints of a task's references (``tracks.lab_files.report_lines``)."""
+    return (f"expert {info['test_accuracy']:.3f}, base {report['base']['test'][task]:.3f}; "
+            f"|tau| {info['norm']:.2f} ({info['relative_norm']:.4f} of |theta_0|)")

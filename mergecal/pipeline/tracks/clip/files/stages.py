@@ -276,17 +276,7 @@ def input_records(params: Params, root: str | Path, cache: Path) -> dict:
     return out
 
 
-def all_references(params: Params, root: str | Path = ".", *, device: str = "cpu") -> dict[str, dict]:
-    """This source's part of the stage ``local_tracks``: every configured track's references."""
-    return {track.name: references(track, root, seed=params.seed, device=device) for track in params.local_clip}
-
-
-def report_lines(name: str, report: dict) -> list[str]:
-    """What the stage ``local_tracks`` prints of a track's references."""
-    if "error" in report:
-        return [f"{name}: ERROR {report['error']}"]
-    return [f"{name}/{task}: ERROR {info['error']}" if "error" in info else
-            f"{name}/{task}: fine-tuned {info['test_accuracy']:.3f}, zero-shot "
-            f"{info['zeroshot']['test']['accuracy']:.3f} (test, {info['n']['test']} images); "
-            f"|tau| {info['norm']:.2f} ({info['relative_norm']:.4f} of |theta_0|)"
-            for task, info in report["tasks"].items()]
+def task_line(report: dict, task: str, info: dict) -> str:
+    """What the stage ``local_tracks`` prints of a task's references (``tracks.lab_files.report_lines``)."""
+    return (f"fine-tuned {info['test_accuracy']:.3f}, zero-shot {info['zeroshot']['test']['accuracy']:.3f} "
+            f"(test, {info['n']['test']} images); |tau| {info['norm']:.2f} ({info['relative_norm']:.4f} of |theta_0|)")
