@@ -92,6 +92,27 @@ def iter_weight_space(recipe: Recipe, task_vectors, *, sensitive: Sequence[str] 
     return iter_calibrated(merged, task_vectors, calibrations[n_unit:], diagnostics)
 
 
+def weight_space_trials(recipe: Recipe, task_vectors: TaskVectorSet, grid: Sequence[float], *,
+                        sensitive: Sequence[str] | None = None):
+    """``value -> (updates, diagnostics)``: the recipe's merge and weight-space steps (``iter_weight_space``) at
+    each scaling of ``grid``, ``updates`` a stream of ``(key, update)``. When the grid has several values and every
+    weight-space step reads the merge at scaling 1 (none, or SVC's protocol), they run once, at scaling 1, held in
+    memory (one update per key), and each value rescales them, equal bit for bit (``rescaled_model``); otherwise
+    each value streams the recipe again, one key at a time. Pre-merge and feature-space steps are the caller's."""
+    unit_recipe = recipe.with_scaling(1.0)
+    if len(grid) > 1 and all(s.at_unit_scaling for s in unit_recipe.phase("weight")):
+        diagnostics: dict[str, Any] = {}
+        unit = dict(iter_weight_space(unit_recipe, task_vectors, sensitive=sensitive, diagnostics=diagnostics))
+        return lambda value: (((k, u * value) for k, u in unit.items()), diagnostics)
+
+    def streamed(value: float):
+        diagnostics: dict[str, Any] = {}
+        return iter_weight_space(recipe.with_scaling(value), task_vectors, sensitive=sensitive,
+                                 diagnostics=diagnostics), diagnostics
+
+    return streamed
+
+
 def rescaled_model(pretrained: dict[str, torch.Tensor], unit_update: dict[str, torch.Tensor], scaling: float,
                    device: str | None = None) -> dict[str, torch.Tensor]:
     """theta_0 + ``scaling`` x an update merged (and calibrated) at scaling 1 (``iter_weight_space`` of the recipe at
@@ -202,5 +223,5 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 
 __all__ = ["iter_merge", "iter_scaled", "iter_weight_space", "merge_task_vectors", "merge_models", "merge_checkpoints",
-           "parse_dtype", "rescaled_model", "COMPUTE_DTYPE"]
+           "parse_dtype", "rescaled_model", "weight_space_trials", "COMPUTE_DTYPE"]
 

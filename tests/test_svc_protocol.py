@@ -64,6 +64,29 @@ def test_the_api_the_command_line_and_a_pipeline_trial_give_the_same_model(pretr
         assert torch.equal(api[key], cli[key]), key
 
 
+@pytest.mark.parametrize("recipe", ["task_arithmetic>svc", "ties", "tsv_m>svc", "task_arithmetic>wsc"])
+def test_weight_space_trials_equal_the_recipe_run_at_each_scaling(pretrained, finetuned, recipe):
+    """The session of a CLIP cell merges through ``weight_space_trials``: a rescalable recipe once at scaling 1,
+    then rescaled; WSC (which calibrates the scaled merge) streamed per value; both equal to ``run_recipe`` at
+    that value, bit for bit, and the SVC spectra reach the diagnostics."""
+    from mergecal.merge import weight_space_trials
+    from mergecal.task_vectors import TaskVectorSet
+
+    parsed = Recipe.parse(recipe)
+    tvs = TaskVectorSet.from_models(pretrained, finetuned)
+    sensitive = [SVC_KEYS[0]]  # WSC's magnitude-sensitive keys
+    trials = weight_space_trials(parsed, tvs, (0.1, 0.3, 1.0), sensitive=sensitive)
+    for value in (0.3, 1.0, 0.1):
+        updates, diagnostics = trials(value)
+        got = {k: tvs.load_pretrained(k) + u for k, u in updates}
+        expected = run_recipe(parsed.with_scaling(value), pretrained, finetuned,
+                              RecipeInputs(progress=False, sensitive=sensitive))
+        assert got.keys() and set(got) <= set(expected.state_dict)
+        for key, tensor in got.items():
+            assert torch.equal(tensor, expected.state_dict[key]), (recipe, value, key)
+        assert ("svc" in diagnostics) == ("svc" in recipe)
+
+
 def test_recipe_ids_and_chain_sources_differ_by_protocol():
     paper, old = Recipe.parse("ties>svc"), Recipe.parse("ties>svc(calibrate_at=chosen_scaling)")
     assert "calibrate_at='unit_scaling'" in paper.id and "calibrate_at='chosen_scaling'" in old.id

@@ -373,6 +373,16 @@ class DistacStepParams(DistacParams):
         return DistacParams(**self.model_dump(exclude={"apply_to"}))
 
 
+def distac_plan(step: DistacStepParams, norms: Sequence[float]) -> tuple[list[float], list[int]]:
+    """The kappa of each of K models (norm matching, ``kappas_from_norms``, unless the step fixes kappa) and the
+    models conditioned: every one, or with ``apply_to="largest_norm"`` the one whose task vector is longest (the
+    first on ties: the one norm matching shrinks). ``norms``: the K task vectors' norms."""
+    kappas = kappas_from_norms(norms) if step.kappa is None else [step.kappa] * len(norms)
+    if step.apply_to == "largest_norm":
+        return kappas, [max(range(len(norms)), key=lambda i: (norms[i], -i))]
+    return kappas, list(range(len(norms)))
+
+
 def condition_models(step: DistacStepParams, pretrained: StateDict, finetuned: Sequence[StateDict],
                      build_task_model: Callable[[int, StateDict], nn.Module], data: Sequence[Any], *,
                      trainable: Callable[[str], bool] | None = None, progress: bool = False,
@@ -386,14 +396,7 @@ def condition_models(step: DistacStepParams, pretrained: StateDict, finetuned: S
 
     if len(data) != len(finetuned):
         raise ParameterError(f"distac: {len(data)} unlabeled datasets for {len(finetuned)} models")
-    taus = [task_vector(m, pretrained) for m in finetuned]
-    kappas = norm_matching_kappas(taus) if step.kappa is None else [step.kappa] * len(finetuned)
-    if step.apply_to == "largest_norm":
-        norms = [task_vector_norm(tau) for tau in taus]
-        targets = [max(range(len(norms)), key=lambda i: (norms[i], -i))]
-    else:
-        targets = list(range(len(finetuned)))
-    del taus
+    kappas, targets = distac_plan(step, [task_vector_norm(task_vector(m, pretrained)) for m in finetuned])
     models, report = list(finetuned), {"kappas": kappas, "conditioned": [], "history": {}}
     for t in targets:
         models[t], report["history"][t] = distill_task_vector(

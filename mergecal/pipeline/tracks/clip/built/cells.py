@@ -11,16 +11,15 @@ from .....calibrations.probing import SensitivityRanking
 from .....checkpoint import load_state_dict
 from .....data.vision import load_split
 from .....recipe import Recipe
-from .....run_recipe import RecipeInputs, recipe_trials
 from .....task_vectors import task_vector
-from ....cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
-                     jsonable_diagnostics, matrix_chains, per_example_results, per_seed, recipe_cell, summaries,
-                     uses_sensitivity, validation_averages)
+from ....cells import (Cell, CellResult, base_params, finetuned_reference, per_example_results, per_seed, summaries,
+                       uses_sensitivity)
 from ....config import Params
 from ...protocol import Session
-from ..family import check_distac_file
+from ..family import CellModels, check_distac_file, recipe_cells
+from ..family import session as family_session
 from .stages import (VisionModels, distac_params, evaluate_tasks, paths_for, preprocessed,
-                      regime_variants, task_split)
+                     regime_variants, task_split)
 
 NAME = "vision"
 
@@ -32,20 +31,10 @@ def enabled(params: Params) -> bool:
 def cells(params: Params) -> list[Cell]:
     """Per fine-tuning seed and regime: the references, then every merge in every chain (a DisTaC step takes the
     regime's preset)."""
-    track, out = params.vision, []
-    for regime in track.regimes:
-        out += [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), regime, ref, "") for ref in REFERENCES]
-        for merge, chain, values, grid, recipe in matrix_chains(params):
-            steps = []
-            for step in recipe.steps:
-                if step.phase == "merge":
-                    steps.append((step.name, values))
-                elif step.name == "distac":
-                    steps.append(("distac", distac_params(params, regime).model_dump()))
-                else:
-                    steps.append((step.name, step.params.model_dump()))
-            out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, regime, merge, chain,
-                                   steps, grid))
+    track = params.vision
+    out = [cell for regime in track.regimes
+           for cell in recipe_cells(params, NAME, track.backbone, track.task_set, track.tasks, regime,
+                                    distac_params(params, regime).model_dump())]
     return per_seed(out, params.seeds)
 
 
@@ -92,67 +81,45 @@ def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cp
 
 def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
             device: str = "cpu") -> nullcontext[Session]:
-    """A recipe cell: a DisTaC step reads the models its stage conditioned, the merge and weight-space steps
-    stream, FSC hooks the merged model; every task scored with its frozen zero-shot head."""
-    root = Path(root)
-    models = VisionModels(params, root, cell.seed)
+    """A recipe cell (``family.session``) over the regime's models: a DisTaC step's, those its stage conditioned
+    (checked against the cell's step); FSC's samples, train images of each task (task-agnostic: of the suite's
+    ``mixed`` split)."""
+    models = VisionModels(params, Path(root), cell.seed)
     paths, tasks = models.paths, list(cell.tasks)
     evaluation = params.benchmark.evaluation
     reference = json.loads((paths.task_vectors(cell.regime) / "diagnostics.json").read_text())
 
     pre_steps = recipe.phase("pre")
+    distac = None
     if pre_steps:  # DisTaC ran once in its DVC stage with exactly these parameters (checked here)
         states = []
         for task in tasks:
             path = paths.distac(cell.regime) / f"{task}.safetensors"
             check_distac_file(path, pre_steps[0].params.model_dump(mode="json"), "the cell's recipe")
             states.append(load_state_dict(path))
+        info = json.loads((paths.distac(cell.regime) / "distac.json").read_text())
+        distac = {"kappas": info["kappas"], "conditioned": info["conditioned"]}
     else:
         states = models.finetuned(cell.regime)
-    needs_sensitive = uses_sensitivity(cell.recipe)
-    sensitivity_path = paths.sensitivity(cell.regime) if needs_sensitive else None
+    sensitivity_path = paths.sensitivity(cell.regime) if uses_sensitivity(cell.recipe) else None
     sensitive = SensitivityRanking.load(sensitivity_path).sensitive if sensitivity_path else None
-
     pre_visual = models.visual_pretrained()
-    fsc_data, agnostic = None, None
-    if recipe.phase("feature"):
-        n = recipe.phase("feature")[0].params.n_samples_per_task  # the FSC step's own count (its recipe id's)
-        fsc_data = [preprocessed(task_split(paths.data, t, "train", max_items=n)[0], params.vision.arch) for t in tasks]
-        mixed = load_split(paths.data, "mixed", "train")["images"][: n * len(tasks)]
-        agnostic = preprocessed(mixed, params.vision.arch)
-    inputs = RecipeInputs(build_model=models.model, fsc_data=fsc_data, fsc_agnostic_data=agnostic, sensitive=sensitive,
-                          progress=False, device=device)
-    run_trial = recipe_trials(recipe.without_pre_merge(), pre_visual, states, inputs, grid)
+    norms = {t: float(sum(v.double().pow(2).sum() for v in task_vector(s, pre_visual).values()) ** 0.5)
+             for t, s in zip(tasks, states)}
 
-    def merged(value: float):
-        result = run_trial(value)
-        return (result.model if result.model is not None else models.model(result.state_dict)), result.diagnostics
+    def score(model, task: str, split: str, per_example: bool) -> dict:
+        limit = evaluation.max_validation if split == "validation" else None
+        return evaluate_tasks(model, models.heads, paths.data, [task], split, max_items=limit,
+                              batch_size=evaluation.batch_size, device=device, per_example=per_example)[task]
 
-    def validate(outcome) -> tuple[float, float]:
-        val = evaluate_tasks(outcome[0], models.heads, paths.data, tasks, "validation",
-                             max_items=evaluation.max_validation, batch_size=evaluation.batch_size, device=device)
-        return validation_averages(val, reference, tasks)
+    def fsc_data(fsc_params) -> list:
+        n = fsc_params.n_samples_per_task
+        if fsc_params.data == "task_agnostic":
+            return [preprocessed(load_split(paths.data, "mixed", "train")["images"][: n * len(tasks)],
+                                 params.vision.arch)]
+        return [preprocessed(task_split(paths.data, t, "train", max_items=n)[0], params.vision.arch) for t in tasks]
 
-    def result(outcome, scaling: float, curve: list) -> CellResult:
-        model, diagnostics = outcome
-        test = evaluate_tasks(model, models.heads, paths.data, tasks, "test", batch_size=evaluation.batch_size,
-                              device=device, per_example=True)
-        metrics = summaries(tasks, test, reference)
-        metrics["selected_scaling"] = float(scaling)
-        logged = {**base_params(cell), "grid": json.dumps(list(cell.grid)),
-                  "scaling_from": cell.scaling_from or "own grid"}
-        for step in recipe.steps:
-            logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
-        logged[f"{recipe.merge.name}.scaling"] = json.dumps(scaling)
-        artifacts = jsonable_diagnostics(diagnostics, sensitivity_path)
-        if curve:
-            artifacts["scaling_curve"] = curve
-        if pre_steps:
-            info = json.loads((paths.distac(cell.regime) / "distac.json").read_text())
-            artifacts["distac"] = {"kappas": info["kappas"], "conditioned": info["conditioned"]}
-        norms = {t: float(sum(v.double().pow(2).sum() for v in task_vector(s, pre_visual).values()) ** 0.5)
-                 for t, s in zip(tasks, states)}
-        artifacts["task_vectors"] = {t: {"norm": norms[t], "entropy": reference[t]["entropy"]} for t in tasks}
-        return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))
-
-    return nullcontext(Session(merged, validate, result))
+    return family_session(CellModels(tasks, reference, base_params(cell), pre_visual, states, norms,
+                                     models.model({}), lambda: models.model({}), score, fsc_data=fsc_data,
+                                     sensitive=sensitive, sensitivity_file=sensitivity_path, distac=distac),
+                          cell, recipe, grid, device=device)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .....calibrations.distac import distill_task_vector, kappas_from_norms
+from .....calibrations.distac import distac_plan, distill_task_vector
 from .....calibrations.probing import make_probe, probe_sensitivity
 from .....checkpoint import atomic_write_text, load_state_dict, save_state_dict
 from .....errors import CheckpointError, ParameterError
@@ -132,11 +132,7 @@ def distac(params: Params, track: LocalClipTrack, root: str | Path = ".", *, dev
     step = track.distac_step()
     tasks = list(track.finetuned)
     norms = [float(reference["tasks"][t]["norm"]) for t in tasks]
-    kappas = kappas_from_norms(norms) if step.kappa is None else [step.kappa] * len(tasks)
-    if step.apply_to == "largest_norm":
-        targets = [max(range(len(norms)), key=lambda i: (norms[i], -i))]
-    else:
-        targets = list(range(len(tasks)))
+    kappas, targets = distac_plan(step, norms)
     pre, pre_visual, views = _open(track, root)
     arch, heads = arch_of(track, root), load_state_dict(heads_path(track, root))
     pretrained = {k: pre_visual.get(k) for k in pre_visual.keys()}
