@@ -5,7 +5,8 @@ reuse): the qualified names of the hooked modules, the layout of each module's o
 the batch, which the token position), how to run the model on a batch, and which module types are affine
 in their parameters (so that a scalar or per-output-channel feature rescaling can be folded into weights).
 
-Registered families (see docs/references.md, MAGIC, **FSC**):
+Registered families (see docs/references.md, MAGIC, **FSC**), one per ``mergecal.architectures`` entry that
+declares its FSC modules (``FscModules``: this module turns the declaration into a ``BackboneFamily``):
 
 - ``open_clip_vit``: the VISUAL tower of an open_clip ``VisionTransformer`` (standalone, inside ``CLIP``,
   or inside any wrapper): ``visual.conv1``, ``visual.ln_pre``, per resblock ``ln_1``, ``attn`` (the
@@ -32,6 +33,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from .architectures import ARCHITECTURES, Architecture, FscModules
 from .errors import ParameterError, UnknownNameError
 
 Granularity = Literal["token", "channel", "scalar"]
@@ -130,97 +132,80 @@ def _require(model: nn.Module, names: Sequence[str], family: str) -> None:
             raise ParameterError(f"{family}: expected module {name!r} is missing from the model")
 
 
-# --- open_clip ViT -------------------------------------------------------------------------------------
+# --- families from their declared architectures (mergecal.architectures) --------------------------------
 
-_OPEN_CLIP_BLOCK_MODULES = ("ln_1", "attn", "ln_2", "mlp.c_fc", "mlp.gelu", "mlp.c_proj")
+def _class(model_class: str) -> type | None:
+    """``"module:Class"`` if its module is already imported (a model of it can exist only then), else None."""
+    module_name, class_name = model_class.split(":")
+    module = sys.modules.get(module_name)
+    return getattr(module, class_name, None) if module is not None else None
 
 
-def _open_clip_vit_class() -> type | None:
-    module = sys.modules.get("open_clip.transformer")
-    return getattr(module, "VisionTransformer", None) if module is not None else None
-
-
-def _open_clip_visual(model: nn.Module) -> tuple[str, nn.Module]:
-    found = _find_instances(model, _open_clip_vit_class())
+def _instance(model: nn.Module, layout: FscModules, family: str) -> tuple[str, nn.Module]:
+    found = _find_instances(model, _class(layout.model_class))
     if len(found) != 1:
-        raise ParameterError(f"open_clip_vit: expected exactly one open_clip VisionTransformer in the model, "
-                             f"found {len(found)}")
+        raise ParameterError(f"{family}: expected exactly one {layout.what} in the model, found {len(found)}")
     return found[0]
 
 
-def _open_clip_fsc_modules(model: nn.Module) -> list[ModuleSpec]:
-    prefix, visual = _open_clip_visual(model)
-    transformer = visual.transformer
-    # residual blocks see [N, L, D] when batch_first (open_clip >= 2.24, default), [L, N, D] otherwise
-    block_batch_dim = 0 if getattr(transformer, "batch_first", False) else 1
-    specs = [ModuleSpec(_join(prefix, "conv1"), "channel")]
-    if not isinstance(visual.ln_pre, nn.Identity):  # no_ln_pre=True models have none
-        specs.append(ModuleSpec(_join(prefix, "ln_pre"), "scalar"))
-    for i, block in enumerate(transformer.resblocks):
-        for sub in _OPEN_CLIP_BLOCK_MODULES:
-            name = _join(prefix, f"transformer.resblocks.{i}.{sub}")
-            specs.append(ModuleSpec(name, "scalar" if sub.startswith("ln_") else "token", block_batch_dim))
-    specs.append(ModuleSpec(_join(prefix, "ln_post"), "scalar"))
-    _require(model, [s.name for s in specs], "open_clip_vit")
-    for spec in specs:
-        if spec.name.endswith(".attn") and not isinstance(model.get_submodule(spec.name), nn.MultiheadAttention):
-            raise ParameterError(f"open_clip_vit: {spec.name!r} is not an nn.MultiheadAttention "
-                                 "(custom attention blocks are not supported; pass explicit module names)")
-    return specs
+def _batch_first(instance: nn.Module, attribute: str | None) -> bool:
+    if attribute is None:
+        return True
+    owner, _, name = attribute.rpartition(".")
+    return bool(getattr(instance.get_submodule(owner) if owner else instance, name, False))
 
 
-def _open_clip_run(model: nn.Module, batch: Any) -> Any:
-    """Images through the visual tower only: ``encode_image`` when the model has one."""
-    if hasattr(model, "encode_image") and not isinstance(batch, Mapping):
-        return model.encode_image(batch)
-    return default_run(model, batch)
+def _declared_modules(layout: FscModules, family: str) -> Callable[[nn.Module], list[ModuleSpec]]:
+    def fsc_modules(model: nn.Module) -> list[ModuleSpec]:
+        prefix, instance = _instance(model, layout, family)
+        block_batch_dim = 0 if _batch_first(instance, layout.batch_first) else 1
+
+        def present(name: str) -> bool:  # an optional module replaced by nn.Identity is not hooked
+            return not (name in layout.optional and isinstance(instance.get_submodule(name), nn.Identity))
+
+        names = [(n, 0) for n in layout.before if present(n)]
+        for i in range(len(instance.get_submodule(layout.blocks))):
+            names += [(f"{layout.blocks}.{i}.{sub}", block_batch_dim) for sub in layout.block]
+        names += [(n, 0) for n in layout.after if present(n)]
+        qualified = [(_join(prefix, n), dim) for n, dim in names]
+        _require(model, [n for n, _ in qualified], family)
+        for name, _ in qualified:
+            if name.rpartition(".")[2] in layout.multihead_attention and \
+                    not isinstance(model.get_submodule(name), nn.MultiheadAttention):
+                raise ParameterError(f"{family}: {name!r} is not an nn.MultiheadAttention "
+                                     "(custom attention blocks are not supported; pass explicit module names)")
+        return [ModuleSpec(n, default_granularity(model.get_submodule(n)), dim) for n, dim in qualified]
+
+    return fsc_modules
 
 
-OPEN_CLIP_VIT = BackboneFamily(
-    name="open_clip_vit",
-    description="open_clip VisionTransformer (visual tower): conv1, ln_pre, per block ln_1/attn/ln_2/mlp.c_fc/"
-                "mlp.gelu/mlp.c_proj, ln_post",
-    detect=lambda model: len(_find_instances(model, _open_clip_vit_class())) == 1,
-    fsc_modules=_open_clip_fsc_modules,
-    run=_open_clip_run,
-)
+def _declared_run(method: str | None) -> Callable[[nn.Module, Any], Any]:
+    if method is None:
+        return default_run
+
+    def run(model: nn.Module, batch: Any) -> Any:
+        """The batch through ``method`` when the model has one (one tower of a two-tower model)."""
+        if hasattr(model, method) and not isinstance(batch, Mapping):
+            return getattr(model, method)(batch)
+        return default_run(model, batch)
+
+    return run
 
 
-# --- Hugging Face BERT ---------------------------------------------------------------------------------
-
-_BERT_LAYER_MODULES = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-                       "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
-
-
-def _bert_class() -> type | None:
-    module = sys.modules.get("transformers.models.bert.modeling_bert")
-    return getattr(module, "BertModel", None) if module is not None else None
-
-
-def _bert_fsc_modules(model: nn.Module) -> list[ModuleSpec]:
-    found = _find_instances(model, _bert_class())
-    if len(found) != 1:
-        raise ParameterError(f"hf_bert: expected exactly one transformers BertModel in the model, found {len(found)}")
-    prefix, bert = found[0]
-    names = [_join(prefix, "embeddings.LayerNorm")]
-    for i in range(len(bert.encoder.layer)):
-        names += [_join(prefix, f"encoder.layer.{i}.{sub}") for sub in _BERT_LAYER_MODULES]
-    _require(model, names, "hf_bert")
-    return [ModuleSpec(n, default_granularity(model.get_submodule(n)), 0) for n in names]
+def family_of(architecture: Architecture) -> BackboneFamily:
+    """The FSC family of a declared architecture (which must declare its ``fsc`` modules)."""
+    layout = architecture.fsc
+    if layout is None:
+        raise ParameterError(f"{architecture.name}: the architecture declares no FSC modules")
+    return BackboneFamily(name=architecture.name, description=architecture.description,
+                          detect=lambda model: len(_find_instances(model, _class(layout.model_class))) == 1,
+                          fsc_modules=_declared_modules(layout, architecture.name),
+                          run=_declared_run(layout.run_method))
 
 
-HF_BERT = BackboneFamily(
-    name="hf_bert",
-    description="Hugging Face BertModel encoder: embeddings.LayerNorm, per layer attention.self.query/key/value, "
-                "attention.output.dense/LayerNorm, intermediate.dense, output.dense/LayerNorm",
-    detect=lambda model: len(_find_instances(model, _bert_class())) == 1,
-    fsc_modules=_bert_fsc_modules,
-)
-
-
-# --- registry ------------------------------------------------------------------------------------------
-
-FAMILIES: dict[str, BackboneFamily] = {family.name: family for family in (OPEN_CLIP_VIT, HF_BERT)}
+FAMILIES: dict[str, BackboneFamily] = {a.name: family_of(a) for a in ARCHITECTURES.values() if a.fsc is not None}
+OPEN_CLIP_VIT = FAMILIES["open_clip_vit"]
+HF_BERT = FAMILIES["hf_bert"]
 
 
 def get_family(name: str) -> BackboneFamily:

@@ -8,31 +8,25 @@ same parameters (by role) under HF CLIP, BERT-family and Llama names too.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
-from .backbones.clip_layouts import open_clip_name
+from .architectures import ARCHITECTURES, ROLES
 from .errors import UnknownNameError
 
-# Roles that the authors' substring rules single out by open_clip name, as anchored patterns for four layouts:
-# open_clip, HF CLIP (judged by its open_clip counterpart, clip_layouts), BERT family (BertModel alone or under
-# "bert.") and Llama. The layouts' names do not collide, so one table serves all four. The patch embedding
-# (conv1) is a conv layer here, role "other"; LayerNorm/RMSNorm parameters are 1-D and no rule below takes them.
-_ROLES = (
-    ("embedding", re.compile(r"(^|\.)(positional_embedding|class_embedding|token_embedding\.weight"  # open_clip
-                             r"|embeddings\.(word|position|token_type)_embeddings\.weight"  # BERT family
-                             # Llama: lm_head is the output embedding, stored as embed_tokens when tied
-                             r"|embed_tokens\.weight|lm_head\.weight)$")),
-    ("projection", re.compile(r"(^|\.)(visual\.proj|text_projection|pooler\.dense\.weight)$")),  # a tower's last map
-)
+# The roles the authors' substring rules single out by open_clip name, for every family (``architectures``: each
+# declares its patterns and how a key of its other layouts reads in its own, HF CLIP's by its open_clip
+# counterpart). The families' names do not collide, so the first match is the role. The patch embedding (conv1) is
+# a conv layer, role "other"; LayerNorm/RMSNorm parameters are 1-D and no rule below takes them.
+_ROLES = [(role, architecture.canonical_name or (lambda key: key), pattern)
+          for role in ROLES for architecture in ARCHITECTURES.values()
+          for name, pattern in architecture.role_patterns().items() if name == role]
 
 
 def key_role(key: str) -> str:
-    """``"embedding"``, ``"projection"`` or ``"other"`` for a parameter name in any of the four layouts."""
-    name = open_clip_name(key)
-    return next((role for role, pattern in _ROLES if pattern.search(name)), "other")
+    """``"embedding"``, ``"projection"`` or ``"other"`` for a parameter name of any family in ``architectures``."""
+    return next((role for role, canonical, pattern in _ROLES if pattern.search(canonical(key))), "other")
 
 
 @dataclass(frozen=True)
