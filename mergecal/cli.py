@@ -75,7 +75,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
         method = args.method
     out = merge_checkpoints(args.pretrained, args.finetuned, method, args.out, out_dtype=parse_dtype(args.dtype),
                             device=args.device, max_shard_bytes=parse_size(args.max_shard_size), progress=True,
-                            overwrite=args.overwrite, **params)
+                            overwrite=args.overwrite, hf_directory=False if args.weights_only else None,
+                            tokenizer_from=args.tokenizer_from, **params)
     print(f"merged checkpoint written to {out}")
     return 0
 
@@ -201,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], help="output dtype of float keys")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--max-shard-size", default="2GB", help="shard size of the output (default 2GB)")
+    p.add_argument("--tokenizer-from", metavar="DIR",
+                   help="when --pretrained is a Hugging Face model directory (config.json), the output is one too "
+                        "(the base's configs, tokenizer files and a model card beside the weights): take the "
+                        "tokenizer files from DIR instead of the base")
+    p.add_argument("--weights-only", action="store_true",
+                   help="write the merged weights and their index only, even for a Hugging Face base")
     p.set_defaults(func=cmd_merge)
 
     from .perf.merging import add_arguments

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .calibrations.base import iter_calibrated
 from .calibrations.registry import all_calibrations, get_calibration
-from .checkpoint import save_checkpoint
+from .checkpoint import ShardedCheckpointWriter, save_checkpoint
 from .errors import CheckpointError, ParameterError
 from .methods import MERGE_METHODS, get_merge_method
 from .methods.base import MergeMethod
@@ -182,6 +182,7 @@ def merge_checkpoints(pretrained: str | os.PathLike, finetuned: Sequence[str | o
                       method: str | MergeMethod | Recipe, out_dir: str | os.PathLike, *,
                       out_dtype: torch.dtype | None = None, device: str | None = None,
                       max_shard_bytes: int = 2 * 1024**3, progress: bool = False, overwrite: bool = False,
+                      hf_directory: bool | None = None, tokenizer_from: str | os.PathLike | None = None,
                       **params: Any) -> Path:
     """Merge safetensors checkpoints (single or sharded) into ``out_dir``, streaming key by key.
 
@@ -190,8 +191,25 @@ def merge_checkpoints(pretrained: str | os.PathLike, finetuned: Sequence[str | o
     its metadata records the method ID (and the recipe ID). ``out_dir`` may not be or hold an input, and an
     existing directory that mergecal did not write is replaced only with ``overwrite=True``. What a killed
     merge left beside ``out_dir`` (hidden staging directories, the lock file) is removed first (``remove_stale``).
+    ``hf_directory`` (None: when ``pretrained`` is a Hugging Face model directory): write the output as one, the
+    base's configs, the tokenizer files of ``tokenizer_from`` (None: the base's) and a model card beside the
+    weights (``backbones.hf_directory``), so that ``from_pretrained(out_dir)`` loads it.
     """
+    from . import __version__
+    from .backbones.hf_directory import (SAFETENSORS_METADATA, check_hf_sources, is_hf_model_dir, model_card,
+                                         write_hf_files)
+
     remove_stale(out_dir)
+    hf = is_hf_model_dir(pretrained) if hf_directory is None else hf_directory
+    if hf and not is_hf_model_dir(pretrained):
+        raise CheckpointError(f"{pretrained}: not a Hugging Face model directory (no config.json); a Hugging Face "
+                              "output needs one as the pretrained model")
+    if tokenizer_from is not None and not hf:
+        why = ("a weights-only output has none" if hf_directory is False else
+               f"{pretrained} is not a Hugging Face model directory (no config.json)")
+        raise ParameterError(f"tokenizer_from {tokenizer_from}: tokenizer files go with a Hugging Face output; {why}")
+    if hf:
+        check_hf_sources(pretrained, tokenizer_from)
     if isinstance(method, Recipe):
         if params:
             raise ParameterError(f"recipe {method.label!r}: give parameters inside the recipe, e.g. svc(alpha=1.0), "
@@ -202,15 +220,26 @@ def merge_checkpoints(pretrained: str | os.PathLike, finetuned: Sequence[str | o
         recipe, method = None, get_merge_method(method, **params)
         method_id = method.id
     tvs = TaskVectorSet.from_models(pretrained, finetuned, device=device)
-    metadata = {"mergecal_method": method_id, "mergecal_num_models": str(tvs.K)}
+    metadata = {"mergecal_method": method_id, "mergecal_num_models": str(tvs.K), **(SAFETENSORS_METADATA if hf else {})}
     if recipe is None:
         merged = iter_merge(tvs, method, progress=progress)
     else:
         merged = iter_weight_space(recipe, tvs, progress=progress)
         metadata["mergecal_recipe"] = recipe.id
     paths = [p for p in [pretrained, *finetuned] if isinstance(p, (str, os.PathLike))]
-    return save_checkpoint(_iter_model(tvs, merged, out_dtype), out_dir, max_shard_bytes=max_shard_bytes,
-                           metadata=metadata, inputs=paths, overwrite=overwrite)
+    if not hf:
+        return save_checkpoint(_iter_model(tvs, merged, out_dtype), out_dir, max_shard_bytes=max_shard_bytes,
+                               metadata=metadata, inputs=paths, overwrite=overwrite)
+    with ShardedCheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, metadata=metadata,
+                                 inputs=[*paths, *([tokenizer_from] if tokenizer_from is not None else [])],
+                                 overwrite=overwrite) as writer:
+        for key, tensor in _iter_model(tvs, merged, out_dtype):
+            writer.add(key, tensor)
+        writer.finish()
+        card = model_card(pretrained, finetuned, recipe.id if recipe is not None else method_id, __version__,
+                          out_dtype, tokenizer_from)
+        write_hf_files(writer.staging, pretrained, tokenizer_from=tokenizer_from, dtype=out_dtype, card=card)
+    return Path(out_dir)
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
