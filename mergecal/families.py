@@ -5,7 +5,7 @@ reuse): the qualified names of the hooked modules, the layout of each module's o
 the batch, which the token position), how to run the model on a batch, and which module types are affine
 in their parameters (so that a scalar or per-output-channel feature rescaling can be folded into weights).
 
-Registered families (see docs/references.md, MAGIC, **FSC**), one per ``mergecal.architectures`` entry that
+Registered families (see docs/references.md, MAGIC, **FSC**), one per ``mergecal.family_specs`` entry that
 declares its FSC modules (``FscModules``: this module turns the declaration into a ``BackboneFamily``):
 
 - ``open_clip_vit``: the VISUAL tower of an open_clip ``VisionTransformer`` (standalone, inside ``CLIP``,
@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from .architectures import ARCHITECTURES, Architecture, FscModules
+from .family_specs import FAMILY_SPECS, FamilySpec, FscModules
 from .errors import ParameterError, UnknownNameError
 
 Granularity = Literal["token", "channel", "scalar"]
@@ -132,7 +132,7 @@ def _require(model: nn.Module, names: Sequence[str], family: str) -> None:
             raise ParameterError(f"{family}: expected module {name!r} is missing from the model")
 
 
-# --- families from their declared architectures (mergecal.architectures) --------------------------------
+# --- families from their specs (mergecal.family_specs) --------------------------------------------------
 
 def _class(model_class: str) -> type | None:
     """``"module:Class"`` if its module is already imported (a model of it can exist only then), else None."""
@@ -192,18 +192,18 @@ def _declared_run(method: str | None) -> Callable[[nn.Module, Any], Any]:
     return run
 
 
-def family_of(architecture: Architecture) -> BackboneFamily:
-    """The FSC family of a declared architecture (which must declare its ``fsc`` modules)."""
-    layout = architecture.fsc
+def family_of(spec: FamilySpec) -> BackboneFamily:
+    """The FSC family of a family spec (which must declare its ``fsc`` modules)."""
+    layout = spec.fsc
     if layout is None:
-        raise ParameterError(f"{architecture.name}: the architecture declares no FSC modules")
-    return BackboneFamily(name=architecture.name, description=architecture.description,
+        raise ParameterError(f"{spec.name}: the family spec declares no FSC modules")
+    return BackboneFamily(name=spec.name, description=spec.description,
                           detect=lambda model: len(_find_instances(model, _class(layout.model_class))) == 1,
-                          fsc_modules=_declared_modules(layout, architecture.name),
+                          fsc_modules=_declared_modules(layout, spec.name),
                           run=_declared_run(layout.run_method))
 
 
-FAMILIES: dict[str, BackboneFamily] = {a.name: family_of(a) for a in ARCHITECTURES.values() if a.fsc is not None}
+FAMILIES: dict[str, BackboneFamily] = {s.name: family_of(s) for s in FAMILY_SPECS.values() if s.fsc is not None}
 OPEN_CLIP_VIT = FAMILIES["open_clip_vit"]
 HF_BERT = FAMILIES["hf_bert"]
 

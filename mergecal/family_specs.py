@@ -1,7 +1,7 @@
-"""Model families' architectures, declared once each (as MergeKit's architecture files): what the library
+"""Model families, each declared once in a spec (as MergeKit's architecture files): what the library
 needs to know of a family's parameters and modules, read by ``mergecal.keys`` (key roles), ``mergecal.families``
-(the modules MAGIC's FSC hooks, how to run a batch) and so by the FSC step. A new family is one ``Architecture``
-in ``ARCHITECTURES``; nothing here imports an optional backbone library (open_clip, transformers): a model class
+(the modules MAGIC's FSC hooks, how to run a batch) and so by the FSC step. A new family is one ``FamilySpec``
+in ``FAMILY_SPECS``; nothing here imports an optional backbone library (open_clip, transformers): a model class
 is named as ``"module:Class"`` and looked up in ``sys.modules``, where it is only if its library is in use.
 
 * ``key_roles``: ``{role: anchored pattern}`` over the family's parameter names, for the roles the merge and
@@ -47,7 +47,7 @@ class FscModules:
 
 
 @dataclass(frozen=True)
-class Architecture:
+class FamilySpec:
     name: str
     description: str
     key_roles: dict[str, str] = field(default_factory=dict)
@@ -58,7 +58,7 @@ class Architecture:
         return {role: re.compile(pattern) for role, pattern in self.key_roles.items()}
 
 
-OPEN_CLIP = Architecture(
+OPEN_CLIP = FamilySpec(
     name="open_clip_vit",
     description="open_clip CLIP (HF CLIP checkpoints read in its layout); FSC on the VisionTransformer (visual "
                 "tower): conv1, ln_pre, per block ln_1/attn/ln_2/mlp.c_fc/mlp.gelu/mlp.c_proj, ln_post",
@@ -75,7 +75,7 @@ OPEN_CLIP = Architecture(
                    run_method="encode_image"),
 )
 
-HF_BERT = Architecture(
+HF_BERT = FamilySpec(
     name="hf_bert",
     description="Hugging Face BertModel encoder (alone or inside BertFor...): FSC on embeddings.LayerNorm, per "
                 "layer attention.self.query/key/value, attention.output.dense/LayerNorm, intermediate.dense, "
@@ -91,11 +91,11 @@ HF_BERT = Architecture(
                           "output.dense", "output.LayerNorm")),
 )
 
-LLAMA = Architecture(
+LLAMA = FamilySpec(
     name="llama",
     description="Llama-style causal LM (Hugging Face layout); weight space only",
     # lm_head is the output embedding, stored as embed_tokens when tied
     key_roles={"embedding": r"(^|\.)(embed_tokens\.weight|lm_head\.weight)$"},
 )
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (OPEN_CLIP, HF_BERT, LLAMA)}
+FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (OPEN_CLIP, HF_BERT, LLAMA)}

@@ -1,4 +1,4 @@
-"""A model family declared once (``mergecal.architectures``): its FSC modules become a working backbone family
+"""A model family declared once (``mergecal.family_specs``): its FSC modules become a working backbone family
 (``families.family_of``), its key roles reach ``keys.key_role`` (#41)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from mergecal.architectures import ARCHITECTURES, ROLES, Architecture, FscModules
+from mergecal.family_specs import FAMILY_SPECS, ROLES, FamilySpec, FscModules
 from mergecal.calibrations.fsc import calibrate_fsc
 from mergecal.errors import ParameterError
 from mergecal.families import FAMILIES, family_of
@@ -48,7 +48,7 @@ class ToyEncoder(nn.Module):
         return self.forward(x).mean(1)
 
 
-TOY = Architecture(name="toy", description="a toy encoder",
+TOY = FamilySpec(name="toy", description="a toy encoder",
                    fsc=FscModules(model_class=f"{__name__}:ToyEncoder", what="ToyEncoder", before=("embed",),
                                   blocks="layers", block=("norm", "up", "down"), after=("final",),
                                   optional=("final",), batch_first="batch_first", run_method="encode"))
@@ -94,14 +94,14 @@ def test_a_declared_family_runs_fsc_and_refuses_a_model_it_does_not_fit():
     del broken.layers[0].up
     with pytest.raises(ParameterError, match="toy: expected module 'layers.0.up' is missing"):
         family_of(TOY).fsc_modules(broken)
-    with pytest.raises(ParameterError, match="declares no FSC modules"):
-        family_of(ARCHITECTURES["llama"])
+    with pytest.raises(ParameterError, match="family spec declares no FSC modules"):
+        family_of(FAMILY_SPECS["llama"])
 
 
 def test_every_declared_family_with_fsc_modules_is_registered_and_its_roles_are_known():
-    assert set(FAMILIES) == {name for name, a in ARCHITECTURES.items() if a.fsc is not None}
-    for architecture in ARCHITECTURES.values():
-        assert set(architecture.key_roles) <= set(ROLES), architecture.name
+    assert set(FAMILIES) == {name for name, a in FAMILY_SPECS.items() if a.fsc is not None}
+    for spec in FAMILY_SPECS.values():
+        assert set(spec.key_roles) <= set(ROLES), spec.name
     # one key of each family and role, and an HF CLIP key judged by its open_clip name (the layout mapping)
     assert [key_role(k) for k in ("visual.positional_embedding", "visual.proj", "bert.pooler.dense.weight",
                                   "embeddings.word_embeddings.weight", "model.embed_tokens.weight",
