@@ -38,3 +38,20 @@ def test_every_script_is_run_by_something():
     unrun = [p.name for p in sorted((ROOT / "scripts").glob("*.py")) if p.stem != "__init__"
              and not re.search(rf"scripts[/.\"', ]+{p.stem}\b", text)]
     assert unrun == []
+
+
+@pytest.mark.slow  # about 5 min: the smoke profile's dvc repro, then two merges of smoke-size Llama checkpoints
+def test_the_gpu_session_script_runs_every_step_on_the_cpu(tmp_path):
+    """scripts/gpu_session.py, what a lent GPU runs (#43), on the CPU at smoke size: the smoke `dvc repro` logs every
+    cell with the device asked for, and both recipes merge the Llama-shaped checkpoints with their figures."""
+    import json
+
+    out = tmp_path / "out"
+    assert load("gpu_session").main(["--device", "cpu", "--size", "smoke", "--budget", "1500", "--out", str(out),
+                                     "--work", str(tmp_path)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    smoke, merges = summary["steps"]["smoke_repro"], summary["steps"]["merges"]
+    assert smoke["ok"] and smoke["rc"] == 0 and smoke["devices"] == ["cpu"] and smoke["cells"] > 50
+    assert [r["recipe"] for r in merges["rows"]] == ["task_arithmetic>svc", "tsv_m"]
+    assert all(r["seconds"] >= 0 and r["peak_mib"] >= 0 for r in merges["rows"])
+    assert "task_arithmetic>svc" in (out / "summary.md").read_text()
