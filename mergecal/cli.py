@@ -114,7 +114,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     elif given:
         raise ParameterError(f"{given[0]}: a filter of the lab board; add --lab")
     else:
-        from .reports import write_reports
+        from .reports.write import write_reports
 
         written = write_reports(uri, params.tracking.experiment, args.out or root / "reports", args.invocation,
                                 threshold=args.threshold)

@@ -8,7 +8,7 @@ from stages._common import run
 def stage(params, root, args):
     from mergecal.pipeline.results import INVOCATION_FILE
     from mergecal.pipeline.tracking import resolve_uri
-    from mergecal.reports import write_reports
+    from mergecal.reports.write import write_reports
     from mergecal.reports.stability import read_document
 
     testbed = root / "reports" / "testbed.md"

@@ -345,7 +345,7 @@ def test_local_clip_tracks_run_through_the_flow_cache_and_recompute_exactly_what
     assert not marker.exists()
 
     from mergecal.pipeline.tracking import tracking_uri
-    from mergecal.reports import write_reports
+    from mergecal.reports.write import write_reports
 
     write_reports(tracking_uri(root, "mlruns"), "mergecal", root / "reports", third["invocation_id"])
     board = (root / "reports" / "leaderboard.md").read_text()

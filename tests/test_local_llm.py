@@ -333,7 +333,7 @@ def test_local_tracks_run_through_the_flow_cache_and_recompute_exactly_what_chan
 
     # the leaderboard has a section per family, with the lm-eval scores and the skipped chain's reason
     from mergecal.pipeline.tracking import tracking_uri
-    from mergecal.reports import write_reports
+    from mergecal.reports.write import write_reports
 
     write_reports(tracking_uri(root, "mlruns"), "mergecal", root / "reports", third["invocation_id"])
     board = (root / "reports" / "leaderboard.md").read_text()

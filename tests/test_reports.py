@@ -19,7 +19,7 @@ from mlflow.entities import Metric, Param  # noqa: E402
 
 from mergecal import ui  # noqa: E402
 from mergecal.errors import MergecalError, ParameterError  # noqa: E402
-from mergecal.reports import write_reports  # noqa: E402
+from mergecal.reports.write import write_reports  # noqa: E402
 from mergecal.reports.history import find_regressions, history_frame  # noqa: E402
 from mergecal.reports.leaderboard import build_tables, table_markdown  # noqa: E402
 from mergecal.reports.plots import block_index, diagnostic_plots, natural_key, short_names  # noqa: E402
@@ -371,7 +371,7 @@ def test_ui_stop_kills_whole_group():
 
 
 def test_testbed_health_opens_the_leaderboard_before_any_table(store, tmp_path):
-    from mergecal.reports import markdown_html
+    from mergecal.reports.write import markdown_html
 
     testbed = ("## Testbed health (clip-tiny, seed 0): NOT healthy\n\n| criterion | holds |\n|---|---|\n"
                "| average fine-tuned accuracy (%) | **no** |\n")

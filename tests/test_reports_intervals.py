@@ -136,7 +136,7 @@ def test_cells_keep_per_example_results():
 def test_write_reports_reads_the_examples_artifact_of_the_run_that_computed_each_cell(tmp_path):
     pytest.importorskip("mlflow")
     from mergecal.pipeline.tracking import EXAMPLES, Tracker
-    from mergecal.reports import write_reports
+    from mergecal.reports.write import write_reports
 
     tracker = Tracker(tmp_path, "mergecal", "mlruns")
     cells, examples = _cells()

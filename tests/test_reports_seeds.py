@@ -124,7 +124,7 @@ def _seeded_cells(client, exp, parent, inv, start, seeds, cells, drop):
 @pytest.mark.integration
 def test_a_run_with_two_seeds_reports_each_seeds_tables_and_the_across_seeds_section(tmp_path):
     pytest.importorskip("mlflow")
-    from mergecal.reports import write_reports
+    from mergecal.reports.write import write_reports
 
     out = tmp_path / "reports"
     write_reports(_seeded_store(tmp_path, (0, 1)), "mergecal", out)
@@ -145,7 +145,7 @@ def test_a_run_with_two_seeds_reports_each_seeds_tables_and_the_across_seeds_sec
 @pytest.mark.integration
 def test_a_run_with_one_seed_keeps_the_leaderboard_as_it_was(tmp_path):
     pytest.importorskip("mlflow")
-    from mergecal.reports import write_reports
+    from mergecal.reports.write import write_reports
 
     out = tmp_path / "reports"
     write_reports(_seeded_store(tmp_path, (0,)), "mergecal", out)
@@ -160,7 +160,7 @@ def test_the_history_keeps_each_seeds_cells_apart_and_names_the_seed_of_a_regres
     """With several seeds the same recipe is one cell per seed: the history shows each seed's group and a drop in
     seed 1 is seed 1's (before, the seeds shared a key and the history kept one of them)."""
     pytest.importorskip("mlflow")
-    from mergecal.reports import find_regressions, history_frame, load_runs
+    from mergecal.reports.write import find_regressions, history_frame, load_runs
     from mergecal.reports.history import history_markdown
 
     uri = _seeded_store(tmp_path, (0, 1), invocations=("inv-1", "inv-2"), drop=("inv-2", 1, "task_arithmetic"))

@@ -180,7 +180,7 @@ def write_lab_reports(tracking_uri: str, experiment: str, out_dir: str | Path, f
              for s in sources]
     body.append("</table>")
     body += [table_html(t, provenance) for t in tables]
-    from . import _page  # the leaderboard's page frame and style
+    from .write import _page  # the leaderboard's page frame and style
 
     written = {
         "lab-leaderboard.json": atomic_write_text(out / "lab-leaderboard.json",

@@ -16,8 +16,9 @@ from ....cells import (Cell, CellResult, base_params, finetuned_reference, per_e
                        uses_sensitivity)
 from ....config import Params
 from ...protocol import Session
-from ..family import CellModels, check_distac_file, recipe_cells
-from ..family import session as family_session
+from ..family import check_distac_file
+from ..session import CellModels, recipe_cells
+from ..session import session as family_session
 from .stages import (VisionModels, distac_params, evaluate_tasks, paths_for, preprocessed,
                      regime_variants, task_split)
 
@@ -81,9 +82,9 @@ def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cp
 
 def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
             device: str = "cpu") -> nullcontext[Session]:
-    """A recipe cell (``family.session``) over the regime's models: a DisTaC step's, those its stage conditioned
-    (checked against the cell's step); FSC's samples, train images of each task (task-agnostic: of the suite's
-    ``mixed`` split)."""
+    """A recipe cell (the family's ``session.session``) over the regime's models: a DisTaC step's, those its stage
+    conditioned (checked against the cell's step); FSC's samples, train images of each task (task-agnostic: of the
+    suite's ``mixed`` split)."""
     models = VisionModels(params, Path(root), cell.seed)
     paths, tasks = models.paths, list(cell.tasks)
     evaluation = params.benchmark.evaluation

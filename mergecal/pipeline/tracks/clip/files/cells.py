@@ -10,7 +10,7 @@ hashed by content (cached by path, size and mtime), and what its steps read: the
 FSC), the DisTaC-conditioned encoders. A checkpoint or dataset that failed in a stage fails the track's cells
 with the stage's one-line error; other tracks go on.
 
-A recipe cell runs in the family's session (``clip.family.session``: one CLIP, its image encoder overwritten
+A recipe cell runs in the family's session (``clip.session.session``: one CLIP, its image encoder overwritten
 with each merge of the grid, the K fine-tuned encoders read key by key from their files; an FSC step adds the
 pretrained CLIP, one fine-tuned CLIP reloaded per task and the calibrated copy of the merge).
 """
@@ -34,8 +34,9 @@ from .....backbones.clip_checkpoints import (VisualView, build_model, checkpoint
 from .stages import TaskData, arch_of, finetuned_path, heads_path, model_paths, pretrained_path, references_path
 from .calibration import distac_dir, read_recorded, sensitivity_path, train_sample
 from ....own_models import checked_reference, role_files
-from ..family import CellModels, check_distac_file, recipe_cells
-from ..family import session as family_session
+from ..family import check_distac_file
+from ..session import CellModels, recipe_cells
+from ..session import session as family_session
 from ...protocol import Session
 from ...registry import cell_track, configured_track, configured_tracks
 
@@ -164,7 +165,7 @@ def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cp
 
 def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params, root: str | Path, *,
             device: str = "cpu") -> nullcontext[Session]:
-    """A recipe cell (``family.session``) over the lab's checkpoints read in place, key by key: the
+    """A recipe cell (the family's ``session.session``) over the lab's checkpoints read in place, key by key: the
     DisTaC-conditioned encoders (read from the stage's files) replace their checkpoints; FSC's samples are seeded
     train images of each task."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used

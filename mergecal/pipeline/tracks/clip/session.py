@@ -1,0 +1,133 @@
+"""What every source of the CLIP family shares in its cells: a track's cells (``recipe_cells``) and a recipe
+cell's session over what the source loaded (``CellModels`` -> ``session``: the scaling grid merged into one CLIP,
+FSC hooked on a copy, every task scored with its frozen zero-shot head, the result logged). A source never imports
+another; this module imports none."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ....backbones.clip_checkpoints import load_visual
+from ....calibrations.fsc import calibrate_fsc
+from ....merge import weight_space_trials
+from ....recipe import Recipe
+from ....task_vectors import TaskVectorSet
+from ...cells import (REFERENCES, Cell, CellResult, flat_params, jsonable_diagnostics, matrix_chains,
+                      per_example_results, recipe_cell, summaries, validation_averages)
+from ...config import Params
+from ..protocol import Session
+
+
+def recipe_cells(params: Params, name: str, backbone: str, task_set: str, tasks: Sequence[str], regime: str,
+                 distac_step: dict) -> list[Cell]:
+    """One regime's cells of a CLIP track: the references, then every merge in every chain of the matrix (a
+    DisTaC step takes the source's ``distac_step``: its parameters, as a dict)."""
+    out = [Cell(name, backbone, task_set, tuple(tasks), regime, ref, "") for ref in REFERENCES]
+    for merge, chain, values, grid, recipe in matrix_chains(params):
+        steps = [(s.name, values if s.phase == "merge" else distac_step if s.name == "distac" else
+                  s.params.model_dump()) for s in recipe.steps]
+        out.append(recipe_cell(params, name, backbone, task_set, tasks, regime, merge, chain, steps, grid))
+    return out
+
+
+@dataclass
+class CellModels:
+    """What a CLIP source loads for a recipe cell (its ``session``); ``session`` below runs the rest."""
+
+    tasks: list[str]
+    reference: Mapping[str, dict]  # per task: the fine-tuned model's figures (val_accuracy, entropy, ...)
+    logged: dict[str, str]  # the MLflow params every cell of the source logs
+    pretrained: Any  # the pretrained image encoder: a state dict or a TensorSource of its ``visual.*`` keys
+    finetuned: list  # the K image encoders merged, DisTaC-conditioned where the chain starts with DisTaC
+    norms: dict[str, float]  # each merged task vector's norm (after DisTaC where conditioned)
+    model: torch.nn.Module  # the CLIP the merges are loaded into (holding the pretrained weights)
+    new_model: Callable[[], torch.nn.Module]  # another such CLIP (FSC's pretrained and fine-tuned models)
+    score: Callable[..., dict]  # (model, task, split, per_example) -> the task's scores
+    fsc_data: Callable[[Any], list]  # FSC's samples for its step's parameters
+    sensitive: list[str] | None = None  # the probed magnitude-sensitive keys (WSC, FSC)
+    sensitivity_file: Path | None = None
+    distac: dict | None = None  # the DisTaC stage's {"kappas", "conditioned"}, when the chain starts with it
+
+
+class _ReloadedModels:
+    """FSC's fine-tuned models as a lazy sequence: one CLIP, its image encoder reloaded for task t when FSC
+    reads item t (``measure_fsc`` reads each once, in order), so one fine-tuned model is held at a time."""
+
+    def __init__(self, model, encoders):
+        self.model, self.encoders = model, encoders
+
+    def __len__(self) -> int:
+        return len(self.encoders)
+
+    def __getitem__(self, t: int):
+        encoder = self.encoders[t]  # a state dict or a TensorSource: both ``get`` a key
+        load_visual(self.model, ((k, encoder.get(k)) for k in encoder.keys()))
+        return self.model
+
+
+def session(models: CellModels, cell: Cell, recipe: Recipe, grid: tuple[float, ...], *,
+            device: str = "cpu") -> nullcontext[Session]:
+    """A recipe cell's session (``Track.session``): one CLIP whose image encoder is overwritten with each merge
+    of the grid (``weight_space_trials``: merged once and rescaled where the recipe allows, else streamed key by
+    key); an FSC step is measured on it and applied to a copy, its pretrained and fine-tuned models two more
+    CLIPs (the fine-tuned one reloaded per task); the chosen merge is loaded again before the test split when
+    the grid's last is not it. DisTaC ran in its source's stage: ``models.finetuned`` holds its encoders."""
+    tasks, reference = models.tasks, models.reference
+    tvs = TaskVectorSet.from_models(models.pretrained, models.finetuned, names=tasks, device=device)
+    trials = weight_space_trials(recipe, tvs, grid, sensitive=models.sensitive)
+    model = models.model
+
+    feature = recipe.phase("feature")
+    if feature:  # FSC's pretrained and (reloaded) fine-tuned models, and its samples
+        fsc_params = feature[0].params
+        if fsc_params.sensitive is None and models.sensitive is not None:
+            fsc_params = fsc_params.model_copy(update={"sensitive": list(models.sensitive)})
+        model = model.to(device)
+        pre_model = models.new_model().to(device)
+        task_models = _ReloadedModels(models.new_model().to(device), models.finetuned)
+        fsc_data = models.fsc_data(fsc_params)
+
+    loaded: list = [None, model]  # the scaling whose merge the model holds, and the model scored
+
+    def merged(value: float):
+        updates, diagnostics = trials(value)
+        load_visual(model, ((k, tvs.load_pretrained(k) + u) for k, u in updates))
+        loaded[:] = [value, model]
+        if feature:  # MAGIC: FSC measured on the weight-space result, applied to a copy (the model is reloaded)
+            calibrated = calibrate_fsc(model, pre_model, task_models, fsc_data, params=fsc_params, progress=False)
+            diagnostics = {**diagnostics, "fsc": {"ratios": calibrated.ratios, "folded": calibrated.folded,
+                                                  "hooked": calibrated.hooked, "identity": calibrated.identity}}
+            loaded[1] = calibrated
+        return value, diagnostics
+
+    def validate(outcome) -> tuple[float, float]:
+        val = {t: models.score(loaded[1], t, "validation", False) for t in tasks}
+        return validation_averages(val, reference, tasks)
+
+    def result(outcome, scaling: float, curve: list) -> CellResult:
+        _, diagnostics = outcome
+        if loaded[0] != scaling:  # the model holds the grid's last merge: load the chosen one again
+            _, diagnostics = merged(scaling)
+        test = {t: models.score(loaded[1], t, "test", True) for t in tasks}
+        metrics = {**summaries(tasks, test, reference), "selected_scaling": float(scaling)}
+        logged = {**models.logged, "grid": json.dumps(list(cell.grid)),
+                  "scaling_from": cell.scaling_from or "own grid"}
+        for step in recipe.steps:
+            logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+        logged[f"{recipe.merge.name}.scaling"] = json.dumps(scaling)
+        artifacts = jsonable_diagnostics(diagnostics, models.sensitivity_file)
+        if curve:
+            artifacts["scaling_curve"] = curve
+        if models.distac is not None:
+            artifacts["distac"] = models.distac
+        artifacts["task_vectors"] = {t: {"norm": models.norms[t], "entropy": reference[t]["entropy"]} for t in tasks}
+        return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))
+
+    return nullcontext(Session(merged, validate, result))
