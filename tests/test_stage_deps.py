@@ -197,6 +197,21 @@ def test_editing_a_merge_method_reruns_the_benchmark_stage_only():
                     and not d.endswith(("__init__.py", "base.py"))], training
 
 
+def test_a_report_edit_reruns_the_report_stage_only_and_a_cell_edit_no_stage_that_trains():
+    """#43: the leaderboard's, the plots' and the report writer's code are deps of the report stage alone (the
+    stability stage reads only the intervals and its own section); the cells' code and the CLIP family's shared
+    session are deps of the benchmark stage, not of a stage that trains, conditions or probes a model (#41)."""
+    stages = stage_deps.load_stages((REPO / "dvc.yaml").read_text())
+    expected = stage_deps.expected_code_deps(stages, REPO)
+    for module in ("leaderboard", "plots", "write", "history", "seeds"):
+        assert [s for s, deps in expected.items() if f"mergecal/reports/{module}.py" in deps] == ["report"], module
+    assert "mergecal/reports/intervals.py" in expected["stability"]
+    for module in ("mergecal/pipeline/cells.py", "mergecal/pipeline/tracks/clip/session.py"):
+        users = {s for s, deps in expected.items() if module in deps}
+        assert "benchmark" in users and not users & {"pretrain", "finetune", "distac", "probe", "local_distac",
+                                                     "local_sensitivity", "llm_finetune", "text_finetune"}, module
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 
 def one_line_error(capsys) -> str:
