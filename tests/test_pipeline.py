@@ -858,3 +858,23 @@ def test_run_cell_searches_the_grid_on_the_session_its_track_opens(monkeypatch):
     for merge in ("zeroshot", "finetuned"):
         cells_mod.run_cell(cells_mod.Cell("fake", "b", "t", ("a",), "standard", merge, ""), None, "root")
     assert calls == [("reference", "zeroshot"), ("reference", "finetuned")]
+
+
+def test_a_recipe_cell_logs_the_chosen_scaling_not_its_recipes_nominal_one():
+    """The text and LLM tracks and a lab's CLIP tracks logged `<merge>.scaling` before the steps' parameters,
+    which overwrote it with the recipe's nominal value (0.3 where the grid chose 1.0); every track now logs
+    through ``recipe_params``."""
+    from mergecal.pipeline.cells import recipe_params
+    from mergecal.recipe import Recipe
+
+    recipe = Recipe.parse("task_arithmetic(scaling=0.3)>svc")
+    cell = cells_mod.Cell("text", "minilm", "text4", ("a", "b"), "standard", "task_arithmetic", "{merge}>svc",
+                          grid=(0.3, 1.0))
+    logged = recipe_params(cell, recipe, 1.0, {"track": "text"})
+    assert logged["task_arithmetic.scaling"] == "1.0" and logged["track"] == "text"
+    assert logged["grid"] == "[0.3, 1.0]" and logged["scaling_from"] == "own grid"
+    assert logged["svc.calibrate_at"] == "unit_scaling"
+    tracks = Path(__file__).resolve().parents[1] / "mergecal" / "pipeline" / "tracks"
+    for module in ("clip/session.py", "text/built/cells.py", "causal_lm/family.py"):
+        text = (tracks / module).read_text()
+        assert "recipe_params(cell, recipe, scaling" in text and ".scaling\": json.dumps" not in text, module

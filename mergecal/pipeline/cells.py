@@ -210,6 +210,17 @@ def flat_params(prefix: str, values: dict[str, Any]) -> dict[str, str]:
     return {f"{prefix}.{k}": json.dumps(v) if not isinstance(v, str) else v for k, v in values.items()}
 
 
+def recipe_params(cell: Cell, recipe: Recipe, scaling: float, base: dict[str, str]) -> dict[str, str]:
+    """The MLflow params of a recipe cell: ``base`` (the track's), the grid and where the scaling came from, every
+    step's parameters, then the merge's chosen scaling (after the steps: the merge step's own, nominal scaling
+    must not overwrite it)."""
+    logged = {**base, "grid": json.dumps(list(cell.grid)), "scaling_from": cell.scaling_from or "own grid"}
+    for step in recipe.steps:
+        logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+    logged[f"{recipe.merge.name}.scaling"] = json.dumps(scaling)
+    return logged
+
+
 def jsonable_diagnostics(diagnostics: dict, sensitivity_path: Path | None) -> dict[str, Any]:
     """The logged artifacts (see mergecal.reports): SVC spectra, MAGIC coefficients, sensitivity."""
     out: dict[str, Any] = {}

@@ -8,7 +8,6 @@ pipeline's own tiny Llama; ``files``: a lab's directories) never imports another
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -18,8 +17,8 @@ from pathlib import Path
 
 from ....backbones.hf_causal_lm_merge import merge_causal_lms
 from ....recipe import Recipe
-from ...cells import (REFERENCES, Cell, CellResult, base_params, flat_params, jsonable_diagnostics, matrix_chains,
-                       per_example_results, recipe_cell)
+from ...cells import (REFERENCES, Cell, CellResult, base_params, jsonable_diagnostics, matrix_chains,
+                       per_example_results, recipe_cell, recipe_params)
 from ...config import Params
 from ..protocol import Session
 from .scoring import LmEval
@@ -138,10 +137,7 @@ def session(cell: Cell, recipe: Recipe, models: Models, *, device: str = "cpu") 
         examples: dict[str, list[float]] = {}  # per-document test scores, for the leaderboard's intervals
         test = scorer.score(directory, tasks, "test", device=device, cache=False, examples=examples)
         metrics = {**summaries(tasks, test, reference, scorer.metrics), "selected_scaling": float(scaling)}
-        logged = {**logged_params(cell, reference), "grid": json.dumps(list(cell.grid)),
-                  f"{recipe.merge.name}.scaling": json.dumps(scaling), "scaling_from": cell.scaling_from or "own grid"}
-        for step in recipe.steps:
-            logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+        logged = recipe_params(cell, recipe, scaling, logged_params(cell, reference))
         artifacts = jsonable_diagnostics(diagnostics, None)
         if curve:
             artifacts["scaling_curve"] = curve

@@ -5,7 +5,6 @@ another; this module imports none."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,8 +18,8 @@ from ....calibrations.fsc import calibrate_fsc
 from ....merge import weight_space_trials
 from ....recipe import Recipe
 from ....task_vectors import TaskVectorSet
-from ...cells import (REFERENCES, Cell, CellResult, flat_params, jsonable_diagnostics, matrix_chains,
-                      per_example_results, recipe_cell, summaries, validation_averages)
+from ...cells import (REFERENCES, Cell, CellResult, jsonable_diagnostics, matrix_chains, per_example_results,
+                      recipe_cell, recipe_params, summaries, validation_averages)
 from ...config import Params
 from ..protocol import Session
 
@@ -117,11 +116,7 @@ def session(models: CellModels, cell: Cell, recipe: Recipe, grid: tuple[float, .
             _, diagnostics = merged(scaling)
         test = {t: models.score(loaded[1], t, "test", True) for t in tasks}
         metrics = {**summaries(tasks, test, reference), "selected_scaling": float(scaling)}
-        logged = {**models.logged, "grid": json.dumps(list(cell.grid)),
-                  "scaling_from": cell.scaling_from or "own grid"}
-        for step in recipe.steps:
-            logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
-        logged[f"{recipe.merge.name}.scaling"] = json.dumps(scaling)
+        logged = recipe_params(cell, recipe, scaling, models.logged)
         artifacts = jsonable_diagnostics(diagnostics, models.sensitivity_file)
         if curve:
             artifacts["scaling_curve"] = curve

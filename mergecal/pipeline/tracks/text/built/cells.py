@@ -10,9 +10,9 @@ from pathlib import Path
 
 from .....recipe import Recipe
 from .....run_recipe import RecipeInputs, recipe_trials
-from ....cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, flat_params,
-                     jsonable_diagnostics, matrix_chains, per_example_results, per_seed, per_seed_skipped, recipe_cell,
-                     summaries, validation_averages)
+from ....cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, jsonable_diagnostics,
+                       matrix_chains, per_example_results, per_seed, per_seed_skipped, recipe_cell, recipe_params,
+                       summaries, validation_averages)
 from ....config import Params
 from ...protocol import Session
 from .stages import TextModels, data_root, finetuned_path, references_path
@@ -93,10 +93,7 @@ def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params,
     def result(chosen, scaling: float, curve: list) -> CellResult:
         test = models.evaluate(chosen.state_dict, tasks, "test", device=device, per_example=True)
         metrics = {**summaries(tasks, test, reference), "selected_scaling": float(scaling)}
-        logged = {**base_params(cell), "grid": json.dumps(list(cell.grid)),
-                  f"{recipe.merge.name}.scaling": json.dumps(scaling), "scaling_from": cell.scaling_from or "own grid"}
-        for step in recipe.steps:
-            logged.update(flat_params(step.name, step.params.model_dump(mode="json")))
+        logged = recipe_params(cell, recipe, scaling, base_params(cell))
         artifacts = jsonable_diagnostics(chosen.diagnostics, None)
         if curve:
             artifacts["scaling_curve"] = curve
