@@ -108,8 +108,7 @@ def merges(device: str, size: str, work: Path) -> dict:
         target = work / f"merged-{size}"
         start = time.perf_counter()
         with _peak(device) as peak:
-            merge_checkpoints(base, experts, Recipe.parse(recipe), target, device=device, hf_directory=False,
-                              overwrite=True)
+            merge_checkpoints(base, experts, Recipe.parse(recipe), target, device=device, hf_directory=False)
         row = {"recipe": recipe, "seconds": round(time.perf_counter() - start, 1), "peak_mib": round(peak["extra_mb"])}
         out["rows"].append(row)
         _log(f"{recipe} at {size} on {device}: {row['seconds']} s, peak +{row['peak_mib']} MiB")

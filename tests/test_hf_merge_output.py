@@ -18,10 +18,6 @@ from mergecal.merge import merge_models
 from mergecal.run_recipe import RecipeInputs, run_recipe
 
 
-def _loaded_state(model) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict().items()}
-
-
 @pytest.fixture(scope="module")
 def llm_family(tmp_path_factory) -> dict:
     return write_llm_family(tmp_path_factory.mktemp("llm"), "lab_llm")
@@ -38,7 +34,7 @@ def test_a_merge_of_llama_directories_loads_with_from_pretrained(llm_family, tmp
     # the weights: the recipe run in memory on the loaded state dicts, bit for bit
     pre = load_state_dict(base)
     expected = run_recipe("ties>svc", pre, [load_state_dict(e) for e in experts], RecipeInputs(progress=False))
-    loaded = _loaded_state(model)
+    loaded = model.state_dict()
     assert expected.state_dict.keys() <= loaded.keys()
     for key, value in expected.state_dict.items():
         assert torch.equal(loaded[key], value), key
@@ -108,7 +104,7 @@ def test_a_merge_of_clip_directories_loads_with_from_pretrained(tmp_path):
                  "--method", "task_arithmetic", "--set", "scaling=0.5", "--out", str(out)]) == 0
     merged = CLIPModel.from_pretrained(str(out), local_files_only=True)
     expected = merge_models(paths[0][0], [paths[1][0], paths[2][0]], "task_arithmetic", scaling=0.5)
-    for key, value in _loaded_state(merged).items():
+    for key, value in merged.state_dict().items():
         if key in expected:
             assert torch.equal(value, expected[key]), key
     assert (out / "preprocessor_config.json").is_file()

@@ -27,6 +27,7 @@ from ..device import resolve_device
 from ..errors import CheckpointError
 from .loading import load_weights_file
 from .. import offline
+from .hf_directory import SAFETENSORS_METADATA
 
 offline.apply(offline.HUB_OFFLINE)  # before transformers is imported
 
@@ -36,7 +37,6 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
              "chat_template.jinja", "chat_template.json")
-SAFETENSORS_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 
 
 def weight_format(model_dir: str | os.PathLike) -> str:

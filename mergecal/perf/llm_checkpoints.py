@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..backbones.hf_directory import SAFETENSORS_METADATA
 from ..checkpoint import ShardedCheckpointWriter
 
 SIZES = {
@@ -54,7 +55,8 @@ def parameters(size: str) -> int:
 def write_family(root: str | Path, size: str, experts: int = 3, *, max_shard_bytes: int = 2 * 1024**3,
                  device: str = "cpu") -> tuple[Path, list[Path]]:
     """``root/base`` and ``root/expert<i>``: the same base tensor in every model (seeded per key), each expert
-    plus 1e-3 noise of its own; written atomically. Returns (base, experts). ``device``: where the random
+    plus 1e-3 noise of its own; written atomically, never over a directory mergecal did not write. Returns
+    (base, experts). ``device``: where the random
     numbers are drawn (a GPU draws 7B's much faster; the values differ from the CPU's, the shapes do not)."""
 
     def randn(shape, seed: int) -> torch.Tensor:
@@ -64,7 +66,7 @@ def write_family(root: str | Path, size: str, experts: int = 3, *, max_shard_byt
     paths = []
     for name, noise in [("base", None)] + [(f"expert{i}", i) for i in range(experts)]:
         writer = ShardedCheckpointWriter(root / name, max_shard_bytes=max_shard_bytes,
-                                         metadata={"format": "pt"}, overwrite=True)
+                                         metadata=SAFETENSORS_METADATA)
         for j, (key, shape) in enumerate(table.items()):
             tensor = torch.ones(shape, device=device) if len(shape) == 1 else 0.02 * randn(shape, j)
             if noise is not None:
