@@ -28,7 +28,7 @@ export ATEN_CPU_CAPABILITY := avx2
 # OPENBLAS_CORETYPE for OpenBLAS's correctness on their CPU)
 export OPENBLAS_CORETYPE ?= Haswell
 
-.PHONY: setup run test lint fast perf bench clean
+.PHONY: setup run test lint fast perf bench perf-mergekit clean
 
 setup: $(STAMP)
 
@@ -78,6 +78,16 @@ bench: $(STAMP)
 		--output reports/perf/fusionbench-vit-b-32.md
 	$(BIN)/python scripts/perf_fusionbench.py $(FB_ARG) --shapes vit-l-14 --blocks 2 --methods tsv_m svc --threads 1 \
 		--output reports/perf/fusionbench-vit-l-14.md
+
+# `mergecal merge` against MergeKit 0.1.5 (#43) on Llama-shaped checkpoints: MERGEKIT_SIZE=smoke (default), 1.6b or
+# 7b (about 55 GB of disk). MergeKit is not a dependency: it is installed from PyPI into a venv of its own.
+MERGEKIT_SIZE ?= smoke
+MERGEKIT_VENV := .mergekit-venv
+perf-mergekit: $(STAMP)
+	test -x $(MERGEKIT_VENV)/bin/mergekit-yaml || ($(BIN)/uv venv --quiet --python $(PYTHON) $(MERGEKIT_VENV) && \
+		VIRTUAL_ENV=$(abspath $(MERGEKIT_VENV)) $(BIN)/uv pip install --quiet mergekit==0.1.5)
+	$(BIN)/python scripts/perf_mergekit.py --mergekit $(MERGEKIT_VENV)/bin/mergekit-yaml --size $(MERGEKIT_SIZE) \
+		--work .mergecal/perf-mergekit --output reports/perf/mergekit-$(MERGEKIT_SIZE).json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

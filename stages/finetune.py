@@ -1,4 +1,4 @@
-"""DVC stage: fine-tune the image encoder on every task in every variant, in one process."""
+"""DVC stage: fine-tune the image encoder on every task in every variant, ``threads`` one-thread fine-tunes at once."""
 
 from stages._common import device, run
 
@@ -6,7 +6,7 @@ from stages._common import device, run
 def stage(params, root, args):
     from mergecal.pipeline.tracks.clip.built import stages as vision
 
-    vision.finetune_all(params, root, seed=args.seed, device=device(params), progress=False)
+    vision.finetune_all(params, root, seed=args.seed, device=device(params), workers=params.threads, progress=False)
 
 
 if __name__ == "__main__":

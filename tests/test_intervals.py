@@ -52,3 +52,25 @@ def test_the_same_inputs_give_the_same_interval():
 def test_mismatched_examples_are_refused():
     with pytest.raises(ValueError, match="same examples"):
         paired_interval(_tasks([0.5], n=10), _tasks([0.5], n=12), [1.0])
+
+
+def test_equal_to_scipy_bootstrap_with_the_same_draws():
+    """The count-matrix bootstrap is scipy's: same seed, same per-task draws, same percentile; only the summation
+    order of a resample's mean differs."""
+    from scipy.stats import bootstrap
+
+    from mergecal.reports import intervals
+
+    rng = np.random.default_rng(7)
+    samples = [rng.normal(size=120), (rng.random(75) < 0.6).astype(float), rng.normal(2.0, 3.0, size=33)]
+    weights = [0.2, 0.5, 0.3]
+
+    def statistic(*resampled, axis=-1):
+        return sum(w * np.mean(s, axis=axis) for s, w in zip(resampled, weights))
+
+    expected = bootstrap(tuple(samples), statistic, n_resamples=intervals.N_RESAMPLES,
+                         confidence_level=intervals.LEVEL, method=intervals.METHOD, paired=False, vectorized=True,
+                         random_state=np.random.default_rng(intervals.SEED)).confidence_interval
+    assert stratified_interval(samples, weights) == pytest.approx((expected.low, expected.high), rel=1e-12, abs=1e-14)
+    # another order of the tasks draws other resamples: the draws follow the sizes, not the values
+    assert stratified_interval(samples[::-1], weights[::-1]) != stratified_interval(samples, weights)

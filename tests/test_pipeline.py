@@ -120,6 +120,28 @@ def test_finetune_stage_reports_accuracy_on_the_true_validation_split(built):
     assert not {bytes(x) for x in images} & {bytes(x) for x in train}
 
 
+def test_finetunes_on_two_worker_processes_train_the_in_process_bits(built, tmp_path):
+    """Each fine-tune runs on one thread wherever it runs: two worker processes (the finetune stage at
+    ``threads: 2``) write the same bytes as the fixture's in-process fine-tunes, and finetuned.json lists them in
+    the runs' order whichever finished first."""
+    root, params = built
+    paths = vision.paths_for(params, root)
+    copy = tmp_path / "workspace"
+    shutil.copytree(paths.data, copy / paths.data.relative_to(root))
+    for name in ("pretrained.safetensors", "heads.safetensors"):
+        target = copy / paths.pretrained.parent.relative_to(root) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(paths.pretrained.parent / name, target)
+    lines = []
+    summary = vision.finetune_all(params, copy, workers=2, log=lines.append)
+    runs = vision.finetune_runs(params.vision)
+    assert len(lines) == len(runs) and [(t, v) for v in summary for t in summary[v]] == runs
+    copied = vision.paths_for(params, copy)
+    for task, variant in runs:
+        assert copied.finetuned(variant, task).read_bytes() == paths.finetuned(variant, task).read_bytes(), task
+    assert json.loads((copied.seeded / "finetuned.json").read_text()) == summary
+
+
 def test_cells_cover_the_matrix_with_distinct_ids(built):
     root, params = built
     cells = cells_mod.enumerate_cells(params)

@@ -55,3 +55,36 @@ def test_the_gpu_session_script_runs_every_step_on_the_cpu(tmp_path):
     assert [r["recipe"] for r in merges["rows"]] == ["task_arithmetic>svc", "tsv_m"]
     assert all(r["seconds"] >= 0 and r["peak_mib"] >= 0 for r in merges["rows"])
     assert "task_arithmetic>svc" in (out / "summary.md").read_text()
+
+
+def test_bench_intervals_runs_and_agrees_with_scipy(capsys, monkeypatch):
+    """scripts/bench_intervals.py: both intervals on the same rows, their ends equal up to summation order."""
+    monkeypatch.setattr("sys.argv", ["bench_intervals", "--rows", "3", "--tasks", "2", "--examples", "40"])
+    load("bench_intervals").main()
+    out = capsys.readouterr().out
+    assert float(re.search(r"largest difference of ends (\S+)", out).group(1)) < 1e-12, out
+
+
+def test_perf_mergekit_compares_outputs_and_matches_settings(tmp_path):
+    """scripts/perf_mergekit.py's parts that need no MergeKit (CI has none; `make perf-mergekit` runs the whole):
+    its tensor comparison on mergecal outputs and the MergeKit configurations it writes."""
+    import subprocess
+    import sys
+
+    from mergecal.perf.llm_checkpoints import write_family
+
+    script = load("perf_mergekit")
+    base, experts = write_family(tmp_path / "family", "smoke", 2)
+    outs = {}
+    for name, scaling in (("a", "0.3"), ("b", "0.6")):
+        outs[name] = tmp_path / name
+        subprocess.run([sys.executable, "-m", "mergecal.cli", "merge", "--pretrained", str(base), "--finetuned",
+                        *map(str, experts), "--method", "task_arithmetic", "--set", f"scaling={scaling}",
+                        "--dtype", "bfloat16", "--out", str(outs[name]), "--weights-only"], check=True)
+    same = script.compare(outs["a"], outs["a"], base, "task_arithmetic")
+    assert same["max_rel_diff"] == 0 and same["equal_share"] == 1 and same["delta_l1_ratio"] == 1
+    half = script.compare(outs["a"], outs["b"], base, "task_arithmetic")  # twice lambda: twice the delta
+    assert half["delta_l1_ratio"] == pytest.approx(0.5, rel=0.02) and half["equal_share"] < 0.5
+    config = script.mergekit_config("ties", base, experts)
+    assert config["merge_method"] == "ties" and config["base_model"] == str(base)
+    assert [m["parameters"] for m in config["models"]] == [{"weight": 1.0, "density": 0.2}] * 2

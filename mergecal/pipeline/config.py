@@ -214,7 +214,7 @@ class Runner(Strict):
     (prefect-dask's DaskTaskRunner; ``address`` of an existing cluster, else a local one)."""
 
     kind: Literal["threads", "processes", "dask"] = "threads"
-    max_workers: WorkerCount = 1
+    max_workers: WorkerCount = 2  # with threads: 2, two one-thread cells at once (params.yaml)
     retries: NonNegativeInt = 1
     retry_delay_seconds: NonNegativeReal = 1.0
     address: str | None = None

@@ -6,11 +6,17 @@ constant). The bootstrap is stratified: each task's examples are resampled from 
 ``scipy.stats.bootstrap`` does with one sample per task (``paired=False``). A paired interval resamples the
 per-example differences of two rows scored on the same examples. Percentile method, ``N_RESAMPLES`` resamples,
 a fixed seed: the same inputs give the same interval on every run.
+
+The resamples are scipy's own draws (its generator seeded with ``SEED``, one ``(N_RESAMPLES, n)`` index draw per
+task in order), so they depend on the tasks' sizes only: a report of hundreds of rows over the same tasks draws them
+once, as per-task count matrices, and a row's resampled means are one matrix product per task. The interval equals
+``scipy.stats.bootstrap``'s up to floating-point summation order (``tests/test_intervals.py`` checks it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -30,8 +36,6 @@ def weighted_means(samples: Sequence[np.ndarray], weights: Sequence[float]) -> f
 def stratified_interval(samples: Sequence[np.ndarray], weights: Sequence[float]) -> Interval:
     """The 95 % percentile-bootstrap interval of ``weighted_means(samples, weights)``, each task's sample
     resampled on its own (stratified). A sample without spread gives its value as both ends."""
-    from scipy.stats import bootstrap
-
     samples = [np.asarray(s, dtype=np.float64) for s in samples]
     if len(samples) != len(weights) or not samples or any(s.ndim != 1 or s.size == 0 for s in samples):
         raise ValueError("stratified_interval: one non-empty 1-d sample per weight")
@@ -39,13 +43,28 @@ def stratified_interval(samples: Sequence[np.ndarray], weights: Sequence[float])
         value = weighted_means(samples, weights)
         return value, value
 
-    def statistic(*resampled, axis=-1):
-        return sum(w * np.mean(s, axis=axis) for s, w in zip(resampled, weights))
+    from scipy.stats import quantile
 
-    result = bootstrap(tuple(samples), statistic, n_resamples=N_RESAMPLES, confidence_level=LEVEL, method=METHOD,
-                       paired=False, vectorized=True, random_state=np.random.default_rng(SEED))
-    low, high = result.confidence_interval
+    alpha = (1 - LEVEL) / 2
+    resampled = sum(w * (weights_of_resample @ s) for s, w, weights_of_resample
+                    in zip(samples, weights, _resample_weights(tuple(s.size for s in samples))))
+    low, high = quantile(resampled, np.array([alpha, 1 - alpha]))
     return float(low), float(high)
+
+
+@lru_cache(maxsize=8)
+def _resample_weights(sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Per task, the ``(N_RESAMPLES, n)`` matrix whose row r times the sample is resample r's mean: how often
+    each example is drawn, over n. The draws are ``scipy.stats.bootstrap``'s for these sizes and ``SEED``."""
+    rng = np.random.default_rng(SEED)
+    matrices = []
+    for n in sizes:
+        drawn = rng.integers(0, n, (N_RESAMPLES, n), dtype="int64")
+        counts = np.bincount((drawn + n * np.arange(N_RESAMPLES)[:, None]).ravel(), minlength=N_RESAMPLES * n)
+        matrix = counts.reshape(N_RESAMPLES, n) / n
+        matrix.flags.writeable = False
+        matrices.append(matrix)
+    return tuple(matrices)
 
 
 def paired_interval(row: Sequence[np.ndarray], base: Sequence[np.ndarray], weights: Sequence[float]) -> Interval:

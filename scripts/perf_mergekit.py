@@ -1,0 +1,175 @@
+"""`mergecal merge` side by side with MergeKit on the same Llama-shaped checkpoints (issue #43).
+
+    python scripts/perf_mergekit.py --mergekit /path/to/venv/bin/mergekit-yaml --size 1.6b --work /tmp/mk \\
+        [--experts 3] [--repeats 2] [--methods task_arithmetic ties dare_linear dare_ties] [--threads 2]
+
+MergeKit is a benchmark dependency, never a runtime one: install it in a venv of its own
+(``uv venv /tmp/mkvenv && VIRTUAL_ENV=/tmp/mkvenv uv pip install mergekit==0.1.5``) and pass its
+``mergekit-yaml``. The checkpoints are written once by ``mergecal.perf.llm_checkpoints`` (random weights,
+bfloat16 safetensors shards, a base and K experts). Each merge runs in a fresh process, the two tools alternated,
+``--repeats`` times; the process tree's resident memory (anonymous and file-backed) is polled from /proc every
+20 ms. Both tools compute in float32 and write bfloat16, 1 B parameters (2 GB) a shard. The outputs are compared
+tensor by tensor against each other and, for the random methods (DARE), by what a draw leaves invariant.
+
+Matched settings (each convention difference named):
+- task_arithmetic: mergecal ``scaling=0.3``; MergeKit ``weight: 1``, ``lambda: 0.3`` (``normalize`` off: its default).
+- ties: mergecal ``top_k=0.2, trim_scope=per_tensor, sign_vote=mass, disjoint=mean, scaling=1``; MergeKit
+  ``density: 0.2, weight: 1`` (top 20 % per tensor, sign by summed mass, ``normalize`` on: the disjoint mean).
+  mergecal's default trims over the whole model (the TIES paper's code); MergeKit per tensor.
+- dare_linear / dare_ties: mergecal ``dare(drop_rate=0.9, rescale=l1, base=task_arithmetic | ties with top_k=1,
+  trim_scope=per_tensor)``; MergeKit ``density: 0.1, weight: 1`` (L1-norm rescale: its ``rescale`` default).
+  The random masks differ (each tool's generator), so the check is statistical: the merged delta's L1 norm
+  (both keep each task vector's L1 norm per tensor) and the fraction of coordinates changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+from safetensors import safe_open
+
+from mergecal.perf.llm_checkpoints import parameters, write_family
+
+MERGECAL_SETTINGS = {
+    "task_arithmetic": ["--method", "task_arithmetic", "--set", "scaling=0.3"],
+    "ties": ["--method", "ties", "--set", "top_k=0.2", "--set", "trim_scope=per_tensor", "--set", "scaling=1.0"],
+    "dare_linear": ["--method", "dare", "--set", "drop_rate=0.9", "--set", "rescale=l1", "--set", "scaling=1.0"],
+    "dare_ties": ["--method", "dare", "--set", "drop_rate=0.9", "--set", "rescale=l1", "--set", "base=ties",
+                  "--set", "top_k=1.0", "--set", "trim_scope=per_tensor", "--set", "scaling=1.0"],
+}
+MERGEKIT_PARAMETERS = {
+    "task_arithmetic": ({"weight": 1.0}, {"lambda": 0.3}),
+    "ties": ({"weight": 1.0, "density": 0.2}, {}),
+    "dare_linear": ({"weight": 1.0, "density": 0.1}, {}),
+    "dare_ties": ({"weight": 1.0, "density": 0.1}, {}),
+}
+
+
+def mergekit_config(method: str, base: Path, experts: list[Path]) -> dict:
+    per_model, shared = MERGEKIT_PARAMETERS[method]
+    return {"merge_method": method, "base_model": str(base), "dtype": "float32", "out_dtype": "bfloat16",
+            "parameters": shared, "models": [{"model": str(e), "parameters": per_model} for e in experts]}
+
+
+def _tree_memory_mb(pid: int) -> tuple[float, float, float]:
+    """(RSS, anonymous, file-backed) resident memory of ``pid`` and its descendants, in MB."""
+    totals, stack = [0, 0, 0], [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines())
+            for i, name in enumerate(("VmRSS", "RssAnon", "RssFile")):
+                totals[i] += int(fields.get(name, "0 kB").split()[0])
+            for task in Path(f"/proc/{p}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+    return tuple(t / 1024 for t in totals)
+
+
+def measured(command: list[str], env: dict) -> dict:
+    """Run ``command`` in a fresh process: wall seconds and peak tree memory (MB)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = [0.0, 0.0, 0.0]
+
+    def poll():
+        while proc.poll() is None:
+            peak[:] = [max(a, b) for a, b in zip(peak, _tree_memory_mb(proc.pid))]
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    _, err = proc.communicate()
+    poller.join()
+    if proc.returncode:
+        raise SystemExit(f"{command[0]} failed ({proc.returncode}): {err.strip().splitlines()[-1:]}")
+    return {"seconds": time.perf_counter() - start, "rss_mb": peak[0], "anon_mb": peak[1], "file_mb": peak[2]}
+
+
+def tensors(directory: Path):
+    index = directory / "model.safetensors.index.json"
+    files = sorted({*json.loads(index.read_text())["weight_map"].values()}) if index.exists() else \
+        [p.name for p in directory.glob("*.safetensors")]
+    for name in files:
+        with safe_open(directory / name, "pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def compare(ours: Path, theirs: Path, base: Path, method: str) -> dict:
+    """Deterministic methods: the largest relative difference of a key (Frobenius) and the share of equal
+    elements. DARE: the merged delta's L1 norm and changed share, ours over theirs, over all keys."""
+    theirs_by_key = dict(tensors(theirs))
+    base_by_key = dict(tensors(base))
+    worst, equal, total, l1, changed = 0.0, 0, 0, [0.0, 0.0], [0, 0]
+    for key, a in tensors(ours):
+        b, o = theirs_by_key.pop(key).float(), base_by_key[key].float()
+        a = a.float()
+        worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
+        equal, total = equal + int((a == b).sum()), total + a.numel()
+        for i, t in enumerate((a, b)):
+            l1[i] += float((t - o).abs().sum())
+            changed[i] += int((t != o).sum())
+    if theirs_by_key:
+        raise SystemExit(f"keys only MergeKit wrote: {sorted(theirs_by_key)[:3]}")
+    return {"max_rel_diff": worst, "equal_share": equal / total, "delta_l1_ratio": l1[0] / l1[1],
+            "changed_share_ours": changed[0] / total, "changed_share_theirs": changed[1] / total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mergekit", required=True, help="MergeKit's mergekit-yaml executable")
+    parser.add_argument("--size", default="smoke", choices=["smoke", "1.6b", "7b"])
+    parser.add_argument("--work", type=Path, required=True, help="a folder for the checkpoints and outputs")
+    parser.add_argument("--experts", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", default=list(MERGECAL_SETTINGS), choices=list(MERGECAL_SETTINGS))
+    parser.add_argument("--output", type=Path, help="write the figures as JSON here too")
+    args = parser.parse_args()
+
+    family = args.work / f"family-{args.size}-k{args.experts}"
+    base, experts = write_family(family, args.size, args.experts)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    mergecal_cli = [sys.executable, "-m", "mergecal.cli"]
+    print(f"{args.size}: {parameters(args.size) / 1e9:.2f} B parameters, base + {len(experts)} experts, "
+          f"{args.threads} threads, {args.repeats} repeats")
+    rows = {}
+    for method in args.methods:
+        ours, theirs = args.work / f"out-mergecal-{method}", args.work / f"out-mergekit-{method}"
+        config = args.work / f"mergekit-{method}.yml"
+        config.write_text(yaml.safe_dump(mergekit_config(method, base, experts)))
+        runs = {"mergecal": [], "mergekit": []}
+        for _ in range(args.repeats):  # alternated: both tools see the same drift of the machine
+            runs["mergecal"].append(measured(
+                [*mergecal_cli, "merge", "--pretrained", str(base), "--finetuned", *map(str, experts),
+                 *MERGECAL_SETTINGS[method], "--dtype", "bfloat16", "--max-shard-size", "2GB", "--out", str(ours),
+                 "--overwrite", "--weights-only"], env))
+            runs["mergekit"].append(measured(
+                [args.mergekit, str(config), str(theirs), "--lazy-unpickle", "--out-shard-size", "1B",
+                 "--no-copy-tokenizer", "--quiet", "--random-seed", "0", "-j", str(args.threads)], env))
+        row = {tool: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for tool, rs in runs.items()}
+        row["difference"] = compare(ours, theirs, base, method)
+        rows[method] = row
+        m, k = row["mergecal"], row["mergekit"]
+        print(f"{method:16s} mergecal {m['seconds']:7.1f} s {m['anon_mb']:7.0f} MB anon {m['rss_mb']:7.0f} MB rss | "
+              f"MergeKit {k['seconds']:7.1f} s {k['anon_mb']:7.0f} MB anon {k['rss_mb']:7.0f} MB rss | "
+              f"time x{k['seconds'] / m['seconds']:.2f}, anon x{m['anon_mb'] / k['anon_mb']:.2f} | "
+              + ", ".join(f"{name} {value:.3g}" for name, value in row["difference"].items()), flush=True)
+    if args.output:
+        args.output.write_text(json.dumps({"size": args.size, "experts": len(experts), "threads": args.threads,
+                                           "repeats": args.repeats, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
