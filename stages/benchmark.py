@@ -1,9 +1,14 @@
-"""DVC stage: run the Prefect benchmark flow over every cell (MLflow-tracked); writes results/."""
+"""DVC stage: run the Prefect benchmark flow over every cell (MLflow-tracked); writes results/ (the summary, and the
+task-arithmetic rows the stability stage reads: mergecal.pipeline.stability_inputs)."""
+
+import json
 
 from stages._common import run
 
 
 def stage(params, root, args):
+    from mergecal.checkpoint import atomic_write_text
+    from mergecal.pipeline import stability_inputs
     from mergecal.pipeline.flow import run_benchmark
 
     result = run_benchmark(params_path=args.params, root=str(root))
@@ -11,6 +16,9 @@ def stage(params, root, args):
         from mergecal.errors import MergecalError
 
         raise MergecalError(f"every one of the {result['cells']} cells failed; see MLflow ({result['tracking_uri']})")
+    summary = json.loads((root / "results" / "benchmark.json").read_text())
+    atomic_write_text(root / stability_inputs.PATH,
+                      json.dumps(stability_inputs.task_arithmetic_rows(summary), indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

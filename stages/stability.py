@@ -10,8 +10,9 @@ def stage(params, root, args):
     from mergecal.checkpoint import atomic_write_text
     from mergecal.pipeline.refit_stability import measure_refits
     from mergecal.pipeline.stability import measure, read_results, stability_markdown
+    from mergecal.pipeline.stability_inputs import PATH
 
-    results = read_results(root / "results" / "benchmark.json")
+    results = read_results(root / PATH)  # the benchmark's task-arithmetic rows: all that both diagnostics read
     document = {**measure(params, root, results, device=device(params)),
                 "refits": measure_refits(params, root, results, device=device(params))}
     text = stability_markdown(document)

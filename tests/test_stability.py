@@ -166,3 +166,31 @@ def test_a_perturbed_model_directory_is_a_copy_with_only_its_weights_perturbed(t
     assert all(torch.equal(original[k], weights[k]) for k in weights)
     assert all(torch.equal(copied[k], perturbed(weights, 1)[k]) and not torch.equal(copied[k], weights[k])
                for k in weights)
+
+
+def test_the_stability_stage_input_keeps_what_both_diagnostics_read():
+    """results/task_arithmetic_rows.json (written by the benchmark stage): the same scalings and rows as the whole
+    summary for both diagnostics, and the same bytes whatever the other rows hold."""
+    from mergecal.pipeline.refit_stability import task_arithmetic_rows as refit_rows
+    from mergecal.pipeline.stability_inputs import task_arithmetic_rows
+
+    def row(label, merge, scaling, track="vision", regime="standard", **extra):
+        return {"track": track, "regime": regime, "seed": 0, "label": label, "merge": merge,
+                "selected_scaling": scaling, "avg_norm_acc": 0.5, **extra}
+
+    results = {"rows": [row("ties", "ties", 0.3), row("task_arithmetic", "task_arithmetic", 0.2),
+                        row("task_arithmetic>svc", "task_arithmetic", 0.5),
+                        row("task_arithmetic(scaling=0.3)", "task_arithmetic", 0.3, regime="norm_mismatch"),
+                        row("task_arithmetic", "task_arithmetic", 0.7, track="text")]}
+    reduced = task_arithmetic_rows(results)
+    assert len(reduced["rows"]) == 3 and all("avg_norm_acc" not in r for r in reduced["rows"])
+    for track in ("vision", "text", "llm"):
+        assert chosen_scaling(reduced, track) == chosen_scaling(results, track)
+        for regime in ("standard", "norm_mismatch"):
+            assert refit_rows(reduced, track, regime, 0) == refit_rows(results, track, regime, 0)
+    others_moved = {"rows": [{**r, "avg_norm_acc": 0.9} if r["merge"] == "ties" else r
+                             for r in reversed(results["rows"])] + [row("tsv_m", "tsv_m", 1.0)]}
+    assert json.dumps(task_arithmetic_rows(others_moved)) == json.dumps(reduced)
+    ta_moved = {"rows": [{**r, "selected_scaling": 0.3} if r["label"] == "task_arithmetic" else r
+                         for r in results["rows"]]}
+    assert task_arithmetic_rows(ta_moved) != reduced
