@@ -317,7 +317,10 @@ def test_a_refit_at_the_pipelines_thread_count_is_the_stored_fine_tune_and_each_
 
     root, params = built
     task, variant = params.vision.norm_mismatch_task, "norm_mismatch"
-    again = vision_refit(params, root, task, variant, threads=params.threads)
+    from mergecal.pipeline.tracks.clip.built.diagnostics import training_threads
+
+    assert training_threads(params, "cpu") == 1  # finetune_all's one thread per fine-tune, whatever `threads` is
+    again = vision_refit(params, root, task, variant, threads=training_threads(params, "cpu"))
     stored = load_state_dict(vision.paths_for(params, root).finetuned(variant, task))
     assert again.keys() == stored.keys() and all(torch.equal(again[k], stored[k]) for k in stored)
     encoder, head = text_refit(params, root, params.text.tasks[0], threads=params.threads)

@@ -19,6 +19,20 @@ def test_the_refit_trains_at_another_thread_count():
     assert other_threads(2) == 1 and other_threads(16) == 1 and other_threads(1) == 2
 
 
+def test_each_track_refits_at_a_count_it_does_not_train_at():
+    """Regression (#43): the vision fine-tunes moved to one thread each, and a refit at other_threads(threads=2)
+    = 1 was their own bits, so every vision regime read as stable. The refit count follows each track's own."""
+    from mergecal.pipeline.config import parse_params
+    from mergecal.pipeline.tracks.causal_lm.built import diagnostics as llm
+    from mergecal.pipeline.tracks.clip.built import diagnostics as vision
+    from mergecal.pipeline.tracks.text.built import diagnostics as text
+
+    params = parse_params({"threads": 2})
+    assert other_threads(vision.training_threads(params, "cpu")) == 2
+    assert other_threads(text.training_threads(params, "cpu")) == 1
+    assert other_threads(llm.training_threads(params, "cpu")) == 1
+
+
 def test_the_refit_model_is_the_one_furthest_from_the_pretrained_weights():
     pretrained = {"a": torch.zeros(3), "b": torch.ones(2)}
     finetuned = {("x", "standard"): {"a": torch.tensor([1.0, 1.0, 1.0]), "b": torch.ones(2)},  # norm sqrt(3)

@@ -9,10 +9,11 @@ module: which model to refit, how to score a merge) and each of its regimes:
 
 1. the fine-tune with the largest task vector (the one that moved furthest from the pretrained weights: the
    norm-mismatch regime's 10x-lr model, by construction) is trained again, with the hyperparameters and seed its
-   file records, at ``other_threads(params.threads)`` threads instead of ``params.threads``;
+   file records, at ``other_threads`` of the count the track trains at (its diagnostics' ``training_threads``:
+   ``params.threads``, or one for the vision fine-tunes, which train on one thread each);
 2. the regime's uncalibrated task-arithmetic rows the leaderboard shows (the chosen scaling's and each fixed one,
-   read from ``results/benchmark.json``) are evaluated on the test split with the stored and with the refit model
-   (a bit-identical refit gives the stored rows: scored once);
+   read from ``results/task_arithmetic_rows.json``) are evaluated on the test split with the stored and with the
+   refit model (a bit-identical refit gives the stored rows: scored once);
 3. the regime is stable when no row moves by more than the half-width of its own 95 % interval
    (``stability.move_summary``: the same figures and verdict as the weight-noise diagnostic).
 
@@ -114,12 +115,14 @@ def regime_stability(stored: Callable[[float], Examples], refitted: Callable[[fl
 def measure_refits(params: Params, root, results: dict, *, device: str = "cpu") -> list[dict]:
     """One entry per enabled track and regime (``reports/stability.json``'s ``refits``)."""
     root = Path(root)
-    seed, threads = params.seeds[0], other_threads(params.threads)
+    seed = params.seeds[0]
     entries = []
     for track, diagnostics in diagnosed_tracks(params):
         settings = getattr(params, track)
+        trained = diagnostics.training_threads(params, device)  # the vision fine-tunes: one thread, not `threads`
+        threads = other_threads(trained)
         base = {"track": track, "backbone": settings.backbone, "task_set": settings.task_set, "recipe": MERGE,
-                "threads": params.threads, "refit_threads": threads}
+                "threads": trained, "refit_threads": threads}
         if len(params.seeds) > 1:
             base["fine_tuning_seed"] = seed
 

@@ -20,6 +20,12 @@ from ....stability import Examples, perturbed, task_arithmetic
 from .stages import base_dir, data_root, expert_dir, lm_eval_setup, work_dir
 
 
+def training_threads(params: Params, device: str) -> int:
+    """The torch threads this track's fine-tune stages train at: params.yaml's ``threads``. The refit trains at
+    another count."""
+    return params.threads
+
+
 @contextmanager
 def scratch_dir(root: Path, prefix: str) -> Iterator[Path]:
     work_dir(root).mkdir(parents=True, exist_ok=True)

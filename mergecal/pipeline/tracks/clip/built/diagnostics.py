@@ -20,6 +20,12 @@ from ....stability import REGIME, Examples, perturbed, task_arithmetic
 from .stages import VisionModels, evaluate_tasks, is_visual, paths_for, regime_variants, task_split
 
 
+def training_threads(params: Params, device: str) -> int:
+    """The torch threads the finetune stage trains each model at: one on the CPU (``stages.finetune_all``, whatever
+    ``threads`` is), ``threads`` elsewhere. The refit trains at another count."""
+    return 1 if device == "cpu" else params.threads
+
+
 @contextmanager
 def noise_evaluation(params: Params, root: Path, scaling: float, device: str) -> Iterator[Callable]:
     """``evaluate(seed)``: the standard regime's task-arithmetic merge at ``scaling`` scored on test, as is (seed

@@ -17,6 +17,12 @@ from ....stability import Examples, perturbed, task_arithmetic
 from .stages import TextModels, finetuned_path, n_classes, split
 
 
+def training_threads(params: Params, device: str) -> int:
+    """The torch threads this track's fine-tune stages train at: params.yaml's ``threads``. The refit trains at
+    another count."""
+    return params.threads
+
+
 @contextmanager
 def noise_evaluation(params: Params, root: Path, scaling: float, device: str) -> Iterator[Callable]:
     models, tasks = TextModels(params, root), list(params.text.tasks)
