@@ -74,3 +74,26 @@ def test_equal_to_scipy_bootstrap_with_the_same_draws():
     assert stratified_interval(samples, weights) == pytest.approx((expected.low, expected.high), rel=1e-12, abs=1e-14)
     # another order of the tasks draws other resamples: the draws follow the sizes, not the values
     assert stratified_interval(samples[::-1], weights[::-1]) != stratified_interval(samples, weights)
+
+
+def test_bit_equal_to_scipy_on_outcomes_so_a_zero_end_stays_zero():
+    """Regression (#43): 0/1 outcomes and paired differences are summed exactly, as scipy's mean does, so an
+    interval end that is exactly 0 is 0 (not 1e-17 > 0, which flipped a verdict from none to gain)."""
+    from scipy.stats import bootstrap
+
+    from mergecal.reports import intervals
+
+    rng = np.random.default_rng(3)
+    base = [(rng.random(n) < 0.6).astype(float) for n in (300, 300, 150)]
+    row = [b.copy() for b in base]
+    row[0][np.flatnonzero(base[0] == 0)[:3]] = 1  # +3 examples on one task: a lower end at or near 0
+    weights = [1 / 3] * 3
+    diffs = [r - b for r, b in zip(row, base)]
+
+    def statistic(*resampled, axis=-1):
+        return sum(w * np.mean(s, axis=axis) for s, w in zip(resampled, weights))
+
+    expected = bootstrap(tuple(diffs), statistic, n_resamples=intervals.N_RESAMPLES, confidence_level=intervals.LEVEL,
+                         method=intervals.METHOD, paired=False, vectorized=True,
+                         random_state=np.random.default_rng(intervals.SEED)).confidence_interval
+    assert paired_interval(row, base, weights) == (float(expected.low), float(expected.high))

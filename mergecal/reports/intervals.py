@@ -9,8 +9,9 @@ a fixed seed: the same inputs give the same interval on every run.
 
 The resamples are scipy's own draws (its generator seeded with ``SEED``, one ``(N_RESAMPLES, n)`` index draw per
 task in order), so they depend on the tasks' sizes only: a report of hundreds of rows over the same tasks draws them
-once, as per-task count matrices, and a row's resampled means are one matrix product per task. The interval equals
-``scipy.stats.bootstrap``'s up to floating-point summation order (``tests/test_intervals.py`` checks it).
+once, as per-task count matrices, and a row's resampled means are one matrix product per task. The interval is
+``scipy.stats.bootstrap``'s bit for bit on integer-valued scores (0/1 outcomes, their differences) and up to
+floating-point summation order on others (``tests/test_intervals.py`` checks both).
 """
 
 from __future__ import annotations
@@ -46,22 +47,24 @@ def stratified_interval(samples: Sequence[np.ndarray], weights: Sequence[float])
     from scipy.stats import quantile
 
     alpha = (1 - LEVEL) / 2
-    resampled = sum(w * (weights_of_resample @ s) for s, w, weights_of_resample
-                    in zip(samples, weights, _resample_weights(tuple(s.size for s in samples))))
+    # counts @ sample is exact for integer-valued scores (0/1 outcomes and their paired differences), so each
+    # resample's mean is scipy's bit for bit there and an interval end that is exactly 0 stays 0 (the verdict)
+    resampled = sum(w * ((counts @ s) / s.size) for s, w, counts
+                    in zip(samples, weights, _resample_counts(tuple(s.size for s in samples))))
     low, high = quantile(resampled, np.array([alpha, 1 - alpha]))
     return float(low), float(high)
 
 
 @lru_cache(maxsize=8)
-def _resample_weights(sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """Per task, the ``(N_RESAMPLES, n)`` matrix whose row r times the sample is resample r's mean: how often
-    each example is drawn, over n. The draws are ``scipy.stats.bootstrap``'s for these sizes and ``SEED``."""
+def _resample_counts(sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Per task, the ``(N_RESAMPLES, n)`` matrix of how often resample r draws each example (as floats). The
+    draws are ``scipy.stats.bootstrap``'s for these sizes and ``SEED``."""
     rng = np.random.default_rng(SEED)
     matrices = []
     for n in sizes:
         drawn = rng.integers(0, n, (N_RESAMPLES, n), dtype="int64")
         counts = np.bincount((drawn + n * np.arange(N_RESAMPLES)[:, None]).ravel(), minlength=N_RESAMPLES * n)
-        matrix = counts.reshape(N_RESAMPLES, n) / n
+        matrix = counts.reshape(N_RESAMPLES, n).astype(np.float64)
         matrix.flags.writeable = False
         matrices.append(matrix)
     return tuple(matrices)
