@@ -283,11 +283,27 @@ class Tracker:
         if status not in ("ok", "skipped"):
             return run_id
         # two members (or a worker presumed dead) computed the cell at once: the first to finish is kept, every
-        # later one deleted, so the store holds one result per cell id
+        # later one deleted, so the store holds one result per cell id. Each decides once no other run of the cell
+        # is still being logged, so both decide on the same finished runs (end times are the clients' clocks: one
+        # that finished first by its clock may become visible last)
+        self._wait_for_siblings(cell_id, status, run_id)
         kept = self.finished_cell_run(cell_id, status) or run_id  # the first to finish (ties: the smaller run id)
         if kept != run_id:
             self.client.delete_run(run_id)
         return kept
+
+    def _wait_for_siblings(self, cell_id: str, status: str, run_id: str, timeout: float = 60.0) -> None:
+        """Until no other RUNNING run of the cell exists (one being logged now), at most ``timeout`` seconds (a
+        member killed mid-logging leaves a RUNNING run behind)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            running = self.client.search_runs(
+                [self.experiment_id], max_results=10,
+                filter_string=f"tags.`{tag('cell_id')}` = '{cell_id}' and attributes.status = 'RUNNING' "
+                              f"and tags.`{tag('status')}` = '{status}'")
+            if not any(run.info.run_id != run_id for run in running):
+                return
+            time.sleep(0.5)
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _log_batch(self, run_id: str, metrics: dict[str, float], params: dict[str, str], tags: dict[str, str]) -> None:
