@@ -96,34 +96,40 @@ def measured(command: list[str], env: dict) -> dict:
     return {"seconds": time.perf_counter() - start, "rss_mb": peak[0], "anon_mb": peak[1], "file_mb": peak[2]}
 
 
-def tensors(directory: Path):
+def tensor_files(directory: Path) -> dict[str, Path]:
+    """{key: the safetensors file holding it} of a checkpoint directory (sharded with an index, or not)."""
     index = directory / "model.safetensors.index.json"
-    files = sorted({*json.loads(index.read_text())["weight_map"].values()}) if index.exists() else \
-        [p.name for p in directory.glob("*.safetensors")]
-    for name in files:
-        with safe_open(directory / name, "pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+    if index.exists():
+        return {key: directory / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            out |= dict.fromkeys(f.keys(), path)
+    return out
 
 
 def compare(ours: Path, theirs: Path, base: Path, method: str) -> dict:
     """Deterministic methods: the largest relative difference of a key (Frobenius) and the share of equal
-    elements. DARE: the merged delta's L1 norm and changed share, ours over theirs, over all keys."""
-    theirs_by_key = dict(tensors(theirs))
-    base_by_key = dict(tensors(base))
+    elements. DARE: the merged delta's L1 norm and changed share, ours over theirs, over all keys. One key of each
+    checkpoint in memory at a time."""
+    files = [tensor_files(d) for d in (ours, theirs, base)]
+    if files[0].keys() != files[1].keys():
+        raise SystemExit(f"keys only one tool wrote: {sorted(files[0].keys() ^ files[1].keys())[:3]}")
     worst, equal, total, l1, changed = 0.0, 0, 0, [0.0, 0.0], [0, 0]
-    for key, a in tensors(ours):
-        b, o = theirs_by_key.pop(key).float(), base_by_key[key].float()
-        a = a.float()
+    for key in sorted(files[0]):
+        a, b, o = (_tensor(f[key], key) for f in files)
         worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
         equal, total = equal + int((a == b).sum()), total + a.numel()
         for i, t in enumerate((a, b)):
             l1[i] += float((t - o).abs().sum())
             changed[i] += int((t != o).sum())
-    if theirs_by_key:
-        raise SystemExit(f"keys only MergeKit wrote: {sorted(theirs_by_key)[:3]}")
     return {"max_rel_diff": worst, "equal_share": equal / total, "delta_l1_ratio": l1[0] / l1[1],
             "changed_share_ours": changed[0] / total, "changed_share_theirs": changed[1] / total}
+
+
+def _tensor(path: Path, key: str):
+    with safe_open(path, "pt") as f:
+        return f.get_tensor(key).float()
 
 
 def main() -> None:
@@ -154,7 +160,7 @@ def main() -> None:
             runs["mergecal"].append(measured(
                 [*mergecal_cli, "merge", "--pretrained", str(base), "--finetuned", *map(str, experts),
                  *MERGECAL_SETTINGS[method], "--dtype", "bfloat16", "--max-shard-size", "2GB", "--out", str(ours),
-                 "--overwrite", "--weights-only"], env))
+                 "--weights-only"], env))  # an earlier repeat's output is mergecal's: replaced without --overwrite
             runs["mergekit"].append(measured(
                 [args.mergekit, str(config), str(theirs), "--lazy-unpickle", "--out-shard-size", "1B",
                  "--no-copy-tokenizer", "--quiet", "--random-seed", "0", "-j", str(args.threads)], env))
