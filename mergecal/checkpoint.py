@@ -13,6 +13,7 @@ import os
 import re
 import stat
 import struct
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -350,10 +351,46 @@ def save_state_dict(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike
     return path
 
 
+# safetensors' order of tensors in a file (its ``prepare``, version 0.8): dtypes in this order, then names ascending.
+# ``ShardedCheckpointWriter`` lays out its shards the same way, so they equal ``save_file``'s byte for byte (tested).
+_FILE_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+_DTYPE_CODES = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
+_COPY_CHUNK = 64 * 1024**2
+
+
+def _safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: Mapping[str, str]) -> bytes:
+    """The length-prefixed header ``save_file`` writes for ``(key, dtype code, shape, nbytes)`` entries already in
+    file order: compact JSON, ``__metadata__`` first (keys sorted: ``_sort_metadata``; ``{}`` when empty, as
+    ``save_file(metadata={})`` writes it), space-padded to 8 bytes."""
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for key, code, shape, nbytes in entries:
+        header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text = text.ljust(-(-len(text) // 8) * 8, b" ")
+    return struct.pack("<Q", len(text)) + text
+
+
+def _copy_range(src: int, dst: int, offset: int, count: int) -> None:
+    """Copy ``count`` bytes at ``offset`` of file ``src`` to ``dst``'s position: in the kernel where it can
+    (``copy_file_range``), else in 64 MB chunks."""
+    while count:
+        try:
+            done = os.copy_file_range(src, dst, min(count, _COPY_CHUNK), offset)
+        except (AttributeError, OSError):  # not Linux, or a file system that refuses it: copy through memory
+            done = os.write(dst, os.pread(src, min(count, _COPY_CHUNK), offset))
+        if done == 0:
+            raise OSError(f"short copy at byte {offset}")
+        offset, count = offset + done, count - done
+
+
 class ShardedCheckpointWriter:
     """Write a checkpoint directory tensor by tensor, in shards of at most ``max_shard_bytes``.
 
-    Tensors are buffered until a shard is full, so memory stays bounded by one shard. Output goes to a
+    Each tensor's bytes go to the shard's data file as it arrives, so memory holds one tensor, not a shard; a full
+    shard is then written in safetensors' layout (header, tensors in its order) by a kernel copy from that file,
+    equal byte for byte to ``save_file`` of the same tensors. Output goes to a
     staging directory beside ``out_dir`` that replaces ``out_dir`` only in ``close()``: an interrupted
     write leaves no half-written checkpoint at ``out_dir``. One shard is written as ``model.safetensors``;
     more as ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (HF's layout).
@@ -367,36 +404,67 @@ class ShardedCheckpointWriter:
                  overwrite: bool = False):
         if max_shard_bytes <= 0:
             raise CheckpointError(f"max_shard_bytes: expected a positive number of bytes, got {max_shard_bytes}")
+        if sys.byteorder != "little":  # safetensors stores little-endian bytes; the data file holds memory's
+            raise CheckpointError("ShardedCheckpointWriter: writes little-endian machines' tensors only")
         self.max_shard_bytes = max_shard_bytes
         self.metadata = dict(metadata or {})
         self._output = OutputDir(out_dir, inputs=inputs, overwrite=overwrite)
         self.out_dir = self._output.target
         self.staging = self._output.staging
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffer_bytes = 0
+        self._data = None  # the current shard's data file: tensors' bytes in arrival order
+        self._entries: list[tuple[str, str, tuple[int, ...], int, int]] = []  # key, code, shape, nbytes, offset
+        self._shard_bytes = 0
+        self._keys: set[str] = set()
         self._shards: list[tuple[str, list[str]]] = []
         self._total_bytes = 0
         self._finished = False
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in _DTYPE_CODES:
+            raise CheckpointError(f"key {key!r}: dtype {tensor.dtype} cannot be written to safetensors")
+        if key in self._keys:
+            raise CheckpointError(f"key {key!r}: written twice to {self.out_dir}")
+        self._keys.add(key)
         nbytes = tensor.numel() * tensor.element_size()
-        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+        if self._entries and self._shard_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self._buffer[key] = _contiguous_cpu(tensor)
-        self._buffer_bytes += nbytes
+        if self._data is None:
+            self._data = open(self.staging / f"shard-{len(self._shards):05d}.data", "w+b")
+        tensor = _contiguous_cpu(tensor)
+        try:
+            self._data.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        except OSError as err:  # a full disk, say
+            raise _cannot_write(self.out_dir, err.strerror or str(err)) from None
+        self._entries.append((key, _DTYPE_CODES[tensor.dtype], tuple(tensor.shape), nbytes, self._shard_bytes))
+        self._shard_bytes += nbytes
         self._total_bytes += nbytes
 
     def _flush(self) -> None:
         name = f"shard-{len(self._shards):05d}.safetensors"
-        _write_safetensors(self._buffer, self.staging / name, self.metadata, self.out_dir)
-        self._shards.append((name, list(self._buffer)))
-        self._buffer, self._buffer_bytes = {}, 0
+        entries = sorted(self._entries, key=lambda e: (_FILE_ORDER.index(e[1]), e[0]))
+        data = self._data or open(os.devnull, "rb")  # an empty checkpoint: one shard with no tensors
+        try:
+            data.flush()
+            with open(self.staging / name, "wb") as out:
+                out.write(_safetensors_header([e[:4] for e in entries], self.metadata))
+                out.flush()
+                for _, _, _, nbytes, offset in entries:
+                    _copy_range(data.fileno(), out.fileno(), offset, nbytes)
+            _readable(self.staging / name)
+        except OSError as err:
+            raise _cannot_write(self.out_dir, err.strerror or str(err)) from None
+        finally:
+            data.close()
+            if self._data is not None:
+                os.unlink(data.name)
+        self._shards.append((name, [e[0] for e in self._entries]))
+        self._data, self._entries, self._shard_bytes = None, [], 0
 
     def finish(self) -> None:
         """Write the last shard and the index into ``staging`` (``close`` then commits)."""
         if self._finished:
             return
-        if self._buffer or not self._shards:
+        if self._entries or not self._shards:
             self._flush()
         n = len(self._shards)
         if n == 1:
@@ -423,6 +491,8 @@ class ShardedCheckpointWriter:
         return self._output.commit()
 
     def abort(self) -> None:
+        if self._data is not None:
+            self._data.close()
         self._output.abort()
 
     def __enter__(self) -> "ShardedCheckpointWriter":

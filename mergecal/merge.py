@@ -53,12 +53,15 @@ def iter_merge(task_vectors: TaskVectorSet, method: MergeMethod, keys: Sequence[
         if key in empty or (skip_zero_keys and not any(bool(tau.any()) for tau in taus)):
             # no task moved this key (a frozen embedding, say): every method's combine gives exactly zero
             # here (tests/test_methods.py), so skip its work (SVDs of a 30522 x 384 matrix for MiniLM's)
-            yield key, torch.zeros_like(taus[0], dtype=COMPUTE_DTYPE)
-            continue
-        merged = method.combine(key, taus)
-        if any(merged.data_ptr() == tau.data_ptr() for tau in taus):  # never scale an input in place
-            merged = merged.clone()
-        yield key, merged.mul_(method.params.scaling) if scaled else merged  # (*)
+            merged = torch.zeros_like(taus[0], dtype=COMPUTE_DTYPE)
+        else:
+            merged = method.combine(key, taus)
+            if any(merged.data_ptr() == tau.data_ptr() for tau in taus):  # never scale an input in place
+                merged = merged.clone()
+            if scaled:
+                merged.mul_(method.params.scaling)  # (*)
+        del taus  # not held while the consumer works on this key (K key-sized buffers)
+        yield key, merged
 
 
 def iter_scaled(merged: Iterator[tuple[str, torch.Tensor]], method: MergeMethod) -> Iterator[tuple[str, torch.Tensor]]:
@@ -152,7 +155,7 @@ def _iter_model(tvs: TaskVectorSet, merged: Iterator[tuple[str, torch.Tensor]],
             continue
         merged_key, tau = next(merged)
         assert merged_key == key
-        theta = (tvs.load_pretrained(key) + tau).to(out_dtype or tvs.dtype(key))
+        theta = tvs.add_pretrained(key, tau).to(out_dtype or tvs.dtype(key))
         # a scaling too large for the output dtype (1e6 in float16, say) must not be written as a model of Infs
         check_finite(theta, key, f"the merged model ({theta.dtype})")
         yield key, theta

@@ -68,8 +68,22 @@ def validate_compatible(sources: Sequence[TensorSource]) -> list[str]:
     return keys
 
 
+# dtypes with CPU min/max kernels; the float8 types have none (nor an isfinite one): they are checked in float32
+_AMINMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN and no Inf in ``tensor``. A NaN propagates to both the min and the max and an Inf is one of them, so
+    one ``aminmax`` pass answers, without the bool tensor ``isfinite`` writes: 16x faster on a 65M-element bfloat16
+    tensor, where ``isfinite(...).all()`` was 40 % of a streamed 1.6 B-parameter merge (docs/performance.md)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor if tensor.dtype in _AMINMAX_DTYPES else tensor.float())
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
 def check_finite(tensor: torch.Tensor, key: str, model: str) -> None:
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if tensor.is_floating_point() and not all_finite(tensor):
         bad = "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
         raise NonFiniteError(f"key {key!r} in {model} contains {bad}")
 
@@ -125,14 +139,18 @@ class TaskVectorSet:
     def dtype(self, key: str) -> torch.dtype:
         return self._dtypes[key]
 
-    def _fetch(self, source: TensorSource, key: str) -> torch.Tensor:
+    def _get(self, source: TensorSource, key: str) -> torch.Tensor:
+        """``source``'s tensor for ``key`` as stored, checked for NaN/Inf the first time it is read."""
         tensor = source.get(key)
         if self.check_finite and (id(source), key) not in self._checked:
             check_finite(tensor, key, source.name)
             self._checked.add((id(source), key))
+        return tensor
+
+    def _fetch(self, source: TensorSource, key: str) -> torch.Tensor:
         # No copy when the input is already float32 on the device: methods never modify what they are
         # given (the contract of MergeMethod.combine), and multi-pass methods reload keys repeatedly.
-        return tensor.to(device=self.device, dtype=COMPUTE_DTYPE)
+        return self._get(source, key).to(device=self.device, dtype=COMPUTE_DTYPE)
 
     def load(self, key: str) -> list[torch.Tensor]:
         """The K task-vector slices for ``key``, float32, on ``self.device``."""
@@ -141,13 +159,28 @@ class TaskVectorSet:
         if self.pretrained is None:
             return [self._fetch(s, key) for s in self.sources]
         base = self._fetch(self.pretrained, key)
-        return [self._fetch(s, key) - base for s in self.sources]
+        taus = []
+        for source in self.sources:
+            stored = self._get(source, key)
+            theta = stored.to(device=self.device, dtype=COMPUTE_DTYPE)
+            # a converted copy is ours, so the difference goes in place (one key-sized buffer less at a time)
+            taus.append(theta - base if theta is stored else theta.sub_(base))
+        return taus
 
     def load_pretrained(self, key: str) -> torch.Tensor:
         if self.pretrained is None:
             raise ParameterError("this TaskVectorSet was built from task vectors; it has no pretrained model")
         return self._fetch(self.pretrained, key)
 
+    def add_pretrained(self, key: str, update: torch.Tensor) -> torch.Tensor:
+        """theta_0 + ``update`` (float32), equal bit for bit to ``load_pretrained(key) + update`` without the float32
+        copy of theta_0: the add promotes the stored dtype itself, exactly."""
+        if self.pretrained is None:
+            raise ParameterError("this TaskVectorSet was built from task vectors; it has no pretrained model")
+        stored = self._get(self.pretrained, key).to(self.device)
+        if torch.promote_types(stored.dtype, COMPUTE_DTYPE) != COMPUTE_DTYPE:  # float64: added in float32, as there
+            stored = stored.to(COMPUTE_DTYPE)
+        return torch.add(update, stored)
 
 def task_vector(finetuned: SourceLike, pretrained: SourceLike) -> dict[str, torch.Tensor]:
     """tau = theta_ft - theta_0 over the floating-point keys, in float32."""

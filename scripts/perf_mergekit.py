@@ -8,14 +8,18 @@ MergeKit is a benchmark dependency, never a runtime one: install it in a venv of
 ``mergekit-yaml``. The checkpoints are written once by ``mergecal.perf.llm_checkpoints`` (random weights,
 bfloat16 safetensors shards, a base and K experts). Each merge runs in a fresh process, the two tools alternated,
 ``--repeats`` times; the process tree's resident memory (anonymous and file-backed) is polled from /proc every
-20 ms. Both tools compute in float32 and write bfloat16, 1 B parameters (2 GB) a shard. The outputs are compared
-tensor by tensor against each other and, for the random methods (DARE), by what a draw leaves invariant.
+100 ms (every 20 ms cost the poller a third of a core on the 2-core machine). Both tools compute in float32 and
+write bfloat16, 1 B parameters (2 GB) a shard. The outputs are compared tensor by tensor against each other
+and, for the random methods (DARE), by what a draw leaves invariant.
 
 Matched settings (each convention difference named):
 - task_arithmetic: mergecal ``scaling=0.3``; MergeKit ``weight: 1``, ``lambda: 0.3`` (``normalize`` off: its default).
 - ties: mergecal ``top_k=0.2, trim_scope=per_tensor, sign_vote=mass, disjoint=mean, scaling=1``; MergeKit
   ``density: 0.2, weight: 1`` (top 20 % per tensor, sign by summed mass, ``normalize`` on: the disjoint mean).
-  mergecal's default trims over the whole model (the TIES paper's code); MergeKit per tensor.
+  mergecal's default trims over the whole model (the TIES paper's code); MergeKit per tensor. Two conventions
+  still differ and every differing element is attributed to one (``ties_conventions``): entries tied with a task's
+  threshold (mergecal keeps them all; MergeKit exactly ``int(k n)``), and a sign vote of exactly zero (mergecal:
+  the tensor's majority sign; MergeKit: +1).
 - dare_linear / dare_ties: mergecal ``dare(drop_rate=0.9, rescale=l1, base=task_arithmetic | ties with top_k=1,
   trim_scope=per_tensor)``; MergeKit ``density: 0.1, weight: 1`` (L1-norm rescale: its ``rescale`` default).
   The random masks differ (each tool's generator), so the check is statistical: the merged delta's L1 norm
@@ -34,21 +38,24 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import yaml
 from safetensors import safe_open
 
 from mergecal.perf.llm_checkpoints import parameters, write_family
 
+TIES_TOP_K = 0.2
 MERGECAL_SETTINGS = {
     "task_arithmetic": ["--method", "task_arithmetic", "--set", "scaling=0.3"],
-    "ties": ["--method", "ties", "--set", "top_k=0.2", "--set", "trim_scope=per_tensor", "--set", "scaling=1.0"],
+    "ties": ["--method", "ties", "--set", f"top_k={TIES_TOP_K}", "--set", "trim_scope=per_tensor",
+             "--set", "scaling=1.0"],
     "dare_linear": ["--method", "dare", "--set", "drop_rate=0.9", "--set", "rescale=l1", "--set", "scaling=1.0"],
     "dare_ties": ["--method", "dare", "--set", "drop_rate=0.9", "--set", "rescale=l1", "--set", "base=ties",
                   "--set", "top_k=1.0", "--set", "trim_scope=per_tensor", "--set", "scaling=1.0"],
 }
 MERGEKIT_PARAMETERS = {
     "task_arithmetic": ({"weight": 1.0}, {"lambda": 0.3}),
-    "ties": ({"weight": 1.0, "density": 0.2}, {}),
+    "ties": ({"weight": 1.0, "density": TIES_TOP_K}, {}),
     "dare_linear": ({"weight": 1.0, "density": 0.1}, {}),
     "dare_ties": ({"weight": 1.0, "density": 0.1}, {}),
 }
@@ -85,7 +92,7 @@ def measured(command: list[str], env: dict) -> dict:
     def poll():
         while proc.poll() is None:
             peak[:] = [max(a, b) for a, b in zip(peak, _tree_memory_mb(proc.pid))]
-            time.sleep(0.02)
+            time.sleep(0.1)
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
@@ -127,6 +134,33 @@ def compare(ours: Path, theirs: Path, base: Path, method: str) -> dict:
             "changed_share_ours": changed[0] / total, "changed_share_theirs": changed[1] / total}
 
 
+def ties_conventions(ours: Path, theirs: Path, base: Path, experts: list[Path], top_k: float) -> dict:
+    """Where two per-tensor TIES outputs differ, the named convention that explains each element: a task's
+    magnitude tied with its own threshold at that coordinate (mergecal keeps every tied entry, MergeKit exactly
+    ``int(k n)`` in argsort order; bfloat16 deltas tie often), else a sign vote of exactly zero with entries kept
+    (mergecal takes the tensor's majority sign, as the TIES code; MergeKit +1). ``unexplained``: neither."""
+    from mergecal.magnitude import kth_largest_magnitudes
+    from mergecal.methods.ties import trim
+
+    files = [tensor_files(d) for d in (ours, theirs, base, *experts)]
+    counts = {"differing": 0, "tied_threshold": 0, "zero_vote": 0, "unexplained": 0}
+    for key in sorted(files[0]):
+        a, b, o = (_tensor(f[key], key) for f in files[:3])
+        differ = a != b
+        if not differ.any():
+            continue
+        taus = [_tensor(f[key], key) - o for f in files[3:]]
+        thresholds = kth_largest_magnitudes(lambda: [taus], [int(top_k * taus[0].numel())] * len(taus))
+        tied = torch.stack([tau.abs() == t for tau, t in zip(taus, thresholds)]).any(0)
+        trimmed = trim(taus, thresholds)
+        zero_vote = (trimmed.sum(0) == 0) & (trimmed != 0).any(0) & ~tied
+        counts["differing"] += int(differ.sum())
+        counts["tied_threshold"] += int((differ & tied).sum())
+        counts["zero_vote"] += int((differ & zero_vote).sum())
+        counts["unexplained"] += int((differ & ~tied & ~zero_vote).sum())
+    return counts
+
+
 def _tensor(path: Path, key: str):
     with safe_open(path, "pt") as f:
         return f.get_tensor(key).float()
@@ -166,6 +200,8 @@ def main() -> None:
                  "--no-copy-tokenizer", "--quiet", "--random-seed", "0", "-j", str(args.threads)], env))
         row = {tool: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for tool, rs in runs.items()}
         row["difference"] = compare(ours, theirs, base, method)
+        if method == "ties":
+            row["difference"] |= ties_conventions(ours, theirs, base, experts, TIES_TOP_K)
         rows[method] = row
         m, k = row["mergecal"], row["mergekit"]
         print(f"{method:16s} mergecal {m['seconds']:7.1f} s {m['anon_mb']:7.0f} MB anon {m['rss_mb']:7.0f} MB rss | "

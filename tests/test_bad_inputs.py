@@ -2,6 +2,7 @@
 that silently do nothing, and recipes from the command line. Each bad input gets one line naming what is
 wrong; nothing the tool did not write is ever deleted."""
 
+import errno
 import json
 import os
 import shutil
@@ -734,10 +735,17 @@ def no_space_left(tensors, filename, metadata=None):
                           f'"{filename}"')
 
 
+def copy_until_full(src, dst, offset, count):
+    """The shard writer's copy on a full disk: part of the shard written, then the kernel's ENOSPC."""
+    os.write(dst, b"\0" * 64)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def test_a_full_disk_is_one_line_and_leaves_nothing(inputs_dir, tmp_path, capsys, monkeypatch, pretrained):
     from mergecal import checkpoint
 
     monkeypatch.setattr(checkpoint, "save_file", no_space_left)
+    monkeypatch.setattr(checkpoint, "_copy_range", copy_until_full)
     out = tmp_path / "out"
     assert main(merge_args(inputs_dir, out, "--max-shard-size", "600")) == 2
     assert one_line_error(capsys) == f"mergecal: error: {out}: cannot write the output (No space left on device)"

@@ -114,3 +114,43 @@ def test_index_listing_a_key_absent_from_its_shard_is_an_error(tmp_path):
 def test_writer_rejects_nonpositive_shard_size(tmp_path):
     with pytest.raises(CheckpointError, match="max_shard_bytes"):
         ShardedCheckpointWriter(tmp_path / "x", max_shard_bytes=0)
+
+
+@pytest.mark.parametrize("metadata", [None, {"b": "2", "a": "é 1", "mergecal_method": "x"}])
+def test_streamed_shards_equal_save_files_bytes(tmp_path, metadata):
+    """The writer streams each tensor to a data file and lays the shard out as safetensors does: every shard equals
+    ``save_file`` of its tensors (metadata sorted) byte for byte, over every dtype, scalars and empty tensors,
+    names out of order; and the whole checkpoint reads back equal."""
+    from mergecal.checkpoint import _SAFETENSORS_DTYPES, _write_safetensors
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i, dtype in enumerate(reversed(list(_SAFETENSORS_DTYPES.values()))):
+        values = torch.randn(3, 5, generator=generator) * 50
+        tensors[f"z{i}.weight"] = values.to(dtype)
+        tensors[f"a{i}.bias"] = values[0, 0].to(dtype).clone()  # 0-d
+    tensors["empty"] = torch.zeros(0, 4)
+    tensors["m.weight"] = torch.randn(7, 3, generator=generator).t()  # not contiguous
+    out = save_checkpoint(tensors, tmp_path / "ckpt", max_shard_bytes=90, metadata=metadata)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    groups: dict[str, dict] = {}
+    for key, shard in index["weight_map"].items():
+        groups.setdefault(shard, {})[key] = tensors[key].contiguous()
+    assert len(groups) > 3 and list(index["weight_map"]) == list(tensors)
+    for shard, group in groups.items():
+        _write_safetensors(group, tmp_path / "reference.safetensors", metadata or {}, tmp_path)
+        assert (out / shard).read_bytes() == (tmp_path / "reference.safetensors").read_bytes(), shard
+    assert not [p for p in out.iterdir() if p.suffix == ".data"]
+    loaded = load_state_dict(out)
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
+    one = save_checkpoint(tensors, tmp_path / "one", metadata=metadata)
+    _write_safetensors({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "all.safetensors", metadata or {},
+                       tmp_path)
+    assert (one / "model.safetensors").read_bytes() == (tmp_path / "all.safetensors").read_bytes()
+
+
+def test_a_key_written_twice_is_refused_and_nothing_is_left(tmp_path):
+    with pytest.raises(CheckpointError, match=r"key 'a': written twice"):
+        save_checkpoint([("a", torch.ones(2)), ("b", torch.ones(2)), ("a", torch.zeros(2))], tmp_path / "ckpt",
+                        max_shard_bytes=8)
+    assert not list(tmp_path.iterdir())

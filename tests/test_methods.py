@@ -387,3 +387,36 @@ def test_iso_cts_rank_deficient_merge_has_the_stated_rank():
     merged = merge_task_vectors(taus, "iso_cts", common_space_fraction=0.6)["w"].double()
     sv = torch.linalg.svdvals(merged)
     assert int((sv > 1e-6 * sv[0]).sum()) == common + K * per_task
+
+
+@pytest.mark.parametrize("scope", ["global", "per_tensor"])
+@pytest.mark.parametrize("sign_vote,disjoint", [("mass", "mean"), ("count", "sum"), ("mass", "max")])
+def test_ties_in_blocks_equals_ties_in_one_block_bit_for_bit(monkeypatch, scope, sign_vote, disjoint):
+    """TIES walks each key in blocks of elements (memory); its thresholds and zero-vote majority are sums over the
+    whole key, so blocks of 7 elements must give the one-block merge exactly, zero votes and 0-d keys included."""
+    from mergecal.methods import ties
+
+    g = torch.Generator().manual_seed(5)
+    taus = [tv(w=torch.randn(13, 11, generator=g), b=torch.randn(5, generator=g), s=torch.randn((), generator=g))
+            for _ in range(3)]
+    taus[1]["w"][:4] = -taus[0]["w"][:4]  # exactly balanced mass: zero votes resolved by the majority
+    params = dict(top_k=0.5, trim_scope=scope, sign_vote=sign_vote, disjoint=disjoint)
+    whole = merge_task_vectors(taus, "ties", **params)
+    monkeypatch.setattr(ties, "BLOCK", 7)
+    blocked = merge_task_vectors(taus, "ties", **params)
+    assert all(torch.equal(blocked[k], whole[k]) and blocked[k].shape == whole[k].shape for k in whole)
+
+
+@pytest.mark.parametrize("rescale", ["inverse_keep", "l1"])
+def test_dare_adds_its_dropped_task_vectors_as_sum_of_them(rescale):
+    """DARE over task arithmetic drops and adds one task vector at a time: bit for bit the sum of the K dropped
+    task vectors (methods.base.sum_of), each the draw of drop_and_rescale with its key's seed."""
+    from mergecal.methods.base import sum_of
+    from mergecal.methods.dare import key_seed
+
+    g = torch.Generator().manual_seed(2)
+    taus = [torch.randn(37, 29, generator=g) for _ in range(4)]
+    method = get_merge_method("dare", rescale=rescale, seed=3)
+    expected = sum_of([drop_and_rescale(tau, 0.9, key_seed(3, t, "w"), rescale) for t, tau in enumerate(taus)])
+    assert torch.equal(method.combine("w", taus), expected)
+    assert torch.equal(taus[0], torch.randn(37, 29, generator=torch.Generator().manual_seed(2)))  # inputs untouched

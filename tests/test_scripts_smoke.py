@@ -88,3 +88,25 @@ def test_perf_mergekit_compares_outputs_and_matches_settings(tmp_path):
     config = script.mergekit_config("ties", base, experts)
     assert config["merge_method"] == "ties" and config["base_model"] == str(base)
     assert [m["parameters"] for m in config["models"]] == [{"weight": 1.0, "density": 0.2}] * 2
+
+
+def test_perf_mergekit_names_the_ties_convention_of_every_differing_element(tmp_path):
+    """ties_conventions: nothing differs between an output and itself; an element changed where no task ties its
+    threshold and no vote is zero is counted as unexplained, not hidden under a convention."""
+    from mergecal import merge_checkpoints
+    from mergecal.checkpoint import load_state_dict, save_checkpoint
+    from mergecal.perf.llm_checkpoints import write_family
+
+    script = load("perf_mergekit")
+    base, experts = write_family(tmp_path / "family", "smoke", 3)
+    ours = merge_checkpoints(base, experts, "ties", tmp_path / "ours", top_k=script.TIES_TOP_K,
+                             trim_scope="per_tensor", scaling=1.0)
+    assert script.ties_conventions(ours, ours, base, experts, script.TIES_TOP_K)["differing"] == 0
+    changed = load_state_dict(ours)
+    key = "model.layers.0.mlp.up_proj.weight"
+    moved = (changed[key].float() - load_state_dict(base)[key].float()).abs()
+    changed[key] = changed[key].clone()
+    changed[key].view(-1)[int(moved.argmax())] += 1.0  # the largest kept entry: above every threshold, vote not 0
+    save_checkpoint(changed, tmp_path / "theirs")
+    counts = script.ties_conventions(ours, tmp_path / "theirs", base, experts, script.TIES_TOP_K)
+    assert counts == {"differing": 1, "tied_threshold": 0, "zero_vote": 0, "unexplained": 1}

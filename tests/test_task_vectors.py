@@ -67,3 +67,35 @@ def test_low_precision_inputs_are_upcast_and_cast_back(pretrained, finetuned):
         [ft["text_projection"].float() - pre16["text_projection"].float() for ft in ft16]).mean(0)
     torch.testing.assert_close(merged32["text_projection"], expected, rtol=0, atol=1e-6)
     assert merged["position_ids"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn])
+def test_all_finite_agrees_with_isfinite_for_every_position_and_value(dtype):
+    """The one-pass aminmax check finds a NaN or an Inf wherever it sits (vectorised body or tail of the kernel),
+    as isfinite does; float8 (no aminmax or isfinite kernel on CPU) is checked in float32 (its NaN stays NaN)."""
+    from mergecal.task_vectors import all_finite
+
+    clean = torch.linspace(-3, 3, 37).to(dtype)
+    assert all_finite(clean) and all_finite(clean[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for position in range(clean.numel()):
+            tensor = clean.clone()
+            tensor[position] = bad
+            expected = bool(torch.isfinite(tensor.float()).all())  # float8 e4m3fn stores an Inf as 448
+            assert all_finite(tensor) == expected and (expected is False or dtype == torch.float8_e4m3fn)
+    big = torch.randn(513, 1031).to(dtype)
+    big[400, 1030] = float("nan")
+    assert not all_finite(big) and all_finite(big[:400])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_add_pretrained_is_load_pretrained_plus_the_update_bit_for_bit(dtype):
+    """The merged model's theta_0 + tau without a float32 copy of theta_0 gives the same bits and dtype as the
+    float32 copy plus tau, for narrower, equal and wider stored dtypes."""
+    g = torch.Generator().manual_seed(1)
+    pre = {"w": (torch.randn(301, 67, generator=g) * 3).to(dtype)}
+    tvs = TaskVectorSet.from_models(pre, [{"w": (pre["w"].double() + 0.01).to(dtype)}])
+    update = torch.randn(301, 67, generator=g) * 1e-2
+    expected = tvs.load_pretrained("w") + update
+    got = tvs.add_pretrained("w", update)
+    assert got.dtype == expected.dtype == torch.float32 and torch.equal(got, expected)

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from .base import MergeMethod, MergeParams, register, sum_of
+from .base import MergeMethod, MergeParams, register
 from .ties import TiesCore
 
 
@@ -47,10 +47,11 @@ def drop_and_rescale(tau: torch.Tensor, drop_rate: float, seed: int, rescale: st
     generator = torch.Generator(device=tau.device).manual_seed(seed)
     keep = torch.rand(tau.shape, generator=generator, device=tau.device) >= drop_rate
     dropped = tau * keep
+    del keep
     if rescale == "inverse_keep":
-        return dropped / (1.0 - drop_rate)
+        return dropped.div_(1.0 - drop_rate)  # in place: the same bits, one key-sized buffer less
     kept_l1 = dropped.abs().sum()
-    return dropped * (tau.abs().sum() / kept_l1) if kept_l1 > 0 else dropped
+    return dropped.mul_(tau.abs().sum() / kept_l1) if kept_l1 > 0 else dropped
 
 
 class _DroppedTaskVectors:
@@ -88,7 +89,11 @@ class Dare(MergeMethod):
             self._ties.fit(_DroppedTaskVectors(task_vectors, self.drop), keys)
 
     def combine(self, key, taus):
-        dropped = self.drop(key, taus)
         if self._ties is not None:
-            return self._ties.combine(key, dropped)
-        return sum_of(dropped)
+            return self._ties.combine(key, self.drop(key, taus))
+        # sum_of(self.drop(key, taus)), one dropped task vector at a time: the same additions in the same order
+        p, total = self.params, None
+        for t, tau in enumerate(taus):
+            dropped = drop_and_rescale(tau, p.drop_rate, key_seed(p.seed, t, key), p.rescale)
+            total = dropped if total is None else total.add_(dropped)
+        return total

@@ -61,6 +61,9 @@ def disjoint_merge(trimmed: torch.Tensor, signs: torch.Tensor, how: str) -> torc
     return selected.abs().amax(dim=0) * signs
 
 
+BLOCK = 1 << 22  # elements of each task vector merged at a time (16 MB in float32)
+
+
 def kept_count(top_k: float, numel: int) -> int:
     return int(top_k * numel)
 
@@ -89,18 +92,31 @@ class TiesCore:
         self._majority = float(torch.sign(torch.tensor(total)))
 
     def combine(self, key: str, taus: list[torch.Tensor]) -> torch.Tensor:
+        if self.p.trim_scope == "global" and self._thresholds is None:
+            raise ParameterError(f"{self.owner}: trim_scope='global' needs fit() over the keys before combine()")
+        # every step below is per coordinate but the thresholds and the zero-vote majority, which are sums over the
+        # tensor: so the K task vectors are walked in blocks of ~4M elements, never stacked whole (a 65M-element
+        # embedding's stack and its masks held 5 GB); the histograms and the vote total add up exactly as one pass
+        flat = [tau.reshape(-1) for tau in taus]
+        blocks = [(start, min(start + BLOCK, flat[0].numel())) for start in range(0, flat[0].numel(), BLOCK)]
+
+        def in_blocks():
+            return ([t[a:b] for t in flat] for a, b in blocks)
+
         if self.p.trim_scope == "global":
-            if self._thresholds is None:
-                raise ParameterError(f"{self.owner}: trim_scope='global' needs fit() over the keys before combine()")
-            thresholds = self._thresholds
+            thresholds, majority = self._thresholds, self._majority
         else:
-            n_keep = kept_count(self.p.top_k, taus[0].numel())
-            thresholds = kth_largest_magnitudes(lambda: [taus], [n_keep] * len(taus))
-        trimmed = trim(taus, thresholds)
-        signs = elect_signs(trimmed, self.p.sign_vote)
-        majority = self._majority if self.p.trim_scope == "global" else float(torch.sign(signs.sum()))
-        signs[signs == 0] = majority
-        return disjoint_merge(trimmed, signs, self.p.disjoint)
+            thresholds = kth_largest_magnitudes(in_blocks, [kept_count(self.p.top_k, flat[0].numel())] * len(flat))
+            votes = sum(float(elect_signs(trim(part, thresholds), self.p.sign_vote).sum(dtype=torch.float64))
+                        for part in in_blocks())
+            majority = float(torch.sign(torch.tensor(votes)))
+        merged = torch.empty_like(flat[0])
+        for (a, b), part in zip(blocks, in_blocks()):
+            trimmed = trim(part, thresholds)
+            signs = elect_signs(trimmed, self.p.sign_vote)
+            signs[signs == 0] = majority
+            merged[a:b] = disjoint_merge(trimmed, signs, self.p.disjoint)
+        return merged.reshape(taus[0].shape)
 
 
 @register
