@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors import safe_open
 
+from mergecal.checkpoint import SafetensorsSource
 from mergecal.perf.llm_checkpoints import parameters, write_family
 
 TIES_TOP_K = 0.2
@@ -103,28 +103,16 @@ def measured(command: list[str], env: dict) -> dict:
     return {"seconds": time.perf_counter() - start, "rss_mb": peak[0], "anon_mb": peak[1], "file_mb": peak[2]}
 
 
-def tensor_files(directory: Path) -> dict[str, Path]:
-    """{key: the safetensors file holding it} of a checkpoint directory (sharded with an index, or not)."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        return {key: directory / name for key, name in json.loads(index.read_text())["weight_map"].items()}
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            out |= dict.fromkeys(f.keys(), path)
-    return out
-
-
 def compare(ours: Path, theirs: Path, base: Path, method: str) -> dict:
     """Deterministic methods: the largest relative difference of a key (Frobenius) and the share of equal
     elements. DARE: the merged delta's L1 norm and changed share, ours over theirs, over all keys. One key of each
     checkpoint in memory at a time."""
-    files = [tensor_files(d) for d in (ours, theirs, base)]
-    if files[0].keys() != files[1].keys():
-        raise SystemExit(f"keys only one tool wrote: {sorted(files[0].keys() ^ files[1].keys())[:3]}")
+    sources = [SafetensorsSource(d) for d in (ours, theirs, base)]
+    if set(sources[0].keys()) != set(sources[1].keys()):
+        raise SystemExit(f"keys only one tool wrote: {sorted(set(sources[0].keys()) ^ set(sources[1].keys()))[:3]}")
     worst, equal, total, l1, changed = 0.0, 0, 0, [0.0, 0.0], [0, 0]
-    for key in sorted(files[0]):
-        a, b, o = (_tensor(f[key], key) for f in files)
+    for key in sorted(sources[0].keys()):
+        a, b, o = (s.get(key).float() for s in sources)
         worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
         equal, total = equal + int((a == b).sum()), total + a.numel()
         for i, t in enumerate((a, b)):
@@ -142,14 +130,14 @@ def ties_conventions(ours: Path, theirs: Path, base: Path, experts: list[Path], 
     from mergecal.magnitude import kth_largest_magnitudes
     from mergecal.methods.ties import trim
 
-    files = [tensor_files(d) for d in (ours, theirs, base, *experts)]
+    sources = [SafetensorsSource(d) for d in (ours, theirs, base, *experts)]
     counts = {"differing": 0, "tied_threshold": 0, "zero_vote": 0, "unexplained": 0}
-    for key in sorted(files[0]):
-        a, b, o = (_tensor(f[key], key) for f in files[:3])
+    for key in sorted(sources[0].keys()):
+        a, b, o = (s.get(key).float() for s in sources[:3])
         differ = a != b
         if not differ.any():
             continue
-        taus = [_tensor(f[key], key) - o for f in files[3:]]
+        taus = [s.get(key).float() - o for s in sources[3:]]
         thresholds = kth_largest_magnitudes(lambda: [taus], [int(top_k * taus[0].numel())] * len(taus))
         tied = torch.stack([tau.abs() == t for tau, t in zip(taus, thresholds)]).any(0)
         trimmed = trim(taus, thresholds)
@@ -159,11 +147,6 @@ def ties_conventions(ours: Path, theirs: Path, base: Path, experts: list[Path], 
         counts["zero_vote"] += int((differ & zero_vote).sum())
         counts["unexplained"] += int((differ & ~tied & ~zero_vote).sum())
     return counts
-
-
-def _tensor(path: Path, key: str):
-    with safe_open(path, "pt") as f:
-        return f.get_tensor(key).float()
 
 
 def main() -> None:
