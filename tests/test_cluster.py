@@ -111,6 +111,28 @@ def test_two_members_computing_one_cell_keep_one_result(tmp_path, monkeypatch):
     assert [r.data.tags[tag("user")] for r in deleted] == ["bob"]
 
 
+def test_a_member_whose_run_was_not_kept_reports_the_kept_result_and_warns_when_it_differs(tmp_path, caplog):
+    """The summary shows the board's result: the kept run's metrics (seconds included), not this computation's;
+    a result that differs from it is a warning naming the cell (the lab test caught an LLM cell scored 0.1875 by
+    one member and 0.125 by the other: two models loaded at once in threads, backbones.construction)."""
+    artifacts = (tmp_path / "artifacts").as_uri()
+    alice = Tracker(tmp_path, uri=_store(tmp_path), artifacts=artifacts, tags={tag("user"): "alice"})
+    bob = Tracker(tmp_path, uri=_store(tmp_path), artifacts=artifacts, tags={tag("user"): "bob"})
+    kept = alice.log_cell(parent_run_id="", invocation_id="i1", cell_id="c1", tags={}, params={}, artifacts={},
+                          metrics={"avg_acc": 0.1875, "acc.a": float("nan"), "seconds": 3.0})
+    with caplog.at_level("WARNING", logger="mergecal.pipeline.tracking"):
+        same = bob.kept_metrics("c1", kept, {"avg_acc": 0.1875, "acc.a": float("nan")})
+    warned = [r.getMessage() for r in caplog.records if r.name == "mergecal.pipeline.tracking"]
+    assert same["avg_acc"] == 0.1875 and same["seconds"] == 3.0 and not warned  # NaN equals NaN here
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mergecal.pipeline.tracking"):
+        other = bob.kept_metrics("c1", kept, {"avg_acc": 0.125, "acc.a": float("nan")})
+    assert other["avg_acc"] == 0.1875
+    assert [r.getMessage() for r in caplog.records if r.name == "mergecal.pipeline.tracking"] == [
+        f"cell c1: computed here with {{'avg_acc': 0.125}}, but the run kept for it ({kept}) holds "
+        "{'avg_acc': 0.1875}: the same cell gave two results"]
+
+
 def test_only_this_checkouts_unfinished_runs_are_killed_in_a_shared_store(tmp_path):
     artifacts = (tmp_path / "artifacts").as_uri()
     mine = Tracker(tmp_path, uri=_store(tmp_path), artifacts=artifacts,

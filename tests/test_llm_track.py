@@ -237,6 +237,60 @@ def test_the_response_cache_never_serves_one_models_answers_for_another(suite, m
     assert scores[0] != scores[1] and len(list(cache.iterdir())) == 2
 
 
+def test_models_built_in_threads_at_once_are_the_models_built_alone(suite, micro, tmp_path):
+    """Benchmark cells run two at a time in threads. transformers' from_pretrained makes torch.nn.init and
+    PreTrainedModel.tie_weights no-ops while it builds and puts back what it found, so two loads at once left them
+    patched for good and a later load of a tied model had no lm_head (transformers PR #44940): a wrong LLM score in
+    the lab test. With every construction under mergecal.backbones.construction's lock, loads, lm-eval scorings
+    and seeded open_clip constructions in four threads at once give what each gives alone, and leave
+    transformers and torch as they were."""
+    import threading
+
+    from transformers import PreTrainedModel
+
+    from mergecal.backbones import create_clip
+    from mergecal.evaluation.lm_eval_tasks import evaluate_lm, write_task_yamls
+
+    root, _ = suite
+    path, model, _ = micro
+    write_task_yamls(root, tmp_path / "tasks")
+    patched = {"tie_weights": PreTrainedModel.tie_weights, "init_weights": PreTrainedModel.init_weights,
+               "normal_": torch.nn.init.normal_, "kaiming_uniform_": torch.nn.init.kaiming_uniform_}
+    alone_scores = evaluate_lm(path, ["sentiment"], tmp_path / "tasks", limit=4)
+    alone_clip = create_clip("mergecal-vit-micro", seed=3).state_dict()
+    loaded, scores, clips, errors = [], [], [], []
+
+    def repeat(work, times):
+        try:
+            for _ in range(times):
+                work()
+        except BaseException as err:  # surfaced below: a thread's exception would not fail the test by itself
+            errors.append(err)
+
+    threads = [*(threading.Thread(target=repeat, args=(lambda: loaded.append(load_causal_lm(path)[0]), 12))
+                 for _ in range(2)),
+               threading.Thread(target=repeat, args=(lambda: scores.append(
+                   evaluate_lm(path, ["sentiment"], tmp_path / "tasks", limit=4)), 3)),
+               threading.Thread(target=repeat, args=(lambda: clips.append(
+                   create_clip("mergecal-vit-micro", seed=3).state_dict()), 12))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert {"tie_weights": PreTrainedModel.tie_weights, "init_weights": PreTrainedModel.init_weights,
+            "normal_": torch.nn.init.normal_, "kaiming_uniform_": torch.nn.init.kaiming_uniform_} == patched
+    assert scores == [alone_scores] * 3
+    for state in clips:
+        assert all(torch.equal(state[k], v) for k, v in alone_clip.items())
+    ids = torch.arange(12).unsqueeze(0)
+    with torch.no_grad():
+        expected = model(ids).logits
+        for other in [*loaded, load_causal_lm(path)[0]]:
+            assert other.lm_head.weight.data_ptr() == other.model.embed_tokens.weight.data_ptr()  # tied
+            assert torch.equal(other(ids).logits, expected)
+
+
 def test_experts_must_share_the_base_config_and_tokenizer(micro, tmp_path):
     from mergecal.backbones.hf_causal_lm import check_same_family
 

@@ -25,6 +25,7 @@ from ..checkpoint import (INDEX_SUFFIX, ShardedCheckpointWriter, load_state_dict
                           safetensors_files, shard_file)
 from ..device import resolve_device
 from ..errors import CheckpointError
+from .construction import MODEL_CONSTRUCTION
 from .loading import load_weights_file
 from .. import offline
 from .hf_directory import SAFETENSORS_METADATA
@@ -144,13 +145,15 @@ def load_causal_lm(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.f
     if weight_format(path) == "safetensors":
         if (path / f"model.safetensors{INDEX_SUFFIX}").exists():  # transformers follows it: shards beside it only
             read_index(path / f"model.safetensors{INDEX_SUFFIX}")
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
-                                                     dtype=dtype)
+        with MODEL_CONSTRUCTION:  # from_pretrained patches process-wide functions (backbones.construction)
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
+                                                         dtype=dtype)
     else:
         if not allow_unsafe_pickle:
             raise _refuse_pickle(path)
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with MODEL_CONSTRUCTION:  # its dtype is set as torch's process-wide default while it builds
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         load_into(model, _pickle_state_dict(path, allow_unsafe_pickle), name=str(path))
     return model.to(resolve_device(device)).eval(), load_tokenizer(path)
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from .construction import MODEL_CONSTRUCTION
 from .. import offline
 
 offline.apply(offline.HUB_OFFLINE)  # before transformers is imported
@@ -40,7 +41,8 @@ def _load_pristine(path: Path) -> tuple[nn.Module, object]:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    encoder = AutoModel.from_pretrained(str(path), local_files_only=True, use_safetensors=True)
+    with MODEL_CONSTRUCTION:  # from_pretrained patches process-wide functions (backbones.construction)
+        encoder = AutoModel.from_pretrained(str(path), local_files_only=True, use_safetensors=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return encoder.eval(), tokenizer
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..checkpoint import load_state_dict, save_state_dict
 from ..errors import CheckpointError, ParameterError
 from .architectures import ARCHITECTURES
+from .construction import MODEL_CONSTRUCTION
 
 MEAN = open_clip.OPENAI_DATASET_MEAN
 STD = open_clip.OPENAI_DATASET_STD
@@ -59,7 +60,8 @@ def create_clip(arch: str = "mergecal-vit-tiny", seed: int = 0) -> torch.nn.Modu
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)  # open_clip warns "No pretrained weights loaded", which is intended here
     try:
-        with torch.random.fork_rng(devices=[]):
+        # the global RNG is reseeded, and a concurrent transformers load would make its init a no-op
+        with MODEL_CONSTRUCTION, torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = open_clip.create_model(arch, pretrained=None)
     finally:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from ..backbones.construction import MODEL_CONSTRUCTION
 from ..backbones.hf_causal_lm import weight_format, weights_digest
 from ..device import resolve_device
 from ..checkpoint import atomic_write_text
@@ -256,8 +257,9 @@ def evaluate_lm(model_dir: str | os.PathLike, tasks: Sequence[str], task_dir: st
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise UnknownNameError(f"{task_dir}: no lm-eval task named {', '.join(unknown)} (write_task_yamls first)")
-    lm = HFLM(pretrained=str(Path(model_dir).resolve()), dtype=dtype, device=resolve_device(device),
-              batch_size=batch_size)
+    with MODEL_CONSTRUCTION:  # HFLM loads by from_pretrained, which patches process-wide functions
+        lm = HFLM(pretrained=str(Path(model_dir).resolve()), dtype=dtype, device=resolve_device(device),
+                  batch_size=batch_size)
     if use_cache is not None:
         lm = CachingLM(lm, f"{use_cache}_rank0.db")  # the file name simple_evaluate gives a single process
     loaded = manager.load(list(tasks))

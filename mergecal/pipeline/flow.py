@@ -112,6 +112,8 @@ def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: s
                               tags={**cell_tags(cell_obj), tag("device"): device, tag("worker"): worker_name(here)},
                               params=result.params, metrics=metrics, artifacts=result.diagnostics,
                               examples=result.examples)
+    # the kept run's metrics: another member's when both computed the cell at once (the summary shows the board's)
+    metrics = tracker.kept_metrics(key, run_id, result.metrics)
     return {"cell_id": key, "run_id": run_id, "status": "ok", "label": cell_obj.label, "regime": cell_obj.regime,
             "metrics": metrics}
 

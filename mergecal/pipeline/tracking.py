@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
+import math
 import os
 import socket
 import subprocess
@@ -29,6 +31,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..errors import MergecalError
 from .config import STORE_SCHEMES
+
+logger = logging.getLogger(__name__)
 
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
 # a cell's per-example test scores, {task: [score per example, in the split's order]} (0/1 for accuracy): the
@@ -290,6 +294,20 @@ class Tracker:
         kept = self.finished_cell_run(cell_id, status) or run_id  # the first to finish (ties: the smaller run id)
         if kept != run_id:
             self.client.delete_run(run_id)
+        return kept
+
+    def kept_metrics(self, cell_id: str, run_id: str, computed: dict[str, float]) -> dict[str, float]:
+        """The metrics of ``run_id``, the run ``log_cell`` kept for the cell: the store's (the board's) result, which
+        a summary reports. When another computation of the cell was kept (two members at once), a result here that
+        differs from it (``computed``: the cell's results, no timings) is a warning naming the cell: a cell's result
+        must not depend on who computed it (tests/test_lab_e2e.py computes cells twice at once to check it)."""
+        kept = dict(self.client.get_run(run_id).data.metrics)
+        differing = sorted(k for k in computed if k in kept and kept[k] != float(computed[k])
+                           and not (math.isnan(kept[k]) and math.isnan(float(computed[k]))))
+        if differing:
+            logger.warning("cell %s: computed here with %s, but the run kept for it (%s) holds %s: the same cell "
+                           "gave two results", cell_id, {k: computed[k] for k in differing[:4]}, run_id,
+                           {k: kept[k] for k in differing[:4]})
         return kept
 
     def _wait_for_siblings(self, cell_id: str, status: str, run_id: str, timeout: float = 60.0) -> None:
