@@ -27,7 +27,8 @@ dataset under ``root`` (the "data location" of task_vectors / torchvision) in on
     ``ROOT/resisc45/resisc45-{train,val,test}.txt``.
 ``hf`` -- Hugging Face ``datasets`` files under ``ROOT/<dir>``: a ``DatasetDict.save_to_disk`` directory
     (``dataset_dict.json``), or parquet shards ``**/{train,validation,test}-*.parquet`` as in the hub repos
-    FusionBench uses (``tanganke/sun397`` etc.), with an ``image`` and a ``label`` column. Label names from the
+    FusionBench uses (``tanganke/sun397`` etc.), with an ``image`` and a ``label`` column; ``ROOT`` may also be
+    such a repository's snapshot in a Hugging Face cache (a hub id, ``mergecal.hub_cache``). Label names from the
     ``ClassLabel`` feature are matched to the standard classes; when they do not match but their number does,
     the integer labels are taken as the standard order. Read with pyarrow / ``load_from_disk``, never the hub.
 
@@ -579,11 +580,23 @@ def _parquet_files(directory: Path) -> list[Path]:
     return sorted(p for pattern in patterns for p in directory.glob(pattern) if _parquet_split(p))
 
 
+def _hf_holds(d: Path) -> bool:
+    return (d / "dataset_dict.json").is_file() or (d.is_dir() and bool(_parquet_files(d)))
+
+
+def is_hub_dataset_snapshot(root: Path) -> bool:
+    """``root`` is a snapshot folder of a dataset repository in a Hugging Face cache
+    (``datasets--<org>--<name>/snapshots/<revision>``, what ``mergecal.hub_cache`` resolves a hub id to): one
+    dataset, whatever its name."""
+    return root.parent.name == "snapshots" and root.parent.parent.name.startswith("datasets--")
+
+
 def _hf_find(root: Path, task: str) -> Path | None:
     for name in DATASET_DIRS[task]:
-        d = root / name
-        if (d / "dataset_dict.json").is_file() or (d.is_dir() and _parquet_files(d)):
-            return d
+        if _hf_holds(root / name):
+            return root / name
+    if is_hub_dataset_snapshot(root) and _hf_holds(root):  # a hub id named for this task: the task's own dataset
+        return root
     return None
 
 

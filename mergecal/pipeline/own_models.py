@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import CheckpointError, MergecalError, ParameterError
+from ..hub_cache import local_path, parse_hub_id, snapshot
 from .hashing import content_record
 from .results import one_line
 
@@ -25,9 +26,22 @@ def tracks_dir(root: str | Path) -> Path:
     return local_root(root) / "tracks"
 
 
-def resolve(path: str, root: str | Path) -> Path:
-    """A configured path: absolute, or relative to the repository root."""
-    return Path(path).expanduser() if Path(path).expanduser().is_absolute() else Path(root) / path
+def resolve(path: str, root: str | Path, repo_type: str = "model") -> Path:
+    """A configured path: absolute, or relative to the repository root; or a hub id read from the local Hugging
+    Face cache (``mergecal.hub_cache``): ``hf://org/name[@revision][/file]`` (not cached: one line naming it), or a bare
+    ``org/name[@revision]`` where no such path exists and the cache holds it (else the path, reported missing as
+    any path is). ``repo_type``: the hub repository kind a hub id names here (``model``, ``dataset``)."""
+    hub = parse_hub_id(path, explicit_only=True)
+    if hub is not None:
+        return local_path(hub, repo_type)
+    local = Path(path).expanduser() if Path(path).expanduser().is_absolute() else Path(root) / path
+    hub = None if local.exists() else parse_hub_id(path)
+    if hub is not None:
+        try:
+            return snapshot(hub, repo_type)
+        except CheckpointError:
+            return local
+    return local
 
 
 def name_under(path: Path, directory: Path) -> str | None:

@@ -64,7 +64,7 @@ def finetuned_path(track: LocalClipTrack, task: str, root: str | Path) -> Path:
 
 
 def dataset_root(track: LocalClipTrack, task: str, root: str | Path) -> Path:
-    return resolve(track.datasets[task], root)
+    return resolve(track.datasets[task], root, repo_type="dataset")
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints

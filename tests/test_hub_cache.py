@@ -1,0 +1,148 @@
+"""Hub ids read from a local Hugging Face cache (#42, step 1), on a cache fabricated in the hub's own layout
+(``models--org--name/{blobs,refs,snapshots/<commit>}``, snapshot files as relative symlinks to blobs): found offline
+by huggingface_hub's lookup at ``main``, a branch, a tag or a commit; a file inside a repository; a dataset
+repository's snapshot read as the task's dataset; a `local_clip` track configured by hub ids reads exactly the
+bytes and images of the same track configured by paths; an id the cache lacks is one line naming it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from local_models import write_clip_track
+from mergecal.errors import CheckpointError
+from mergecal.hub_cache import HubId, local_path, parse_hub_id, snapshot
+from mergecal.pipeline.config import load_params
+from mergecal.pipeline.hashing import file_digest
+from mergecal.pipeline.own_models import resolve
+from mergecal.pipeline.tracks.clip.files import stages as clip_files
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def cache_repo(cache: Path, repo_type: str, repo_id: str, files: dict[str, bytes | Path], commit: str = COMMIT,
+               refs: tuple[str, ...] = ("main",)) -> Path:
+    """One repository revision in the hub cache's layout: blobs named by content, the snapshot's files relative
+    symlinks to them, ``refs/<ref>`` holding the commit. Returns the snapshot folder."""
+    folder = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    for name, content in files.items():
+        data = content.read_bytes() if isinstance(content, Path) else content
+        blob = folder / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = folder / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (folder / "refs").mkdir(exist_ok=True)
+    for ref in refs:
+        (folder / "refs" / ref).write_text(commit)
+    return folder / "snapshots" / commit
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    folder = tmp_path / "hf-cache"
+    folder.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(folder))  # what HF_HUB_CACHE sets when the process starts
+    return folder
+
+
+def test_hub_ids_are_parsed_strictly_and_bare_ones_never_take_a_path():
+    assert parse_hub_id("hf://org/name") == HubId("org/name")
+    assert parse_hub_id("hf://org/name@v1.0") == HubId("org/name", "v1.0")
+    assert parse_hub_id(f"hf://org/name@{COMMIT}/sub/model.safetensors") == HubId("org/name", COMMIT,
+                                                                                   "sub/model.safetensors")
+    assert parse_hub_id("org/name@main") == HubId("org/name", "main")
+    for not_an_id in ("models/base/experts", "./org/name", "/abs/org", "name"):
+        assert parse_hub_id(not_an_id) is None
+    for bad in ("hf://name", "hf://org/name/../../etc/passwd", "hf://org/na me"):
+        with pytest.raises(CheckpointError, match=r"not a hub id \(expected hf://org/name"):
+            parse_hub_id(bad)
+
+
+def test_a_cached_revision_is_found_offline_by_ref_tag_or_commit_and_a_missing_one_is_one_line(cache):
+    main = cache_repo(cache, "model", "org/clip", {"config.json": b"{}", "sub/w.safetensors": b"w1"})
+    tagged = cache_repo(cache, "model", "org/clip", {"config.json": b"{}"}, commit=OTHER, refs=("v2",))
+    assert snapshot(HubId("org/clip")) == main and snapshot(HubId("org/clip", COMMIT)) == main
+    assert snapshot(HubId("org/clip", "v2")) == tagged
+    assert local_path(parse_hub_id("hf://org/clip/sub/w.safetensors")).read_bytes() == b"w1"
+    with pytest.raises(CheckpointError) as err:
+        local_path(parse_hub_id("hf://org/clip@v2/sub/w.safetensors"))
+    assert str(err.value) == f"org/clip@v2 (model): the cached snapshot {tagged} holds no 'sub/w.safetensors'"
+    for hub_id, repo_type, command in ((HubId("org/other"), "model", "hf download org/other"),
+                                       (HubId("org/clip", "v9"), "model", "hf download org/clip --revision v9"),
+                                       (HubId("org/clip"), "dataset", "hf download org/clip --repo-type dataset")):
+        with pytest.raises(CheckpointError) as err:
+            snapshot(hub_id, repo_type)
+        assert str(err.value) == (
+            f"{hub_id} ({repo_type}): not in the local Hugging Face cache ({cache}); nothing is downloaded here: fetch "
+            f"it where a network exists ({command}) and copy the cache, or set HF_HUB_CACHE to where it is")
+        assert "\n" not in str(err.value)
+
+
+def test_a_configured_path_wins_over_a_bare_id_and_a_bare_id_the_cache_lacks_stays_a_path(cache, tmp_path):
+    cached = cache_repo(cache, "model", "org/clip", {"config.json": b"{}"})
+    assert resolve("org/clip", tmp_path) == cached  # no such path under the root: the cache's
+    (tmp_path / "org" / "clip").mkdir(parents=True)
+    assert resolve("org/clip", tmp_path) == tmp_path / "org" / "clip"  # the path, as before hub ids
+    assert resolve("org/missing", tmp_path) == tmp_path / "org" / "missing"  # reported missing as any path
+    with pytest.raises(CheckpointError, match=r"^org/missing \(dataset\): not in the local Hugging Face cache"):
+        resolve("hf://org/missing", tmp_path, repo_type="dataset")
+
+
+def test_a_local_clip_track_configured_by_hub_ids_reads_what_the_same_track_configured_by_paths_reads(
+        cache, tmp_path):
+    """Pretrained and fine-tuned checkpoints as files of model repositories (pinned at a commit, at a tag, at
+    main), EuroSAT as a dataset repository's parquet snapshot (FusionBench's tanganke/<task> layout); MNIST and
+    SVHN stay local folders. Every file the loaders read has the same bytes, and EuroSAT's test split the same
+    images and labels."""
+    torch.set_num_threads(1)
+    plain = write_clip_track(tmp_path / "lab", "lab")
+    hub = dict(plain)
+    cache_repo(cache, "model", "lab-org/clip-micro",
+               {"open_clip_model.safetensors": Path(plain["model"]["pretrained"])})
+    hub["model"] = {**plain["model"], "pretrained": "hf://lab-org/clip-micro/open_clip_model.safetensors"}
+    hub["finetuned"] = {}
+    for task, path in plain["finetuned"].items():
+        repo = f"lab-org/clip-micro_{task.lower()}"
+        cache_repo(cache, "model", repo, {"model.safetensors": Path(path)}, refs=("main", "v1"))
+        revision = {"MNIST": f"@{COMMIT}", "EuroSAT": "@v1"}.get(task, "")
+        hub["finetuned"][task] = f"hf://{repo}{revision}/model.safetensors"
+    parquet = tmp_path / "lab" / "data" / "EuroSAT"
+    cache_repo(cache, "dataset", "lab-org/eurosat",
+               {p.relative_to(parquet).as_posix(): p for p in sorted(parquet.rglob("*.parquet"))})
+    hub["datasets"] = {**plain["datasets"], "EuroSAT": "hf://lab-org/eurosat"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"local_clip": [plain, {**hub, "name": "hub"}]}))
+    by_path, by_id = load_params(tmp_path / "params.yaml").local_clip
+
+    files = [clip_files.input_files(track, tmp_path) for track in (by_path, by_id)]
+    assert all(isinstance(f, Path) for one in files for f in one.values())  # nothing missing, no error
+    hashes = tmp_path / "hashes"
+
+    def contents(found: dict) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for role, file in found.items():
+            out.setdefault(role.split("/")[0], []).append(file_digest(file, hashes))
+        return {role: sorted(digests) for role, digests in out.items()}
+
+    assert contents(files[0]) == contents(files[1])
+    assert any(str(cache) in str(f) for f in files[1].values())
+    assert clip_files.data_digest(by_path, "MNIST", tmp_path) == clip_files.data_digest(by_id, "MNIST", tmp_path)
+    plain_test, hub_test = (clip_files.task_split(track, "EuroSAT", "test", tmp_path) for track in (by_path, by_id))
+    assert np.array_equal(plain_test.labels, hub_test.labels) and len(hub_test.labels) == 20
+    assert np.array_equal(plain_test.images(np.arange(20), 32), hub_test.images(np.arange(20), 32))
+
+    shutil.rmtree(cache / "models--lab-org--clip-micro_svhn")  # one checkpoint gone from the cache: one line
+    with pytest.raises(CheckpointError, match=r"^lab-org/clip-micro_svhn \(model\): not in the local Hugging Face "
+                                              r"cache .*\(hf download lab-org/clip-micro_svhn\)"):
+        clip_files.input_files(by_id, tmp_path)
