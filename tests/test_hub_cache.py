@@ -146,3 +146,117 @@ def test_a_local_clip_track_configured_by_hub_ids_reads_what_the_same_track_conf
     with pytest.raises(CheckpointError, match=r"^lab-org/clip-micro_svhn \(model\): not in the local Hugging Face "
                                               r"cache .*\(hf download lab-org/clip-micro_svhn\)"):
         clip_files.input_files(by_id, tmp_path)
+
+
+# --- a preset resolved from the cache, end to end at smoke size -------------------------------------------------
+
+def _parquet(folder: Path, names: list[str], splits: tuple[str, ...]) -> None:
+    """A task's parquet shards as the hub holds them: ``<split>-00000-of-00001.parquet`` with an image and a
+    ClassLabel label, two images per class and split that depend on the class."""
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(len(names))
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
+    folder.mkdir(parents=True, exist_ok=True)
+    for split in splits:
+        labels = [label for label in range(len(names)) for _ in range(2)]
+        images = [Image.fromarray((np.full((32, 32, 3), 20 * y) + rng.integers(0, 40, (32, 32, 3))).astype(np.uint8))
+                  for y in labels]
+        datasets.Dataset.from_dict({"image": images, "label": labels}, features=features).to_parquet(
+            str(folder / f"{split}-00000-of-00001.parquet"))
+
+
+def test_a_preset_resolves_offline_and_runs_end_to_end_at_smoke_size(cache, tmp_path):
+    """FusionBench's ViT-B/32 pool by its preset, two of its tasks (``preset_tasks``), every id fabricated in the
+    cache at micro size (a Hugging Face CLIP with the real parameter names, CLIPVisionModel experts, parquet test
+    sets in the layout of ylecun/mnist and tanganke/eurosat): the references and a task-arithmetic cell run."""
+    from transformers import CLIPConfig, CLIPModel
+
+    from mergecal.checkpoint import save_checkpoint
+    from mergecal.data.real_vision import task_metadata
+    from mergecal.pipeline.cells import enumerate_cells, run_cell
+    from stages import local_inputs, local_tracks
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    clip = CLIPModel(CLIPConfig(text_config=dict(tower, num_hidden_layers=1, vocab_size=49408,
+                                                 max_position_embeddings=32),
+                                vision_config=dict(tower, num_hidden_layers=2, image_size=32, patch_size=8),
+                                projection_dim=16)).eval()
+    staged = tmp_path / "staged"
+    clip.save_pretrained(staged / "pretrained")
+    cache_repo(cache, "model", "openai/clip-vit-base-patch32",
+               {p.name: p for p in (staged / "pretrained").iterdir()})
+    generator = torch.Generator().manual_seed(1)
+    for task in ("mnist", "eurosat"):
+        vision = {k.removeprefix("vision_model."): v + 0.02 * torch.randn(v.shape, generator=generator)
+                  for k, v in clip.state_dict().items() if k.startswith("vision_model.")}
+        save_checkpoint(vision, staged / task)
+        cache_repo(cache, "model", f"tanganke/clip-vit-base-patch32_{task}",
+                   {p.name: p for p in (staged / task).iterdir()})
+    _parquet(staged / "mnist" / "data" / "mnist", task_metadata("MNIST")[0], ("train", "test"))
+    cache_repo(cache, "dataset", "ylecun/mnist",
+               {f"mnist/{p.name}": p for p in (staged / "mnist/data/mnist").iterdir()})
+    _parquet(staged / "eurosat" / "data" / "data", task_metadata("EuroSAT")[0], ("train", "validation", "test"))
+    cache_repo(cache, "dataset", "tanganke/eurosat",
+               {f"data/{p.name}": p for p in (staged / "eurosat/data/data").iterdir()})
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    track = {"name": "fb", "preset": "fusionbench-clip-vit-b32-ta8", "preset_tasks": ["MNIST", "EuroSAT"],
+             "evaluation": {"batch_size": 16, "max_validation": 8}, "min_test": 20}
+    (root / "params.yaml").write_text(yaml.safe_dump({
+        "vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
+        "benchmark": {"merges": {"task_arithmetic": {"scaling": [0.3, 1.0]}}, "chains": ["{merge}"]},
+        "local_clip": [track]}))
+    for stage in (local_inputs, local_tracks):
+        assert stage.run(stage.stage, ["--root", str(root)]) == 0
+    params = load_params(root / "params.yaml")
+    report = yaml.safe_load(clip_files.references_path(params.local_clip[0], root).read_text())
+    assert set(report["tasks"]) == {"MNIST", "EuroSAT"} and "error" not in report, report
+    for entry in report["tasks"].values():
+        assert "error" not in entry and entry["n"]["test"] == 20 and entry["norm"] > 0, entry
+    cell = next(c for c in enumerate_cells(params) if c.track.startswith("local_clip") and c.merge == "task_arithmetic")
+    result = run_cell(cell, params, root)
+    assert 0 <= result.metrics["avg_acc"] <= 1 and result.metrics["selected_scaling"] in (0.3, 1.0)
+    assert set(result.examples) == {"MNIST", "EuroSAT"} and all(len(v) == 20 for v in result.examples.values())
+
+
+def test_every_shipped_preset_is_a_valid_eight_task_track_and_a_tracks_own_keys_win(tmp_path):
+    from mergecal.errors import ParameterError
+    from mergecal.pipeline.config import parse_params
+    from mergecal.presets import PRESETS
+
+    assert PRESETS == ("fusionbench-clip-vit-b16-ta8", "fusionbench-clip-vit-b32-ta8", "fusionbench-clip-vit-l14-ta8")
+    for name in PRESETS:
+        track = parse_params({"local_clip": [{"name": "p", "preset": name}]}).local_clip[0]
+        size = name.split("-")[3]  # b32, b16, l14
+        base = {"b32": "clip-vit-base-patch32", "b16": "clip-vit-base-patch16", "l14": "clip-vit-large-patch14"}[size]
+        assert track.model.pretrained == f"hf://openai/{base}" and track.task_set == "ta8"
+        assert list(track.finetuned) == ["SUN397", "Cars", "RESISC45", "EuroSAT", "SVHN", "GTSRB", "MNIST", "DTD"]
+        assert all(v.startswith(f"hf://tanganke/{base}_") for v in track.finetuned.values())
+        assert set(track.datasets) == set(track.finetuned) and all(parse_hub_id(v) for v in track.datasets.values())
+    own = parse_params({"local_clip": [{"name": "p", "preset": "fusionbench-clip-vit-b32-ta8", "task_set": "mine",
+                                        "finetuned": {"DTD": "/ckpt/dtd"}, "preset_tasks": ["DTD", "MNIST"]}]})
+    track = own.local_clip[0]
+    assert track.task_set == "mine" and track.finetuned == {"MNIST": "hf://tanganke/clip-vit-base-patch32_mnist",
+                                                            "DTD": "/ckpt/dtd"}
+    assert track.datasets == {"MNIST": "hf://ylecun/mnist", "DTD": "hf://tanganke/dtd"}
+    lab_preset = tmp_path / "lab.yaml"  # a lab's own preset, by its path
+    lab_preset.write_text(yaml.safe_dump({"family": "local_llm", "track": {
+        "base": "hf://org/base", "experts": {"maximum": "hf://org/a", "sentiment": "hf://org/b"}}}))
+    llm = parse_params({"local_llm": [{"name": "l", "preset": str(lab_preset)}]}).local_llm[0]
+    assert llm.base == "hf://org/base" and llm.experts == {"maximum": "hf://org/a", "sentiment": "hf://org/b"}
+    for track, message in (
+            ({"preset": "fusionbench-clip-vit-b64"}, r"local_clip.0.preset: 'fusionbench-clip-vit-b64': not a preset "
+                                                     r"\(shipped: fusionbench-clip-vit-b16-ta8, "),
+            ({"preset": str(lab_preset)}, r"local_clip.0.preset: '.*lab.yaml' is a preset for 'local_llm' tracks, "
+                                          r"not 'local_clip'"),
+            ({"preset": "fusionbench-clip-vit-b32-ta8", "preset_tasks": ["ImageNet"]},
+             r"local_clip.0.preset_tasks: 'ImageNet' is not a task of preset 'fusionbench-clip-vit-b32-ta8'"),
+            ({"preset_tasks": ["MNIST"]}, r"local_clip.0.preset_tasks: only with a preset")):
+        with pytest.raises(ParameterError, match=message) as err:
+            parse_params({"local_clip": [{"name": "p", **track}]})
+        assert "\n" not in str(err.value)

@@ -50,6 +50,15 @@ class LocalLlmTrack(Strict):
     trust_task_code: bool = False  # task_dir only: let lm-eval run the `!function` code of the task YAMLs
     min_test: Count = MIN_TEST_EXAMPLES
 
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, values: Any) -> Any:
+        """``preset: <name>`` (and ``preset_tasks``): a published pool's settings, the track's own keys winning
+        (``mergecal.presets``)."""
+        from .....presets import expand
+
+        return expand(values, "local_llm")
+
     @field_validator("experts")
     @classmethod
     def _experts(cls, experts: dict[str, str]) -> dict[str, str]:

@@ -68,6 +68,15 @@ class LocalClipTrack(Strict):
     allow_unsafe_pickle: bool = False
     min_test: Count = MIN_TEST_EXAMPLES
 
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, values: Any) -> Any:
+        """``preset: <name>`` (and ``preset_tasks``): a published pool's settings, the track's own keys winning
+        (``mergecal.presets``)."""
+        from .....presets import expand
+
+        return expand(values, "local_clip")
+
     @field_validator("distac")
     @classmethod
     def _distac(cls, values: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,85 @@
+"""Presets: published model pools as data, expanded into a lab track's settings.
+
+A ``local_clip`` (or ``local_llm``) track may say ``preset: <name>``: the preset's ``track:`` values (the pretrained
+model, the fine-tuned checkpoints and the datasets, as hub ids read from the local Hugging Face cache,
+``mergecal.hub_cache``) are its defaults, and the track's own keys win (a mapping such as ``finetuned`` key by
+key). ``preset_tasks: [MNIST, EuroSAT]`` keeps those tasks only (a smaller run of the same pool). A preset is a
+YAML file: one shipped in this folder, named without ``.yaml`` (``PRESETS``), or a lab's own, named by its path
+(``*.yaml``; relative to the directory the command runs in, the repository root for the stages). Its top level:
+``family`` (the params section it belongs to), ``description``, ``source`` (where its ids come from) and
+``track``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config_types import ConfigValueError
+
+FOLDER = Path(__file__).resolve().parent
+PRESETS = tuple(sorted(p.stem for p in FOLDER.glob("*.yaml")))
+# the keys of a track whose values are {task: ...} mappings: ``preset_tasks`` selects in them, overrides merge
+TASK_KEYS = {"local_clip": ("finetuned", "datasets", "class_names", "templates"), "local_llm": ("experts", "tasks")}
+
+
+def preset_path(name: str) -> Path:
+    if name.endswith((".yaml", ".yml")):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ConfigValueError("preset", f"{name}: no such preset file")
+        return path
+    if name not in PRESETS:
+        raise ConfigValueError("preset", f"{name!r}: not a preset (shipped: {', '.join(PRESETS)}; or a path to a "
+                                         "preset's .yaml file)")
+    return FOLDER / f"{name}.yaml"
+
+
+def load_preset(name: str, family: str) -> dict[str, Any]:
+    """The preset's ``track`` values; one ConfigValueError (key ``preset``) for an unknown, unreadable or
+    misplaced preset."""
+    path = preset_path(name)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigValueError("preset", f"{path}: not a readable YAML file ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("track"), dict):
+        raise ConfigValueError("preset", f"{path}: expected a mapping with a 'track' mapping")
+    if data.get("family") != family:
+        raise ConfigValueError("preset", f"{name!r} is a preset for {data.get('family')!r} tracks, not {family!r}")
+    return data["track"]
+
+
+def expand(values: Any, family: str) -> Any:
+    """A track's settings with its ``preset`` (and ``preset_tasks``) expanded; anything else as it is."""
+    if not isinstance(values, dict) or "preset" not in values:
+        if isinstance(values, dict) and "preset_tasks" in values:
+            raise ConfigValueError("preset_tasks", "only with a preset")
+        return values
+    own = dict(values)
+    name = own.pop("preset")
+    if not isinstance(name, str):
+        raise ConfigValueError("preset", f"expected a preset's name or path, got {name!r}")
+    merged = dict(load_preset(name, family))
+    for key, value in own.items():
+        if key in TASK_KEYS[family] and isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        elif key == "model" and isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        elif key != "preset_tasks":
+            merged[key] = value
+    tasks = own.get("preset_tasks")
+    if tasks is not None:
+        first = TASK_KEYS[family][0]
+        if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
+            raise ConfigValueError("preset_tasks", f"expected a list of the preset's tasks, got {tasks!r}")
+        unknown = [t for t in tasks if t not in merged.get(first, {})]
+        if unknown:
+            raise ConfigValueError("preset_tasks", f"{unknown[0]!r} is not a task of preset {name!r} "
+                                                   f"({', '.join(merged.get(first, {}))})")
+        for key in TASK_KEYS[family]:
+            if isinstance(merged.get(key), dict):
+                merged[key] = {t: v for t, v in merged[key].items() if t in tasks}
+    return merged
