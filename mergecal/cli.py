@@ -114,10 +114,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     elif given:
         raise ParameterError(f"{given[0]}: a filter of the lab board; add --lab")
     else:
+        from .published import for_tracks
         from .reports.write import write_reports
 
         written = write_reports(uri, params.tracking.experiment, args.out or root / "reports", args.invocation,
-                                threshold=args.threshold)
+                                threshold=args.threshold, published=for_tracks(params))
     for name, path in written.items():
         print(f"{name}: {path}")
     return 0

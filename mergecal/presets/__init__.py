@@ -6,8 +6,9 @@ model, the fine-tuned checkpoints and the datasets, as hub ids read from the loc
 key). ``preset_tasks: [MNIST, EuroSAT]`` keeps those tasks only (a smaller run of the same pool). A preset is a
 YAML file: one shipped in this folder, named without ``.yaml`` (``PRESETS``), or a lab's own, named by its path
 (``*.yaml``; relative to the directory the command runs in, the repository root for the stages). Its top level:
-``family`` (the params section it belongs to), ``description``, ``source`` (where its ids come from) and
-``track``.
+``family`` (the params section it belongs to), ``description``, ``source`` (where its ids come from), ``track``,
+and optionally ``published`` (``{source, backbone, task_set}``: the table of ``mergecal.published`` it reproduces,
+shown beside the leaderboard).
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def load_preset(name: str, family: str) -> dict[str, Any]:
     return data["track"]
 
 
+def published_of(name: str) -> dict | None:
+    """The published table a preset reproduces (``published: {source, backbone, task_set}``), or None."""
+    data = yaml.safe_load(preset_path(name).read_text())
+    return data.get("published") if isinstance(data, dict) else None
+
+
 def expand(values: Any, family: str) -> Any:
     """A track's settings with its ``preset`` (and ``preset_tasks``) expanded; anything else as it is."""
     if not isinstance(values, dict) or "preset" not in values:
@@ -70,6 +77,7 @@ def expand(values: Any, family: str) -> Any:
             merged[key] = {**merged[key], **value}
         elif key != "preset_tasks":
             merged[key] = value
+    merged["preset"] = name  # kept on the track (not in its cell ids: the expanded values are)
     tasks = own.get("preset_tasks")
     if tasks is not None:
         first = TASK_KEYS[family][0]

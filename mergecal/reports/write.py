@@ -23,6 +23,9 @@ from .history import DEFAULT_METRIC, DEFAULT_THRESHOLD, find_regressions, histor
     history_markdown, history_plots
 from .leaderboard import Table, build_tables, table_html, table_markdown, tables_json
 from .plots import Plot, diagnostic_plots, slug
+from .published import compare as compare_published
+from .published import markdown as published_markdown
+from .published import to_json as published_json
 from .runs import SEED, cells_of, invocations, load_diagnostics, load_examples, load_runs, pick_invocation, seeds_of
 from .seeds import documents_by_seed, rows_json, seed_rows
 from .seeds import markdown as seeds_markdown
@@ -127,7 +130,7 @@ def markdown_html(text: str) -> str:
 
 
 def _html_page(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None,
-               stability: str | None = None, across_seeds: str | None = None) -> str:
+               stability: str | None = None, across_seeds: str | None = None, published: str | None = None) -> str:
     esc = html.escape
     anchors = [(slug(t.title), t.title) for t in tables]
     body = ["<h1>mergecal leaderboard</h1>", f'<p class="meta">{esc(_meta_line(meta).replace("`", ""))}</p>',
@@ -138,11 +141,15 @@ def _html_page(meta: dict, tables: list[Table], plots: list[Plot], testbed: str 
         body.append(f'<section id="stability">\n{markdown_html(stability)}</section>')
     body.append("<ul>")
     body += [f'<li><a href="#{a}">{esc(t)}</a></li>' for a, t in anchors]
+    if published:
+        body.append('<li><a href="#published">Published</a></li>')
     if across_seeds:
         body.append('<li><a href="#across-seeds">Across seeds</a></li>')
     body += ['<li><a href="#diagnostics">Diagnostics</a></li>', '<li><a href="history.html">History</a></li>', "</ul>"]
     for (anchor, _), table in zip(anchors, tables):
         body.append(f'<section id="{anchor}">\n{table_html(table)}</section>')
+    if published:
+        body.append(f'<section id="published">\n{markdown_html(published)}</section>')
     if across_seeds:
         body.append(f'<section id="across-seeds">\n{markdown_html(across_seeds)}</section>')
     body.append('<section id="diagnostics"><h2>Diagnostics</h2>')
@@ -162,13 +169,15 @@ def _page(title: str, body: list[str]) -> str:
 
 
 def _markdown(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None,
-              stability: str | None = None, across_seeds: str | None = None) -> str:
+              stability: str | None = None, across_seeds: str | None = None, published: str | None = None) -> str:
     parts = ["# mergecal leaderboard", "", _meta_line(meta), "", LEGEND.replace("is marked", "is in bold"), ""]
     if testbed:
         parts += [testbed]
     if stability:
         parts += [stability]
     parts += [table_markdown(t) for t in tables]
+    if published:
+        parts += [published]
     if across_seeds:
         parts += [across_seeds]
     if plots:
@@ -179,12 +188,13 @@ def _markdown(meta: dict, tables: list[Table], plots: list[Plot], testbed: str |
 def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str | Path = "reports",
                   invocation: str | None = None, *, metric: str = DEFAULT_METRIC,
                   threshold: float = DEFAULT_THRESHOLD, testbed: str | None = None,
-                  stability: dict | None = None) -> dict[str, Path]:
+                  stability: dict | None = None, published: dict[str, list] | None = None) -> dict[str, Path]:
     """Write leaderboard.md/.html/.json and plots/*.svg for ``invocation`` (default: the latest with cells),
     and history.md/.html over every invocation, under ``out_dir``; returns {relative name: path}.
     ``testbed`` (the testbed-health Markdown of ``mergecal.pipeline.testbed``) opens the leaderboard, before
     any calibration row. SVGs in plots/ that this report did not produce are removed, so the directory
-    matches the report."""
+    matches the report. ``published``: {backbone: the published rows its preset reproduces}
+    (``mergecal.published.for_tracks``): each of its standard-regime tables gets the published comparison."""
     out = Path(out_dir)
     runs = load_runs(tracking_uri, experiment)
     chosen = pick_invocation(runs, invocation)
@@ -214,6 +224,10 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
                 # the stability verdicts the tables carry (reports/stability.json has the figures)
                 "warnings": [{"backbone": t.backbone, "task_set": t.task_set, "regime": t.regime, "seed": t.seed,
                               "warning": t.warning} for t in tables if t.warning]}
+    reproductions = [r for t in tables if (r := compare_published(t, (published or {}).get(t.backbone, [])))]
+    if reproductions:
+        document["published"] = published_json(reproductions)
+    shown_published = published_markdown(reproductions) if reproductions else None
     across = None
     if len(seeds) > 1:  # mean and spread across the fine-tuning seeds, each calibration's verdict across them
         rows = seed_rows(documents_by_seed(document["leaderboard"]))
@@ -222,9 +236,11 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
     written["leaderboard.json"] = atomic_write_text(out / "leaderboard.json",
                                                     json.dumps(document, indent=2, sort_keys=True) + "\n")
     written["leaderboard.md"] = atomic_write_text(out / "leaderboard.md",
-                                                  _markdown(meta, tables, plots, testbed, section, across))
+                                                  _markdown(meta, tables, plots, testbed, section, across,
+                                                            shown_published))
     written["leaderboard.html"] = atomic_write_text(out / "leaderboard.html",
-                                                    _html_page(meta, tables, plots, testbed, section, across))
+                                                    _html_page(meta, tables, plots, testbed, section, across,
+                                                               shown_published))
     written["history.md"] = atomic_write_text(out / "history.md", history_markdown(runs, metric, threshold))
     history_body = ['<p><a href="leaderboard.html">Leaderboard</a></p>', history_html(runs, metric, threshold)]
     written["history.html"] = atomic_write_text(out / "history.html", _page(

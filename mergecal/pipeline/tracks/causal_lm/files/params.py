@@ -49,6 +49,8 @@ class LocalLlmTrack(Strict):
     allow_unsafe_pickle: bool = False
     trust_task_code: bool = False  # task_dir only: let lm-eval run the `!function` code of the task YAMLs
     min_test: Count = MIN_TEST_EXAMPLES
+    # the preset it was built from (mergecal.presets); not in model_dump, so not in cell ids (its values are)
+    preset: str | None = Field(None, exclude=True)
 
     @model_validator(mode="before")
     @classmethod

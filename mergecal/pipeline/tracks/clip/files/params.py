@@ -67,6 +67,8 @@ class LocalClipTrack(Strict):
     distac: dict[str, Any] = Field(default_factory=dict)
     allow_unsafe_pickle: bool = False
     min_test: Count = MIN_TEST_EXAMPLES
+    # the preset it was built from (mergecal.presets); not in model_dump, so not in cell ids (its values are)
+    preset: str | None = Field(None, exclude=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,86 @@
+"""Published rows: the numbers papers print for the published model pools, transcribed once as data.
+
+One YAML file per paper in this folder (``SOURCES``): the paper's title and arXiv id, the checkpoints' origin as the
+paper states it, the protocol, and ``tables`` of rows — each with the paper's row name, mergecal's recipe for it
+(``method`` and ``chain``; null where mergecal has none), the per-task accuracies and the average as printed (in
+percent), and the printed gain of a calibrated row over its base. tests/test_published.py checks each table's
+arithmetic. A preset names the table its pool reproduces (``published:`` in ``mergecal/presets/*.yaml``), and the
+leaderboard of a track built from it shows the published number beside the run's (``mergecal.reports.published``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..errors import ParameterError
+
+FOLDER = Path(__file__).resolve().parent
+SOURCES = tuple(sorted(p.stem for p in FOLDER.glob("*.yaml")))
+# the row of a reference model: mergecal's reference recipes
+REFERENCE_METHODS = ("zeroshot", "finetuned")
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    source: str  # the data file (e.g. "svc")
+    title: str
+    arxiv: str
+    table: int
+    backbone: str
+    task_set: str
+    row: str  # as the paper prints it
+    recipe: str | None  # mergecal's recipe label (None: a method mergecal does not implement)
+    tasks: tuple[str, ...]
+    per_task: tuple[float, ...]  # percent, as printed
+    average: float  # percent, as printed
+
+    @property
+    def cite(self) -> str:
+        return f"{self.title} (arXiv:{self.arxiv}), Table {self.table}"
+
+
+@functools.lru_cache(maxsize=None)
+def load(source: str) -> dict:
+    if source not in SOURCES:
+        raise ParameterError(f"published: no source {source!r} (known: {', '.join(SOURCES)})")
+    return yaml.safe_load((FOLDER / f"{source}.yaml").read_text())
+
+
+def recipe_of(method: str | None, chain: str | None) -> str | None:
+    """mergecal's recipe label for a published row: the reference's name, the merge, or the merge then its chain."""
+    if method in REFERENCE_METHODS:
+        return method
+    if method is None or chain is None:
+        return None
+    return chain.replace("{merge}", method)
+
+
+def rows(source: str, backbone: str, task_set: str) -> list[PublishedRow]:
+    """Every row of ``source``'s table for ``backbone`` on ``task_set`` (none when it has no such table)."""
+    data = load(source)
+    out = []
+    for table in data["tables"]:
+        if table["backbone"] != backbone or table["task_set"] != task_set:
+            continue
+        for row in table["rows"]:
+            out.append(PublishedRow(source, data["paper"]["title"], str(data["paper"]["arxiv"]), table["table"],
+                                    backbone, task_set, row["row"], recipe_of(row["method"], row["chain"]),
+                                    tuple(data["tasks"]), tuple(row["per_task"]), row["average"]))
+    return out
+
+
+def for_tracks(params) -> dict[str, list[PublishedRow]]:
+    """{track name (its leaderboard backbone): the published rows of the table its preset reproduces}, for every
+    ``local_clip`` track built from a preset that names one."""
+    from ..presets import published_of
+
+    out = {}
+    for track in params.local_clip:
+        reference = published_of(track.preset) if track.preset else None
+        if reference is not None:
+            out[track.name] = rows(reference["source"], reference["backbone"], reference["task_set"])
+    return out

@@ -1,0 +1,141 @@
+"""Published rows (#42, step 4): the SVC paper's Tables 5-7 as transcribed are consistent with themselves (each
+printed average is the mean of its printed per-task numbers up to their rounding, each printed gain the
+difference of two printed averages) and with its Table 1 (one disagreement, named); a leaderboard table built from
+a preset is compared row by row with them (inside / outside a run's interval, allowing the printed rounding), and
+the report writes that section."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mergecal.pipeline.config import parse_params
+from mergecal.published import PublishedRow, for_tracks, load, recipe_of, rows
+from mergecal.reports.leaderboard import Row, Table
+from mergecal.reports.published import compare, markdown
+
+BACKBONES = ("ViT-B/32", "ViT-B/16", "ViT-L/14")
+
+
+def test_each_transcribed_table_adds_up():
+    data = load("svc")
+    assert [t["backbone"] for t in data["tables"]] == list(BACKBONES) and len(data["tasks"]) == 8
+    checked = 0
+    for table in data["tables"]:
+        base = {}
+        for row in table["rows"]:
+            assert len(row["per_task"]) == 8 and all(0 <= v <= 100 for v in row["per_task"]), row
+            # per-task numbers and the average are each rounded to 0.1: the mean is within 0.05 + 0.05 of it
+            assert abs(sum(row["per_task"]) / 8 - row["average"]) <= 0.1 + 1e-9, (table["backbone"], row["row"])
+            if "gain" in row:
+                assert row["chain"] == "{merge}>svc" and round(row["average"] - base[row["method"]], 1) == row["gain"]
+                checked += 1
+            elif row["method"] is not None:
+                base[row["method"]] = row["average"]
+    assert checked == 18  # six merges with and without SVC on three backbones
+
+
+def test_table_1_agrees_with_the_per_task_tables_but_for_one_printed_average():
+    data = load("svc")
+    disagreements = []
+    for table in data["tables"]:
+        summary = data["table_1_ta8"][table["backbone"]]
+        printed = {row["row"]: row["average"] for row in table["rows"]}
+        for name, average in summary.items():
+            if printed[name] != average:
+                disagreements.append((table["backbone"], name, average, printed[name]))
+    assert disagreements == [("ViT-B/32", "PRETRAINED", 48.0, 48.1)]
+
+
+def test_published_rows_carry_mergecals_recipes_and_the_preset_names_its_table():
+    assert recipe_of("ties", "{merge}>svc") == "ties>svc" and recipe_of("finetuned", None) == "finetuned"
+    assert recipe_of(None, None) is None and recipe_of("tsv_m", "{merge}") == "tsv_m"
+    b16 = rows("svc", "ViT-B/16", "ta8")
+    assert [r.recipe for r in b16][:5] == ["zeroshot", "finetuned", "task_arithmetic", "task_arithmetic>svc", "dare"]
+    assert b16[0].cite == ("When Shared Knowledge Hurts: Spectral Over-Accumulation in Model Merging "
+                           "(arXiv:2602.05536), Table 6")
+    assert rows("svc", "ViT-B/32", "ta14") == []
+    params = parse_params({"local_clip": [
+        {"name": "fb16", "preset": "fusionbench-clip-vit-b16-ta8"},
+        {"name": "mine", "model": {"pretrained": "/c"}, "finetuned": {"MNIST": "/a", "DTD": "/b"},
+         "datasets": {"MNIST": "/d", "DTD": "/d"}}]})
+    assert for_tracks(params) == {"fb16": b16}
+    assert "preset" not in params.local_clip[0].model_dump(mode="json")  # not in the cell ids
+
+
+def _published(recipe: str, average: float, per_task=(70.0, 60.0)) -> PublishedRow:
+    return PublishedRow("svc", "A paper", "0000.00000", 5, "ViT-B/32", "ta8", recipe.upper(), recipe, ("cars", "dtd"),
+                        tuple(per_task), average)
+
+
+def _row(recipe: str, avg: float, interval: tuple[float, float] | None) -> Row:
+    merge, _, calibration = recipe.partition(">")
+    return Row(recipe, merge, calibration or "none", "base", f"{recipe}-id", "run", False,
+               {"acc.cars": avg, "acc.dtd": avg, "avg_acc": avg},
+               intervals={"avg_acc": interval, "acc.cars": interval} if interval else {})
+
+
+def test_a_table_is_compared_row_by_row_with_the_printed_rounding_allowed():
+    table = Table("fb", "ta8", "standard", "0", ("cars", "dtd"), (
+        _row("task_arithmetic", 0.700, (0.680, 0.720)),  # 70.0 [68.0, 72.0]
+        _row("task_arithmetic>svc", 0.800, (0.790, 0.810)),  # 80.0 [79.0, 81.0]
+        _row("ties", 0.650, None),  # no interval: no verdict
+        _row("consensus", 0.600, (0.5, 0.7))), ())  # no published counterpart
+    published = [_published("task_arithmetic", 72.05), _published("task_arithmetic>svc", 81.1),
+                 _published("ties", 65.0), _published("star", 69.0)]  # STAR: a method mergecal does not run
+    rep = compare(table, published)
+    avg = {c.recipe: c for c in rep.comparisons if c.column == "avg"}
+    assert avg["task_arithmetic"].inside is True  # 72.05 = 72.0 + the rounding: inside
+    assert avg["task_arithmetic>svc"].inside is False  # 81.1 > 81.05
+    assert avg["ties"].inside is None and avg["ties"].value == 65.0
+    assert [c.column for c in rep.comparisons if c.recipe == "task_arithmetic"] == ["cars", "dtd", "avg"]
+    assert rep.unmatched_published == ("STAR",) and rep.unmatched_here == ("consensus",)
+    assert rep.counts() == {"inside": 2, "outside": 2, "no_interval": 5, "published_without_row": 1,
+                            "rows_without_published": 1}  # cars inside (70 in [68, 72]) x1, outside (60) x2 ...
+    text = markdown([rep])
+    assert "## Published: fb · ta8 · standard" in text and "Against A paper (arXiv:0000.00000), Table 5." in text
+    assert "| `task_arithmetic>svc` | TASK_ARITHMETIC>SVC | avg | 81.1 | 80.0 [79.0, 81.0] | **no** |" in text
+    assert ("Reproduction over 9 compared values: 2 inside their interval, 2 outside, 5 without an interval; "
+            "published rows with no row here: STAR; rows here with no published counterpart: `consensus`.") in text
+    subset = Table("fb", "ta8", "standard", "0", ("cars",), table.rows, ())
+    assert "avg" not in {c.column for c in compare(subset, published).comparisons}  # no published average
+    assert compare(Table("fb", "ta8", "norm_mismatch", "0", ("cars", "dtd"), table.rows, ()), published) is None
+
+
+def test_the_report_writes_the_published_section(tmp_path):
+    """A leaderboard of the report tests' store (backbone mergecal-vit-tiny, tasks cars and dtd) with published rows
+    for it: the Markdown section, the HTML section, the JSON document."""
+    from mlflow import MlflowClient
+    from test_reports import T0, _log_cell  # the cells the report tests log
+
+    from mergecal.reports.write import write_reports
+
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("mergecal", artifact_location=str(tmp_path / "artifacts"))
+    parent = client.create_run(exp, start_time=T0, tags={"mergecal.kind": "invocation",
+                                                         "mergecal.invocation_id": "inv-1"})
+    for j, recipe in enumerate(("zeroshot", "task_arithmetic", "task_arithmetic>svc")):
+        _log_cell(client, exp, parent.info.run_id, "inv-1", recipe, T0 + 10 * (j + 1))
+    client.set_terminated(parent.info.run_id, end_time=T0 + 2000)
+    published = {"mergecal-vit-tiny": [_published("task_arithmetic", 63.9, (67.8, 60.0)),
+                                       _published("task_arithmetic>svc", 66.0, (70.0, 62.0))]}
+    written = write_reports(uri, "mergecal", tmp_path / "out", published=published)
+    text = written["leaderboard.md"].read_text()
+    assert "## Published: mergecal-vit-tiny · vision2 · standard" in text
+    assert "| `task_arithmetic` | TASK_ARITHMETIC | avg | 63.9 | 63.9 | — |" in text  # no per-example results logged
+    assert 'id="published"' in written["leaderboard.html"].read_text()
+    document = json.loads(written["leaderboard.json"].read_text())
+    assert [(d["backbone"], d["counts"]["no_interval"]) for d in document["published"]] == [("mergecal-vit-tiny", 6)]
+    assert "zeroshot" in document["published"][0]["unmatched_here"]
+    plain = write_reports(uri, "mergecal", tmp_path / "plain")  # no preset track: no section
+    assert "## Published" not in plain["leaderboard.md"].read_text()
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_every_backbones_rows_name_a_recipe_mergecal_runs_or_say_it_has_none(backbone):
+    names = {r.row: r.recipe for r in rows("svc", backbone, "ta8")}
+    assert {k for k, v in names.items() if v is None} <= {"TRADITIONAL MTL", "STAR", "CAT"}
+    assert {v.split(">")[0] for v in names.values() if v} == {"zeroshot", "finetuned", "task_arithmetic", "dare",
+                                                              "ties", "tsv_m", "iso_c", "iso_cts"}
