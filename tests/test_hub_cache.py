@@ -238,9 +238,17 @@ def test_every_shipped_preset_is_a_valid_eight_task_track_and_a_tracks_own_keys_
         assert list(track.finetuned) == ["SUN397", "Cars", "RESISC45", "EuroSAT", "SVHN", "GTSRB", "MNIST", "DTD"]
         assert all(v.startswith(f"hf://tanganke/{base}_") for v in track.finetuned.values())
         assert set(track.datasets) == set(track.finetuned) and all(parse_hub_id(v) for v in track.datasets.values())
+        assert track.evaluation.center_crop == "floor"  # FusionBench's (Hugging Face's) crop
     own = parse_params({"local_clip": [{"name": "p", "preset": "fusionbench-clip-vit-b32-ta8", "task_set": "mine",
-                                        "finetuned": {"DTD": "/ckpt/dtd"}, "preset_tasks": ["DTD", "MNIST"]}]})
+                                        "finetuned": {"DTD": "/ckpt/dtd"}, "preset_tasks": ["DTD", "MNIST"],
+                                        "evaluation": {"max_test": 500}}]})
     track = own.local_clip[0]
+    assert (track.evaluation.max_test, track.evaluation.center_crop) == (500, "floor")  # merged key by key
+    assert track.model_dump(mode="json")["evaluation"]["center_crop"] == "floor"  # in the cell ids
+    plain = parse_params({"local_clip": [{"name": "q", "model": {"pretrained": "/c"}, "finetuned": {"MNIST": "/a",
+                                          "DTD": "/b"}, "datasets": {"MNIST": "/d", "DTD": "/d"}}]}).local_clip[0]
+    # the default crop is left out of the dump: ids of tracks written before the option are unchanged
+    assert plain.model_dump(mode="json")["evaluation"] == {"batch_size": 128, "max_validation": 512, "max_test": None}
     assert track.task_set == "mine" and track.finetuned == {"MNIST": "hf://tanganke/clip-vit-base-patch32_mnist",
                                                             "DTD": "/ckpt/dtd"}
     assert track.datasets == {"MNIST": "hf://ylecun/mnist", "DTD": "hf://tanganke/dtd"}

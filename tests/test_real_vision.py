@@ -83,6 +83,22 @@ def test_clip_resize_matches_torchvision_resize_and_center_crop():
     np.testing.assert_array_equal(clip_resize(gray, 8), np.repeat(np.asarray(gray)[:, :, None], 3, axis=2))
 
 
+def test_the_floor_crop_is_hugging_faces_and_differs_only_on_odd_margins():
+    """center_crop "floor": where Hugging Face's CLIPImageProcessor (FusionBench's preprocessing) puts the crop,
+    (margin) // 2; "round" is torchvision's round(margin / 2): one pixel apart on an odd margin, equal on an even
+    one (scripts/compare_fusionbench_eval.py: with floor, FusionBench's predictions example for example)."""
+    from mergecal.errors import ParameterError
+
+    odd = pixels(10 * 13, 13, 10)  # width 10 = the size: no resize, a vertical margin of 3
+    image = Image.fromarray(odd)
+    np.testing.assert_array_equal(clip_resize(image, 10, crop="floor"), odd[1:11])
+    np.testing.assert_array_equal(clip_resize(image, 10, crop="round"), odd[2:12])  # round(1.5) = 2
+    even = Image.fromarray(pixels(10 * 14, 14, 10))
+    np.testing.assert_array_equal(clip_resize(even, 10, crop="floor"), clip_resize(even, 10))
+    with pytest.raises(ParameterError, match=r"^crop: expected one of round, floor, got 'ceil'$"):
+        clip_resize(image, 10, crop="ceil")
+
+
 # ------------------------------------------------------------------------------------- torchvision layouts
 
 

@@ -110,3 +110,26 @@ def test_perf_mergekit_names_the_ties_convention_of_every_differing_element(tmp_
     save_checkpoint(changed, tmp_path / "theirs")
     counts = script.ties_conventions(ours, tmp_path / "theirs", base, experts, script.TIES_TOP_K)
     assert counts == {"differing": 1, "tied_threshold": 0, "zero_vote": 0, "unexplained": 1}
+
+
+def test_the_fusionbench_comparison_tokenizes_as_open_clip_and_needs_fusionbench_on_its_path(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """scripts/compare_fusionbench_eval.py without FusionBench (never a dependency): the Hugging Face tokenizer it
+    writes from open_clip's BPE gives open_clip's token ids (what makes the two evaluators' heads comparable), and
+    its run is refused in one line naming what to put on PYTHONPATH."""
+    import sys
+
+    from open_clip.tokenizer import SimpleTokenizer
+
+    script = load("compare_fusionbench_eval")
+    script.write_tokenizer_files(tmp_path)
+    tokenizer = script.build_processor(tmp_path).tokenizer
+    simple = SimpleTokenizer()
+    texts = ["a photo of a stanford cars' 2012 Tesla Model S.", "a centered satellite photo of annual crop land.",
+             'a photo of the number: "7".', "a photo of a bumpy texture."]
+    assert tokenizer(texts)["input_ids"] == [[49406, *simple.encode(t), 49407] for t in texts]
+    monkeypatch.setitem(sys.modules, "fusion_bench", None)  # an import of it fails, as where it is not installed
+    assert script.main(["--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == ("error: fusion_bench is not importable: put FusionBench 0.2.33's source on "
+                                       "PYTHONPATH (see the docstring)\n")
+    assert not (tmp_path / "out").exists()

@@ -141,16 +141,26 @@ def resolve_label(task: str, raw_name: str, where: str) -> int:
 # ---------------------------------------------------------------------------------------------- images
 
 
-def clip_resize(image: Image.Image, size: int) -> np.ndarray:
+CENTER_CROPS = ("round", "floor")
+
+
+def clip_resize(image: Image.Image, size: int, crop: str = "round") -> np.ndarray:
     """uint8 RGB [size, size, 3]: shorter side resized to ``size`` (bicubic), then centre crop -- torchvision's
-    ``Resize(size, BICUBIC)`` + ``CenterCrop(size)`` as in CLIP's preprocessing (same rounding)."""
+    ``Resize(size, BICUBIC)`` + ``CenterCrop(size)`` as in CLIP's preprocessing (same rounding). ``crop``: where
+    an odd margin puts the crop: ``round`` (torchvision's CenterCrop: open_clip, task_vectors) or ``floor``
+    (Hugging Face's CLIPImageProcessor: FusionBench), one pixel apart (scripts/compare_fusionbench_eval.py)."""
+    if crop not in CENTER_CROPS:
+        raise ParameterError(f"crop: expected one of {', '.join(CENTER_CROPS)}, got {crop!r}")
     image = image.convert("RGB")
     w, h = image.size
     if (w, h) != (size, size):
         nw, nh = (size, int(size * h / w)) if w <= h else (int(size * w / h), size)
         if (nw, nh) != (w, h):
             image = image.resize((nw, nh), Image.BICUBIC)
-        left, top = int(round((nw - size) / 2.0)), int(round((nh - size) / 2.0))
+        if crop == "round":
+            left, top = int(round((nw - size) / 2.0)), int(round((nh - size) / 2.0))
+        else:
+            left, top = (nw - size) // 2, (nh - size) // 2
         image = image.crop((left, top, left + size, top + size))
     return np.asarray(image, dtype=np.uint8)
 
@@ -230,8 +240,8 @@ class RealSplit:
         """Image ``index`` as stored (PIL, any size and mode)."""
         return self._source.load(int(index))
 
-    def images(self, indices: Sequence[int] | np.ndarray, size: int) -> np.ndarray:
-        """uint8 RGB [len(indices), size, size, 3], CLIP-style resized and centre-cropped."""
+    def images(self, indices: Sequence[int] | np.ndarray, size: int, crop: str = "round") -> np.ndarray:
+        """uint8 RGB [len(indices), size, size, 3], CLIP-style resized and centre-cropped (``clip_resize``)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if size < 1:
             raise ParameterError(f"{self.name} {self.split}: size must be >= 1, got {size}")
@@ -240,18 +250,18 @@ class RealSplit:
                                  f"[{idx.min()}, {idx.max()}]")
         out = np.empty((idx.size, size, size, 3), dtype=np.uint8)
         for k, i in enumerate(idx):
-            out[k] = clip_resize(self._source.load(int(i)), size)
+            out[k] = clip_resize(self._source.load(int(i)), size, crop)
         return out
 
-    def iter_batches(self, batch_size: int, size: int,
-                     indices: Sequence[int] | np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def iter_batches(self, batch_size: int, size: int, indices: Sequence[int] | np.ndarray | None = None,
+                     crop: str = "round") -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(uint8 images [b, size, size, 3], int64 labels [b]) over ``indices`` (default: all, in order)."""
         if batch_size < 1:
             raise ParameterError(f"{self.name} {self.split}: batch_size must be >= 1, got {batch_size}")
         idx = np.arange(len(self)) if indices is None else np.asarray(indices, dtype=np.int64).reshape(-1)
         for start in range(0, len(idx), batch_size):
             chunk = idx[start:start + batch_size]
-            yield self.images(chunk, size), self.labels[chunk]
+            yield self.images(chunk, size, crop), self.labels[chunk]
 
 
 # ----------------------------------------------------------------------------------------- imagefolder

@@ -73,7 +73,7 @@ def expand(values: Any, family: str) -> Any:
     for key, value in own.items():
         if key in TASK_KEYS[family] and isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}
-        elif key == "model" and isinstance(value, dict) and isinstance(merged.get(key), dict):
+        elif key in ("model", "evaluation") and isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}
         elif key != "preset_tasks":
             merged[key] = value

@@ -66,7 +66,7 @@ def train_sample(params: Params, track: LocalClipTrack, task: str, root: str | P
     rows = sample(len(data), n, seed)
     if head is not None:
         check_labels(task, data, rows, head)
-    return data.images(rows, image_size), data.labels[rows]
+    return data.images(rows, image_size, track.evaluation.center_crop), data.labels[rows]
 
 
 def _checked_references(track: LocalClipTrack, root: Path) -> dict:

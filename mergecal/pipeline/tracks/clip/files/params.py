@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
 from .....config_types import ConfigValueError, Count
 from .....errors import MergecalError
@@ -22,6 +22,17 @@ class LocalClipEvaluation(Strict):
     batch_size: Count = 128
     max_validation: Count = 512
     max_test: Count | None = None
+    # where an odd margin puts the centre crop: torchvision's rounding (open_clip, task_vectors) or Hugging Face's
+    # floor (CLIPImageProcessor: FusionBench); real_vision.clip_resize
+    center_crop: Literal["round", "floor"] = "round"
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        # the default is left out of dumps, so that the cell ids of tracks written before the option are unchanged
+        out = handler(self)
+        if self.center_crop == "round":
+            out.pop("center_crop", None)
+        return out
 
 
 class LocalClipModel(Strict):

@@ -97,6 +97,7 @@ class TaskData:
 
     def __init__(self, track: LocalClipTrack, root: str | Path, image_size: int, seed: int = 0):
         self.track, self.root, self.size, self.seed = track, Path(root), image_size, seed
+        self.crop = track.evaluation.center_crop
         self._validation: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def split(self, task: str, split: str):
@@ -114,14 +115,14 @@ class TaskData:
             if task not in self._validation:
                 data, rows = self.split(task, split)
                 check_labels(task, data, rows, head)
-                self._validation[task] = (data.images(rows, self.size), data.labels[rows])
+                self._validation[task] = (data.images(rows, self.size, self.crop), data.labels[rows])
             images, labels = self._validation[task]
             z = predict_logits(model, head, images, batch_size=batch, device=device)
             return logit_scores(z, labels)
         data, rows = self.split(task, split)
         check_labels(task, data, rows, head)
         z = torch.cat([predict_logits(model, head, images, batch_size=batch, device=device)
-                       for images, _ in data.iter_batches(batch, self.size, rows)])
+                       for images, _ in data.iter_batches(batch, self.size, rows, self.crop)])
         return logit_scores(z, data.labels[rows], per_example=per_example)
 
 
