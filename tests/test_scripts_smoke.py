@@ -133,3 +133,17 @@ def test_the_fusionbench_comparison_tokenizes_as_open_clip_and_needs_fusionbench
     assert capsys.readouterr().err == ("error: fusion_bench is not importable: put FusionBench 0.2.33's source on "
                                        "PYTHONPATH (see the docstring)\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_clip_evaluation_benchmark_prints_a_cost_per_image_and_per_model(capsys):
+    """scripts/bench_clip_eval.py on the micro ViT: a positive time per image, split into resize and model, and
+    the eight test sets' hours per model as that time times their 87,433 images."""
+    import mergecal.backbones.open_clip_vit  # noqa: F401  (registers the micro architecture with open_clip)
+
+    assert load("bench_clip_eval").main(["--arch", "mergecal-vit-micro", "--batch", "2", "--batches", "1",
+                                         "--image-size", "40"]) == 0
+    row = dict(re.findall(r"(\w+) ([^|]+?)(?: \||$)", capsys.readouterr().out.strip()))
+    ms = float(row["ms_per_image"])
+    assert ms > 0 and abs(ms - float(row["ms_per_image_resize"]) - float(row["ms_per_image_model"])) < 2e-3
+    assert int(row["eight_test_sets_images"]) == 87433 and row["images"] == "2"
+    assert abs(float(row["eight_test_sets_hours_per_model"]) - ms * 87433 / 3.6e6) < 0.01

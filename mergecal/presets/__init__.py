@@ -7,8 +7,8 @@ key). ``preset_tasks: [MNIST, EuroSAT]`` keeps those tasks only (a smaller run o
 YAML file: one shipped in this folder, named without ``.yaml`` (``PRESETS``), or a lab's own, named by its path
 (``*.yaml``; relative to the directory the command runs in, the repository root for the stages). Its top level:
 ``family`` (the params section it belongs to), ``description``, ``source`` (where its ids come from), ``track``,
-and optionally ``published`` (``{source, backbone, task_set}``: the table of ``mergecal.published`` it reproduces,
-shown beside the leaderboard).
+and optionally ``published`` (a list of ``{source, backbone, task_set}``: the papers' tables of
+``mergecal.published`` it reproduces, shown beside the leaderboard).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ def load_preset(name: str, family: str) -> dict[str, Any]:
     return data["track"]
 
 
-def published_of(name: str) -> dict | None:
-    """The published table a preset reproduces (``published: {source, backbone, task_set}``), or None."""
+def published_of(name: str) -> list[dict]:
+    """The published tables a preset reproduces (``published: [{source, backbone, task_set}, ...]``)."""
     data = yaml.safe_load(preset_path(name).read_text())
-    return data.get("published") if isinstance(data, dict) else None
+    return list(data.get("published") or []) if isinstance(data, dict) else []
 
 
 def expand(values: Any, family: str) -> Any:

@@ -29,7 +29,7 @@ class PublishedRow:
     source: str  # the data file (e.g. "svc")
     title: str
     arxiv: str
-    table: int
+    table: str  # as the paper numbers it ("5", "II")
     backbone: str
     task_set: str
     row: str  # as the paper prints it
@@ -41,6 +41,13 @@ class PublishedRow:
     @property
     def cite(self) -> str:
         return f"{self.title} (arXiv:{self.arxiv}), Table {self.table}"
+
+
+def cite(published: list[PublishedRow]) -> str:
+    """One paper's rows, cited with every table they come from."""
+    tables = list(dict.fromkeys(p.table for p in published))
+    return (f"{published[0].title} (arXiv:{published[0].arxiv}), Table{'s' if len(tables) > 1 else ''} "
+            f"{', '.join(tables)}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,20 +74,21 @@ def rows(source: str, backbone: str, task_set: str) -> list[PublishedRow]:
         if table["backbone"] != backbone or table["task_set"] != task_set:
             continue
         for row in table["rows"]:
-            out.append(PublishedRow(source, data["paper"]["title"], str(data["paper"]["arxiv"]), table["table"],
+            out.append(PublishedRow(source, data["paper"]["title"], str(data["paper"]["arxiv"]), str(table["table"]),
                                     backbone, task_set, row["row"], recipe_of(row["method"], row["chain"]),
                                     tuple(data["tasks"]), tuple(row["per_task"]), row["average"]))
     return out
 
 
-def for_tracks(params) -> dict[str, list[PublishedRow]]:
-    """{track name (its leaderboard backbone): the published rows of the table its preset reproduces}, for every
-    ``local_clip`` track built from a preset that names one."""
+def for_tracks(params) -> dict[str, list[list[PublishedRow]]]:
+    """{track name (its leaderboard backbone): for each paper its preset names, that paper's rows for the pool},
+    for every ``local_clip`` track built from a preset that names any."""
     from ..presets import published_of
 
     out = {}
     for track in params.local_clip:
-        reference = published_of(track.preset) if track.preset else None
-        if reference is not None:
-            out[track.name] = rows(reference["source"], reference["backbone"], reference["task_set"])
+        found = [rows(r["source"], r["backbone"], r["task_set"]) for r in published_of(track.preset)] \
+            if track.preset else []
+        if any(found):
+            out[track.name] = [f for f in found if f]
     return out

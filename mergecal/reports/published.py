@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..published import PublishedRow
+from ..published import PublishedRow, cite
 from .leaderboard import Table, points
 
 ROUNDING = 0.05  # points: half the printed precision
@@ -68,7 +68,7 @@ def compare(table: Table, published: list[PublishedRow]) -> Reproduction | None:
             comparisons.append(Comparison(row.recipe, paper.row, header, printed,
                                           points(value) if value is not None else None,
                                           (points(interval[0]), points(interval[1])) if interval else None))
-    return Reproduction(table, published[0].cite, tuple(comparisons),
+    return Reproduction(table, cite(published), tuple(comparisons),
                         tuple(p.row for p in published if p.recipe not in matched),
                         tuple(r.recipe for r in table.rows if r.recipe not in matched))
 

@@ -188,13 +188,13 @@ def _markdown(meta: dict, tables: list[Table], plots: list[Plot], testbed: str |
 def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str | Path = "reports",
                   invocation: str | None = None, *, metric: str = DEFAULT_METRIC,
                   threshold: float = DEFAULT_THRESHOLD, testbed: str | None = None,
-                  stability: dict | None = None, published: dict[str, list] | None = None) -> dict[str, Path]:
+                  stability: dict | None = None, published: dict[str, list[list]] | None = None) -> dict[str, Path]:
     """Write leaderboard.md/.html/.json and plots/*.svg for ``invocation`` (default: the latest with cells),
     and history.md/.html over every invocation, under ``out_dir``; returns {relative name: path}.
     ``testbed`` (the testbed-health Markdown of ``mergecal.pipeline.testbed``) opens the leaderboard, before
     any calibration row. SVGs in plots/ that this report did not produce are removed, so the directory
-    matches the report. ``published``: {backbone: the published rows its preset reproduces}
-    (``mergecal.published.for_tracks``): each of its standard-regime tables gets the published comparison."""
+    matches the report. ``published``: {backbone: per paper, the published rows its preset reproduces}
+    (``mergecal.published.for_tracks``): each of its standard-regime tables gets one comparison per paper."""
     out = Path(out_dir)
     runs = load_runs(tracking_uri, experiment)
     chosen = pick_invocation(runs, invocation)
@@ -224,7 +224,8 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
                 # the stability verdicts the tables carry (reports/stability.json has the figures)
                 "warnings": [{"backbone": t.backbone, "task_set": t.task_set, "regime": t.regime, "seed": t.seed,
                               "warning": t.warning} for t in tables if t.warning]}
-    reproductions = [r for t in tables if (r := compare_published(t, (published or {}).get(t.backbone, [])))]
+    reproductions = [r for t in tables for paper in (published or {}).get(t.backbone, [])
+                     if (r := compare_published(t, paper))]
     if reproductions:
         document["published"] = published_json(reproductions)
     shown_published = published_markdown(reproductions) if reproductions else None
