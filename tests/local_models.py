@@ -109,3 +109,16 @@ def write_llm_family(root: Path, name: str) -> dict:
     return {"name": name, "base": str(base), "experts": experts,
             "data": {"n_pretrain": 20, "n_train": 4, "n_validation": 4, "n_test": 4}, "min_test": 4,
             "evaluation": {"max_validation": 4, "batch_size": 8}}
+
+
+def micro_hf_clip():
+    """A micro Hugging Face CLIPModel with the real parameter names (seeded, random weights; open_clip's vocabulary
+    size so its tokenizer's ids fit), in eval mode."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    return CLIPModel(CLIPConfig(text_config=dict(tower, num_hidden_layers=1, vocab_size=49408,
+                                                 max_position_embeddings=32),
+                                vision_config=dict(tower, num_hidden_layers=2, image_size=32, patch_size=8),
+                                projection_dim=16)).eval()

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from local_models import write_clip_track
+from local_models import micro_hf_clip, write_clip_track
 from mergecal.errors import CheckpointError
 from mergecal.hub_cache import HubId, local_path, parse_hub_id, snapshot
 from mergecal.pipeline.config import load_params
@@ -171,20 +171,13 @@ def test_a_preset_resolves_offline_and_runs_end_to_end_at_smoke_size(cache, tmp_
     """FusionBench's ViT-B/32 pool by its preset, two of its tasks (``preset_tasks``), every id fabricated in the
     cache at micro size (a Hugging Face CLIP with the real parameter names, CLIPVisionModel experts, parquet test
     sets in the layout of ylecun/mnist and tanganke/eurosat): the references and a task-arithmetic cell run."""
-    from transformers import CLIPConfig, CLIPModel
-
     from mergecal.checkpoint import save_checkpoint
     from mergecal.data.real_vision import task_metadata
     from mergecal.pipeline.cells import enumerate_cells, run_cell
     from stages import local_inputs, local_tracks
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2)
-    clip = CLIPModel(CLIPConfig(text_config=dict(tower, num_hidden_layers=1, vocab_size=49408,
-                                                 max_position_embeddings=32),
-                                vision_config=dict(tower, num_hidden_layers=2, image_size=32, patch_size=8),
-                                projection_dim=16)).eval()
+    clip = micro_hf_clip()
     staged = tmp_path / "staged"
     clip.save_pretrained(staged / "pretrained")
     cache_repo(cache, "model", "openai/clip-vit-base-patch32",

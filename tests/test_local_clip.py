@@ -15,7 +15,8 @@ import pytest
 import torch
 import yaml
 
-from local_models import CLIP_ARCH, CLIP_TASKS, CreatesAFile, perturbed, write_image_datasets, write_unrelated_files
+from local_models import (CLIP_ARCH, CLIP_TASKS, CreatesAFile, micro_hf_clip, perturbed, write_image_datasets,
+                          write_unrelated_files)
 from mergecal.errors import CheckpointError, ParameterError
 from mergecal.pipeline import cells as cells_mod
 from mergecal.pipeline import hashing
@@ -36,7 +37,6 @@ def lab(tmp_path_factory):
     dict, task_vectors' pickled ImageEncoder and a transformers-4 CLIPVisionModel directory; an HF CLIP with
     CLIPVisionModel directories (transformers 5's bare keys, sharded); the datasets; and the bad inputs."""
     from safetensors.torch import save_file
-    from transformers import CLIPConfig, CLIPModel
 
     from mergecal.backbones.clip_layouts import open_clip_to_hf_clip
     from mergecal.backbones.open_clip_vit import create_clip, save_clip
@@ -62,12 +62,7 @@ def lab(tmp_path_factory):
     save_file(hf_visual, str(ckpt / "oc" / "SVHN" / "model.safetensors"))
 
     # HF CLIP: pretrained directory, CLIPVisionModel directories with transformers 5's bare key names
-    torch.manual_seed(0)
-    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2)
-    hf = CLIPModel(CLIPConfig(text_config=dict(tower, num_hidden_layers=1, vocab_size=49408,
-                                               max_position_embeddings=32),
-                              vision_config=dict(tower, num_hidden_layers=2, image_size=32, patch_size=8),
-                              projection_dim=16)).eval()
+    hf = micro_hf_clip()
     hf.save_pretrained(ckpt / "hf" / "pretrained")
     hf_state = hf.state_dict()
     for i, task in enumerate(TASKS):
