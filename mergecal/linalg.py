@@ -82,8 +82,9 @@ def _gram_eigh(a64: torch.Tensor, transpose: bool, k: int | None = None, *,
     the top ``k`` if given. LAPACK drivers chosen by measurement (768 x 768, one thread): a top-k index range
     by dsyevr (MRRR: only k eigenvectors computed and back-transformed, ~0.09 s at k = 96 against ~0.15 s for
     torch's full eigh); the full decomposition by dsyevd (divide and conquer, ~0.09-0.10 s; dsyevr takes
-    ~0.45 s on the large eigenvalue clusters of a concatenated basis's Gram matrix). ``use_torch``: the torch
-    route (batched over leading dimensions)."""
+    ~0.45 s on the large eigenvalue clusters of a concatenated basis's Gram matrix), also for a top k above
+    ``EVR_MAX_SHARE`` of a large matrix (``eigh_driver``). ``use_torch``: the torch route (batched over leading
+    dimensions)."""
     return _eigh_desc(gram_matrix(a64, transpose, use_torch=use_torch), k, use_torch=use_torch)
 
 
@@ -97,6 +98,25 @@ def gram_matrix(a64: torch.Tensor, transpose: bool = False, *, use_torch: bool =
     return torch.from_numpy(a @ a.T if transpose else a.T @ a)
 
 
+#: dsyevr's cost grows with the pairs it computes, dsyevd's does not: above this share of the n pairs one
+#: decomposition of all of them is cheaper (one thread, Gram matrices of low-rank-plus-noise task matrices, whose
+#: tail eigenvalues cluster: at n = 4096 evr takes 6.9 s for n/8 pairs, 12.5 s for n/3, 22.9 s for n/2 (TSV-M's
+#: k at K = 2) and 47.1 s for 0.8 n (Iso-CTS's common space), evd 12.4 s for all; docs/performance.md)
+EVR_MAX_SHARE = 0.4
+#: below this size both drivers take milliseconds; the route is the one every earlier result was computed with
+EVD_FOR_MANY_PAIRS_FROM = 1024
+
+
+def eigh_driver(n: int, k: int | None) -> str:
+    """The LAPACK driver of the top ``k`` of ``n`` eigenpairs: "evr" (only the k pairs) or "evd" (all, then the
+    top k), by ``EVR_MAX_SHARE`` from ``EVD_FOR_MANY_PAIRS_FROM`` on."""
+    if k is None or k >= n:
+        return "evd"
+    if n >= EVD_FOR_MANY_PAIRS_FROM and k > EVR_MAX_SHARE * n:
+        return "evd"
+    return "evr"
+
+
 def _eigh_desc(gram: torch.Tensor, k: int | None = None, *,
                use_torch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     import scipy.linalg
@@ -104,14 +124,18 @@ def _eigh_desc(gram: torch.Tensor, k: int | None = None, *,
     n = gram.shape[-1]
     if k == 0:  # no pair asked for (Iso-CTS without a common direction): scipy refuses an empty index range
         return gram.new_zeros((*gram.shape[:-2], 0)), gram.new_zeros((*gram.shape[:-1], 0))
+    keep = n if k is None else min(k, n)
     if use_torch or on_accelerator(gram):  # torch's (batched) eigh: every eigenpair, then the top k
         evals, evecs = torch.linalg.eigh(gram)
-        keep = n if k is None else min(k, n)
         return evals.flip(-1)[..., :keep].clamp_min(0.0), evecs.flip(-1)[..., :keep]
-    subset = None if k is None or k >= n else [n - k, n - 1]
-    evals, evecs = scipy.linalg.eigh(gram.numpy(), driver="evd" if subset is None else "evr",
-                                     subset_by_index=subset, check_finite=False, overwrite_a=True)
-    return torch.from_numpy(evals).flip(0).clamp_min(0.0), torch.from_numpy(evecs).flip(1).contiguous()
+    driver = eigh_driver(n, k)
+    subset = [n - keep, n - 1] if driver == "evr" else None
+    evals, evecs = scipy.linalg.eigh(gram.numpy(), driver=driver, subset_by_index=subset, check_finite=False,
+                                     overwrite_a=True)
+    evals, evecs = torch.from_numpy(evals).flip(0), torch.from_numpy(evecs).flip(1)
+    if driver == "evd" and keep < n:
+        evals, evecs = evals[:keep], evecs[:, :keep]
+    return evals.clamp_min(0.0), evecs.contiguous()
 
 
 def _orthonormal_columns(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -203,3 +203,32 @@ def test_sum_of_in_a_wider_dtype_is_bitwise_the_plain_sum(shape):
     for tau in taus[1:]:
         plain.add_(tau)
     assert torch.equal(sum_of(taus, torch.float64), plain)
+
+
+def test_many_top_pairs_of_a_large_gram_come_from_one_full_decomposition_and_small_ones_as_before():
+    """``eigh_driver``: the top k of n eigenpairs by dsyevr (only those k) unless the matrix is large and k a large
+    share of n, where dsyevd's decomposition of all pairs is cheaper (performance.md); both give the same pairs
+    where they are unique, and below ``EVD_FOR_MANY_PAIRS_FROM`` the pairs are dsyevr's bit for bit, the route
+    every committed result was computed with."""
+    import scipy.linalg
+
+    from mergecal.linalg import EVD_FOR_MANY_PAIRS_FROM, EVR_MAX_SHARE, _eigh_desc, eigh_driver
+
+    assert [eigh_driver(n, k) for n, k in ((768, 700), (384, 307), (2048, 512), (2048, 1024), (4096, 3276),
+                                           (4096, 4096), (4096, None))] == ["evr", "evr", "evr", "evd", "evd",
+                                                                            "evd", "evd"]
+    assert EVR_MAX_SHARE * EVD_FOR_MANY_PAIRS_FROM < EVD_FOR_MANY_PAIRS_FROM
+    rng = np.random.default_rng(0)
+    for n, k in ((EVD_FOR_MANY_PAIRS_FROM, 600), (300, 240)):
+        q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+        gram = (q * np.geomspace(1.0, 1e-4, n)) @ q.T  # a gap at every eigenvalue: the pairs are unique
+        evals, evecs = _eigh_desc(torch.from_numpy(gram.copy()), k)
+        assert evals.shape == (k,) and evecs.shape == (n, k) and bool((evals[:-1] >= evals[1:]).all())
+        w, v = scipy.linalg.eigh(gram, driver="evr", subset_by_index=[n - k, n - 1])
+        w, v = torch.from_numpy(w).flip(0), torch.from_numpy(v).flip(1)
+        if eigh_driver(n, k) == "evr":
+            assert torch.equal(evals, w.clamp_min(0.0)) and torch.equal(evecs, v)
+        else:
+            assert float((evals - w).abs().max()) < 1e-12
+            cosines = (evecs * v).sum(0).abs()  # each pair the same vector up to its sign
+            assert float((1 - cosines).abs().max()) < 1e-8
