@@ -147,3 +147,55 @@ def test_the_clip_evaluation_benchmark_prints_a_cost_per_image_and_per_model(cap
     assert ms > 0 and abs(ms - float(row["ms_per_image_resize"]) - float(row["ms_per_image_model"])) < 2e-3
     assert int(row["eight_test_sets_images"]) == 87433 and row["images"] == "2"
     assert abs(float(row["eight_test_sets_hours_per_model"]) - ms * 87433 / 3.6e6) < 0.01
+
+
+def test_perf_svd_llama_covers_every_key_and_adds_the_model_up_from_its_classes(tmp_path, capsys):
+    """scripts/perf_svd_llama.py at smoke size, with a streamed end-to-end merge: every 2-D key of the Llama layout is
+    in one class; each method's whole-model seconds are its covered keys times the per-key seconds (SVC leaves the
+    embedding and LM head alone, as its authors' key rule); the FLOP floors are mergecal.perf.merging's."""
+    import json
+
+    from mergecal.perf.llm_checkpoints import shapes
+    from mergecal.perf.merging import flop_floor
+
+    script = load("perf_svd_llama")
+    out = tmp_path / "svd.md"
+    assert script.main(["--size", "smoke", "--end-to-end", "task_arithmetic>svc", "--work", str(tmp_path),
+                        "--output", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    matrices = [s for s in shapes("smoke").values() if len(s) == 2]
+    rows = result["rows"]
+    assert sum(r["keys"] for r in rows if r["method"] == "svc") == len(matrices)
+    embedding = [r for r in rows if r["class"] == "embedding / lm_head"]
+    assert {r["method"]: r["covered"][r["method"]] for r in embedding} == {"svc": 0, "tsv_m": 2, "iso_cts": 2}
+    for total in result["totals"]:
+        mine = [r for r in rows if r["method"] == total["method"]]
+        assert total["seconds"] == pytest.approx(sum(r["covered"][total["method"]] * r["seconds"] for r in mine))
+        assert total["keys"] == sum(r["covered"][total["method"]] for r in mine)
+    for r in rows:
+        assert r["floor_flop"] == flop_floor(r["method"], tuple(r["shape"]), 2)
+        assert r["exact_floor_seconds"] > r["floor_seconds"] > 0 and r["seconds"] > 0
+        assert sum(r["parts"].values()) == pytest.approx(r["seconds"], rel=1e-6)
+    (e2e,) = result["end_to_end"]
+    assert e2e["recipe"] == "task_arithmetic>svc" and e2e["layers"] == 1 and e2e["seconds"] > 0
+    assert "| svc | 14 |" in out.read_text()  # 2 layers x 7 matrices: the embedding and LM head left out
+    assert not any(tmp_path.glob("mergecal-svd-*"))  # the family and the merge removed
+
+
+def test_perf_svd_llama_compares_the_eigensolver_rules_and_below_its_size_they_are_one(tmp_path):
+    """--compare-drivers: the default rule and dsyevr-only, alternated; at smoke size every Gram matrix is below
+    ``EVD_FOR_MANY_PAIRS_FROM``, so both are the same computation, bit for bit, and the rule is put back after."""
+    import json
+
+    from mergecal import linalg
+
+    out = tmp_path / "drivers.md"
+    assert load("perf_svd_llama").main(["--size", "smoke", "--compare-drivers", "--methods", "tsv_m", "iso_cts",
+                                        "--output", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert len(rows) == 2 * 5 and all(r["rel_diff"] == 0.0 for r in rows), rows
+    assert linalg.EVD_FOR_MANY_PAIRS_FROM == 1024
+    script = load("perf_svd_llama")
+    table = script.eigh_sizes_table([40, 64])
+    assert [line.split(" | ")[0] for line in table.splitlines()[2:]] == ["| 40", "| 64"]
+    assert all(len(line.split("|")) == 2 + 7 for line in table.splitlines()[2:])  # n, dsyevd, five shares

@@ -26,15 +26,26 @@ SIZES = {
 }
 
 
-def config(size: str) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SIZES[size],
+def _size(size: str, layers: int | None) -> dict:
+    """The size's configuration, with ``layers`` decoder layers instead of its own where given: every key shape
+    of the full model stays, so a key-by-key merge's peak memory is the full model's (it holds one key at a time)."""
+    c = dict(SIZES[size])
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers={layers}: expected at least 1 decoder layer")
+        c["num_hidden_layers"] = layers
+    return c
+
+
+def config(size: str, layers: int | None = None) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_size(size, layers),
             "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
             "torch_dtype": "bfloat16", "hidden_act": "silu"}
 
 
-def shapes(size: str) -> dict[str, tuple[int, ...]]:
-    """Every parameter's shape, in the Hugging Face Llama layout."""
-    c = SIZES[size]
+def shapes(size: str, layers: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape, in the Hugging Face Llama layout (``layers``: see ``_size``)."""
+    c = _size(size, layers)
     h, m, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
     out = {"model.embed_tokens.weight": (v, h)}
@@ -48,21 +59,22 @@ def shapes(size: str) -> dict[str, tuple[int, ...]]:
     return out | {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
 
 
-def parameters(size: str) -> int:
-    return sum(torch.Size(s).numel() for s in shapes(size).values())
+def parameters(size: str, layers: int | None = None) -> int:
+    return sum(torch.Size(s).numel() for s in shapes(size, layers).values())
 
 
 def write_family(root: str | Path, size: str, experts: int = 3, *, max_shard_bytes: int = 2 * 1024**3,
-                 device: str = "cpu") -> tuple[Path, list[Path]]:
+                 device: str = "cpu", layers: int | None = None) -> tuple[Path, list[Path]]:
     """``root/base`` and ``root/expert<i>``: the same base tensor in every model (seeded per key), each expert
     plus 1e-3 noise of its own; written atomically, never over a directory mergecal did not write. Returns
     (base, experts). ``device``: where the random
-    numbers are drawn (a GPU draws 7B's much faster; the values differ from the CPU's, the shapes do not)."""
+    numbers are drawn (a GPU draws 7B's much faster; the values differ from the CPU's, the shapes do not);
+    ``layers``: another number of decoder layers than the size's own (``_size``)."""
 
     def randn(shape, seed: int) -> torch.Tensor:
         return torch.randn(shape, generator=torch.Generator(device).manual_seed(seed), device=device)
 
-    root, table = Path(root), shapes(size)
+    root, table = Path(root), shapes(size, layers)
     paths = []
     for name, noise in [("base", None)] + [(f"expert{i}", i) for i in range(experts)]:
         writer = ShardedCheckpointWriter(root / name, max_shard_bytes=max_shard_bytes,
@@ -73,6 +85,6 @@ def write_family(root: str | Path, size: str, experts: int = 3, *, max_shard_byt
                 tensor += 1e-3 * randn(shape, 1000 * (noise + 1) + j)
             writer.add(key, tensor.to(torch.bfloat16))
         writer.finish()
-        (writer.staging / "config.json").write_text(json.dumps(config(size), indent=2))
+        (writer.staging / "config.json").write_text(json.dumps(config(size, layers), indent=2))
         paths.append(writer.close())
     return paths[0], paths[1:]
