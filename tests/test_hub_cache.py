@@ -217,13 +217,171 @@ def test_a_preset_resolves_offline_and_runs_end_to_end_at_smoke_size(cache, tmp_
     assert set(result.examples) == {"MNIST", "EuroSAT"} and all(len(v) == 20 for v in result.examples.values())
 
 
+def test_the_task_vectors_presets_name_their_pickled_checkpoints_under_the_labs_folders(tmp_path):
+    """task_vectors' pools are not on the hub: the preset's paths sit under the folders the track names
+    (``preset_roots``), each fine-tuned file is task_vectors' pickled finetuned.pt (refused without the opt-in),
+    the pretrained model is OpenAI's weights as open_clip's hub copy; a folder missing or unknown is one line."""
+    from mergecal.backbones.clip_checkpoints import open_checkpoint
+    from mergecal.errors import ParameterError
+    from mergecal.pipeline.config import parse_params
+
+    roots = {"checkpoints": str(tmp_path / "tv"), "data": str(tmp_path / "data")}
+    for size, arch, repo in (("b32", "ViT-B-32", "vit_base_patch32_clip_224"),
+                             ("b16", "ViT-B-16", "vit_base_patch16_clip_224"),
+                             ("l14", "ViT-L-14", "vit_large_patch14_clip_224")):
+        name = f"task-vectors-clip-vit-{size}-ta8"
+        track = parse_params({"local_clip": [{"name": "p", "preset": name, "preset_roots": roots}]}).local_clip[0]
+        assert (track.model.pretrained, track.model.arch) == (
+            f"hf://timm/{repo}.openai/open_clip_model.safetensors", f"{arch}-quickgelu")
+        assert track.finetuned == {t: f"{tmp_path}/tv/{arch}/{t}/finetuned.pt" for t in
+                                   ("SUN397", "Cars", "RESISC45", "EuroSAT", "SVHN", "GTSRB", "MNIST", "DTD")}
+        assert set(track.datasets.values()) == {str(tmp_path / "data")} and not track.allow_unsafe_pickle
+        assert "preset_roots" not in track.model_dump(mode="json")  # the filled-in paths are in the cell ids
+    b32 = parse_params({"local_clip": [{"name": "p", "preset": "task-vectors-clip-vit-b32-ta8",
+                                        "preset_roots": roots}]}).local_clip[0]
+    dtd = Path(b32.finetuned["DTD"])
+    dtd.parent.mkdir(parents=True)
+    torch.save({"model.visual.proj": torch.zeros(2, 2)}, dtd)
+    with pytest.raises(CheckpointError, match=r"finetuned.pt: a pickled checkpoint; unpickling can run arbitrary"):
+        open_checkpoint(dtd)  # without allow_unsafe_pickle, refused before a byte is read
+    for roots_given, message in (
+            ({"data": "/d"}, r"local_clip.0.preset_roots.checkpoints: required by preset "
+                             r"'task-vectors-clip-vit-b32-ta8': the folder of task_vectors' released checkpoints"),
+            ({**roots, "cache": "/c"}, r"local_clip.0.preset_roots.cache: not a folder of preset "
+                                       r"'task-vectors-clip-vit-b32-ta8' \(it names: checkpoints, data\)"),
+            ({"checkpoints": "", "data": "/d"}, r"local_clip.0.preset_roots: expected \{name: folder\}")):
+        with pytest.raises(ParameterError, match=message) as err:
+            parse_params({"local_clip": [{"name": "p", "preset": "task-vectors-clip-vit-b32-ta8",
+                                          "preset_roots": roots_given}]})
+        assert "\n" not in str(err.value)
+    for track, message in (({"preset": "fusionbench-clip-vit-b32-ta8", "preset_roots": roots},
+                            r"local_clip.0.preset_roots.checkpoints: not a folder of preset "
+                            r"'fusionbench-clip-vit-b32-ta8' \(it names: none\)"),
+                           ({"preset_roots": roots}, r"local_clip.0.preset_roots: only with a preset")):
+        with pytest.raises(ParameterError, match=message):
+            parse_params({"local_clip": [{"name": "p", **track}]})
+
+
+SEEDS = {"MNIST": 2, "EuroSAT": 3}  # the noise of each fine-tuned encoder of _task_vectors_pool
+
+
+def _task_vectors_pool(cache: Path, tmp_path: Path) -> tuple[dict, dict]:
+    """task_vectors' ViT-B/32 pool at micro size for two tasks: the pretrained open_clip weights in the hub cache under
+    open_clip's id for OpenAI's ViT-B/32, the fine-tuned encoders as task_vectors saves them (pickled modules holding
+    model.visual.*), the datasets in a data location. Returns the track (the preset, its roots, the opt-in, the
+    micro architecture as the track's own ``model.arch``) and the pretrained state."""
+    from local_models import CLIP_ARCH, perturbed, write_image_datasets
+    from mergecal.backbones.open_clip_vit import create_clip, save_clip
+
+    model = create_clip(CLIP_ARCH, seed=1)
+    save_clip(model, tmp_path / "staged" / "open_clip_model.safetensors")
+    cache_repo(cache, "model", "timm/vit_base_patch32_clip_224.openai",
+               {"open_clip_model.safetensors": tmp_path / "staged" / "open_clip_model.safetensors"})
+    state = model.state_dict()
+    for task, seed in SEEDS.items():
+        encoder = create_clip(CLIP_ARCH, seed=1)
+        encoder.load_state_dict({**state, **perturbed(state, seed, "visual.")})
+        folder = tmp_path / "tv" / "ViT-B-32" / task
+        folder.mkdir(parents=True)
+        torch.save(torch.nn.ModuleDict({"model": encoder}), folder / "finetuned.pt")  # keys model.visual.*
+    write_image_datasets(tmp_path / "data")
+    track = {"name": "tv", "preset": "task-vectors-clip-vit-b32-ta8", "preset_tasks": ["MNIST", "EuroSAT"],
+             "preset_roots": {"checkpoints": str(tmp_path / "tv"), "data": str(tmp_path / "data")},
+             "allow_unsafe_pickle": True, "model": {"arch": CLIP_ARCH},
+             "evaluation": {"batch_size": 16, "max_validation": 8}, "min_test": 20}
+    return track, state
+
+
+def _write_preset_params(root: Path, track: dict, chains: list[str]) -> None:
+    root.mkdir(exist_ok=True)
+    (root / "params.yaml").write_text(yaml.safe_dump({
+        "vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
+        "benchmark": {"merges": {"task_arithmetic": {"scaling": [0.3, 1.0]}}, "chains": chains},
+        "local_clip": [track]}))
+
+
+def test_a_task_vectors_preset_runs_end_to_end_from_pickled_checkpoints_at_micro_size(cache, tmp_path):
+    """The task_vectors preset (``_task_vectors_pool``): the track's own ``model.arch`` wins over the preset's; the
+    references and a task-arithmetic cell run, and the task vectors are the pickled encoders minus the pretrained
+    weights."""
+    from local_models import CLIP_ARCH, perturbed
+    from mergecal.pipeline.cells import enumerate_cells, run_cell
+    from stages import local_inputs, local_tracks
+
+    torch.set_num_threads(1)
+    track, state = _task_vectors_pool(cache, tmp_path)
+    root = tmp_path / "repo"
+    _write_preset_params(root, track, ["{merge}"])
+    with pytest.warns(UserWarning, match="finetuned.pt: unpickling"):
+        for stage in (local_inputs, local_tracks):
+            assert stage.run(stage.stage, ["--root", str(root)]) == 0
+    params = load_params(root / "params.yaml")
+    assert params.local_clip[0].model.arch == CLIP_ARCH
+    assert params.local_clip[0].model.pretrained.startswith("hf://timm/vit_base_patch32_clip_224.openai/")
+    report = yaml.safe_load(clip_files.references_path(params.local_clip[0], root).read_text())
+    assert set(report["tasks"]) == {"MNIST", "EuroSAT"} and "error" not in report, report
+    for task, entry in report["tasks"].items():
+        assert "error" not in entry and entry["n"]["test"] == 20, entry
+        tau = perturbed(state, SEEDS[task], "visual.")
+        expected = sum(float((tau[k] - state[k]).double().pow(2).sum()) for k in tau) ** 0.5
+        assert entry["norm"] == pytest.approx(expected, rel=1e-4), (task, entry["norm"], expected)
+    cell = next(c for c in enumerate_cells(params) if c.track.startswith("local_clip") and c.merge == "task_arithmetic")
+    with pytest.warns(UserWarning, match="finetuned.pt: unpickling"):
+        result = run_cell(cell, params, root)
+    assert 0 <= result.metrics["avg_acc"] <= 1 and set(result.examples) == {"MNIST", "EuroSAT"}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_preset_track_runs_through_the_flow_to_the_boards_published_section(cache, tmp_path):
+    """The whole path a lab takes: the task_vectors preset's track through its stages, the Prefect flow (tracked in
+    MLflow) and the report stage: the leaderboard holds the track's table and a Published section per paper the
+    preset names, each of its rows with this run's value and 95 % interval beside the printed number."""
+    import contextlib
+    import io
+    import json
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    import mergecal.pipeline.flow as flow_module
+    from stages import local_inputs, local_tracks, report
+
+    torch.set_num_threads(1)
+    track, _ = _task_vectors_pool(cache, tmp_path)
+    root = tmp_path / "repo"
+    _write_preset_params(root, track, ["{merge}", "{merge}>svc"])
+    out = io.StringIO()  # not capsys: Prefect's console handler would keep its stream after the test
+    with pytest.warns(UserWarning, match="finetuned.pt: unpickling"), contextlib.redirect_stdout(out):
+        for stage in (local_inputs, local_tracks):
+            assert stage.run(stage.stage, ["--root", str(root)]) == 0
+        with prefect_test_harness(server_startup_timeout=120):
+            summary = flow_module.run_benchmark(params_path="params.yaml", root=str(root))
+        assert report.run(report.stage, ["--root", str(root)]) == 0
+    assert summary["failed"] == 0 and summary["cells"] >= 4, [r.get("error") for r in summary["rows"]]
+    board = (root / "reports" / "leaderboard.md").read_text()
+    assert board.count("## Published: tv · ta8 · standard") == 2, board
+    assert "(arXiv:2602.05536), Table 5" in board and "(arXiv:2512.19320), Table" in board  # SVC's, MAGIC's
+    sections = json.loads((root / "reports" / "leaderboard.json").read_text())["published"]
+    assert [s["backbone"] for s in sections] == ["tv", "tv"]
+    svc = next(s for s in sections if "2602.05536" in s["source"])
+    # two of the eight tasks: their columns are compared, the paper's eight-task average is not
+    assert {c["column"] for c in svc["comparisons"]} == {"MNIST", "EuroSAT"}
+    compared = {(c["recipe"], c["column"]): c for c in svc["comparisons"] if c["interval"]}
+    assert {(r, t) for r in ("task_arithmetic", "task_arithmetic>svc") for t in ("MNIST", "EuroSAT")} <= set(compared)
+    for c in compared.values():  # this run's value inside its own interval, in percent as the paper prints
+        low, high = c["interval"]
+        assert 0 <= low <= c["value"] <= high <= 100 and isinstance(c["inside"], bool), c
+    assert svc["counts"]["inside"] + svc["counts"]["outside"] == len(compared)
+
+
 def test_every_shipped_preset_is_a_valid_eight_task_track_and_a_tracks_own_keys_win(tmp_path):
     from mergecal.errors import ParameterError
     from mergecal.pipeline.config import parse_params
     from mergecal.presets import PRESETS
 
-    assert PRESETS == ("fusionbench-clip-vit-b16-ta8", "fusionbench-clip-vit-b32-ta8", "fusionbench-clip-vit-l14-ta8")
-    for name in PRESETS:
+    fusionbench = ("fusionbench-clip-vit-b16-ta8", "fusionbench-clip-vit-b32-ta8", "fusionbench-clip-vit-l14-ta8")
+    assert PRESETS == fusionbench + tuple(n.replace("fusionbench", "task-vectors") for n in fusionbench)
+    for name in fusionbench:
         track = parse_params({"local_clip": [{"name": "p", "preset": name}]}).local_clip[0]
         size = name.split("-")[3]  # b32, b16, l14
         base = {"b32": "clip-vit-base-patch32", "b16": "clip-vit-base-patch16", "l14": "clip-vit-large-patch14"}[size]

@@ -8,11 +8,14 @@ YAML file: one shipped in this folder, named without ``.yaml`` (``PRESETS``), or
 (``*.yaml``; relative to the directory the command runs in, the repository root for the stages). Its top level:
 ``family`` (the params section it belongs to), ``description``, ``source`` (where its ids come from), ``track``,
 and optionally ``published`` (a list of ``{source, backbone, task_set}``: the papers' tables of
-``mergecal.published`` it reproduces, shown beside the leaderboard).
+``mergecal.published`` it reproduces, shown beside the leaderboard) and ``roots`` (``{name: what it is}``): a pool
+that is not on the hub (task_vectors' checkpoints) names its files under folders only the lab knows, as
+``{name}/...`` in its track values, and the track gives each folder as ``preset_roots: {name: path}``.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +42,8 @@ def preset_path(name: str) -> Path:
 
 
 def load_preset(name: str, family: str) -> dict[str, Any]:
-    """The preset's ``track`` values; one ConfigValueError (key ``preset``) for an unknown, unreadable or
-    misplaced preset."""
+    """The preset's whole YAML (``track``, ``roots``, ...); one ConfigValueError (key ``preset``) for an unknown,
+    unreadable or misplaced preset."""
     path = preset_path(name)
     try:
         data = yaml.safe_load(path.read_text())
@@ -50,7 +53,37 @@ def load_preset(name: str, family: str) -> dict[str, Any]:
         raise ConfigValueError("preset", f"{path}: expected a mapping with a 'track' mapping")
     if data.get("family") != family:
         raise ConfigValueError("preset", f"{name!r} is a preset for {data.get('family')!r} tracks, not {family!r}")
-    return data["track"]
+    if not isinstance(data.get("roots", {}), dict):
+        raise ConfigValueError("preset", f"{path}: expected 'roots' to map each folder's name to what it holds")
+    return data
+
+
+def fill_roots(value: Any, roots: dict[str, str]) -> Any:
+    """``value`` with every ``{name}`` of a root in ``roots`` replaced by its path, in strings at any depth
+    (other braces, such as a template's ``{}``, are left as they are)."""
+    if isinstance(value, str):
+        return re.sub(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", lambda m: roots.get(m.group(1), m.group(0)), value)
+    if isinstance(value, dict):
+        return {k: fill_roots(v, roots) for k, v in value.items()}
+    if isinstance(value, list):
+        return [fill_roots(v, roots) for v in value]
+    return value
+
+
+def _roots(name: str, declared: dict[str, str], given: Any) -> dict[str, str]:
+    """The track's ``preset_roots``, checked against the folders the preset declares."""
+    if given is None:
+        given = {}
+    if not isinstance(given, dict) or not all(isinstance(v, str) and v for v in given.values()):
+        raise ConfigValueError("preset_roots", f"expected {{name: folder}}, got {given!r}")
+    unknown = [r for r in given if r not in declared]
+    if unknown:
+        known = ", ".join(declared) or "none"
+        raise ConfigValueError(f"preset_roots.{unknown[0]}", f"not a folder of preset {name!r} (it names: {known})")
+    missing = [r for r in declared if r not in given]
+    if missing:
+        raise ConfigValueError(f"preset_roots.{missing[0]}", f"required by preset {name!r}: {declared[missing[0]]}")
+    return {r: str(Path(v).expanduser()) for r, v in given.items()}
 
 
 def published_of(name: str) -> list[dict]:
@@ -60,16 +93,20 @@ def published_of(name: str) -> list[dict]:
 
 
 def expand(values: Any, family: str) -> Any:
-    """A track's settings with its ``preset`` (and ``preset_tasks``) expanded; anything else as it is."""
+    """A track's settings with its ``preset`` (and ``preset_tasks``, ``preset_roots``) expanded; anything else as
+    it is."""
     if not isinstance(values, dict) or "preset" not in values:
-        if isinstance(values, dict) and "preset_tasks" in values:
-            raise ConfigValueError("preset_tasks", "only with a preset")
+        for key in ("preset_tasks", "preset_roots"):
+            if isinstance(values, dict) and key in values:
+                raise ConfigValueError(key, "only with a preset")
         return values
     own = dict(values)
     name = own.pop("preset")
     if not isinstance(name, str):
         raise ConfigValueError("preset", f"expected a preset's name or path, got {name!r}")
-    merged = dict(load_preset(name, family))
+    preset = load_preset(name, family)
+    roots = _roots(name, preset.get("roots") or {}, own.pop("preset_roots", None))
+    merged = fill_roots(dict(preset["track"]), roots)
     for key, value in own.items():
         if key in TASK_KEYS[family] and isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}
