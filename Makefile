@@ -28,7 +28,7 @@ export ATEN_CPU_CAPABILITY := avx2
 # OPENBLAS_CORETYPE for OpenBLAS's correctness on their CPU)
 export OPENBLAS_CORETYPE ?= Haswell
 
-.PHONY: setup run test lint fast perf bench perf-mergekit clean
+.PHONY: setup run test lint fast perf bench perf-mergekit perf-svd-llama clean
 
 setup: $(STAMP)
 
@@ -88,6 +88,14 @@ perf-mergekit: $(STAMP)
 		VIRTUAL_ENV=$(abspath $(MERGEKIT_VENV)) $(BIN)/uv pip install --quiet mergekit==0.1.5)
 	$(BIN)/python scripts/perf_mergekit.py --mergekit $(MERGEKIT_VENV)/bin/mergekit-yaml --size $(MERGEKIT_SIZE) \
 		--work .mergecal/perf-mergekit --output reports/perf/mergekit-$(MERGEKIT_SIZE).json
+
+# SVC, TSV-M and Iso-CTS per key class of a Llama-shaped model against their floors, and a streamed SVC merge (#43):
+# SVD_SIZE=smoke (default, seconds), 1.6b or 7b (about 35 min on one thread and 4 GB of disk).
+SVD_SIZE ?= smoke
+perf-svd-llama: $(STAMP)
+	mkdir -p .mergecal
+	$(BIN)/python scripts/perf_svd_llama.py --size $(SVD_SIZE) --tasks 2 --threads 1 \
+		--end-to-end "task_arithmetic>svc" --work .mergecal --output reports/perf/svd-llama-$(SVD_SIZE).md
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
