@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SVC_PAPER_7B = {"seconds": 517.2, "peak_mib": 1898.7, "device": "A800"}
 RECIPES = ("task_arithmetic>svc", "tsv_m")
 # rough lower bounds on a step's time, so that a step is not started with too little budget left
 NEEDS_S = {"smoke_repro": 120, "merges": 30, "default_benchmark": 300}
@@ -139,7 +138,7 @@ def markdown(summary: dict) -> str:
         lines.append(f"- **{name}**: " + json.dumps({k: v for k, v in step.items() if k != "rows"}))
         for row in step.get("rows", []):
             lines.append(f"  - `{row['recipe']}`: {row['seconds']} s, peak +{row['peak_mib']} MiB")
-    paper = SVC_PAPER_7B
+    from mergecal.perf.llm_checkpoints import SVC_PAPER_7B as paper
     lines += ["", f"SVC paper, Table 4 (Llama-2-7B, {paper['device']}): {paper['seconds']} s, {paper['peak_mib']} MiB.",
               ""]
     return "\n".join(lines)

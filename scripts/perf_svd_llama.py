@@ -45,11 +45,10 @@ import torch
 from mergecal.keys import get_key_rule
 from mergecal.methods.iso_cts import iso_cts_matrix, iso_cts_ranks
 from mergecal.methods.tsv_m import tsv_merge_matrix
-from mergecal.perf.llm_checkpoints import SIZES, shapes
+from mergecal.perf.llm_checkpoints import SIZES, SVC_PAPER_7B, shapes
 from mergecal.perf.memory import peak_anonymous_memory, peak_memory
 from mergecal.perf.merging import FLOOR_DTYPE, flop_floor, measure_gflops, svc_after_ta, synthetic_task_vectors
 
-SVC_PAPER_7B = {"seconds": 517.2, "peak_mib": 1898.7, "device": "A800 GPU"}
 COMMON_SPACE = 0.8
 #: method -> (the matrix function on K task matrices, the key rule it covers at its defaults)
 METHODS = {

@@ -16,6 +16,10 @@ import torch
 from ..backbones.hf_directory import SAFETENSORS_METADATA
 from ..checkpoint import ShardedCheckpointWriter
 
+#: the SVC paper's Table 4 ("Singular Value Calibration...", arXiv:2602.05536): SVC on Llama-2-7B, what the
+#: 7B measurements of scripts/gpu_session.py and scripts/perf_svd_llama.py are shown beside
+SVC_PAPER_7B = {"seconds": 517.2, "peak_mib": 1898.7, "device": "A800 GPU"}
+
 SIZES = {
     "smoke": {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 512},
