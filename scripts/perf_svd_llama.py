@@ -82,7 +82,7 @@ def key_classes(size: str) -> list[dict]:
     return classes
 
 
-def eigh_count(method: str, shape: tuple[int, int], K: int) -> list[int]:
+def decomposed_sizes(method: str, shape: tuple[int, int], K: int) -> list[int]:
     """The sizes of the Gram matrices the method's default (Gram) route eigendecomposes on one key, each counted
     as r x r: exact but for Iso-CTS's wide keys (m < n), whose residuals' problems are (r - k_c)-sized, so their
     exact-route floor is an upper bound."""
@@ -92,7 +92,7 @@ def eigh_count(method: str, shape: tuple[int, int], K: int) -> list[int]:
     if method == "tsv_m":
         return [r] * K + [r, r]  # each task's (top r/K), then the two polar factors' of [U_1..U_K] and [V_1..V_K]
     if method == "iso_cts":
-        common_rank, task_rank = iso_cts_ranks(r, K, COMMON_SPACE)
+        _, task_rank = iso_cts_ranks(r, K, COMMON_SPACE)
         return [r] + ([r] * K if task_rank else []) + [r, r]  # the sum's, each residual's, the two polar factors'
     raise ValueError(method)
 
@@ -139,7 +139,7 @@ def measure(size: str, K: int, methods: list[str]) -> dict:
             seconds, peak_mb, parts = profiled(METHODS[method][0], taus)
             rows.append({**c, "method": method, "seconds": seconds, "peak_extra_mb": peak_mb, "parts": parts,
                          "floor_flop": flop_floor(method, c["shape"], K),
-                         "eighs": eigh_count(method, c["shape"], K)})
+                         "eighs": decomposed_sizes(method, c["shape"], K)})
             print(f"  {method:8s} {c['class']:22s} {c['shape']}: {seconds:7.2f} s (eigh {parts['eigh']:.2f}, "
                   f"qr {parts['qr']:.2f}), peak +{peak_mb:.0f} MiB", flush=True)
         del taus
