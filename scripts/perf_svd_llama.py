@@ -57,8 +57,8 @@ METHODS = {
     "iso_cts": (lambda taus: iso_cts_matrix(taus, COMMON_SPACE), "matrices_except_text_projection"),
 }
 #: where a key of a class sits in the Hugging Face Llama layout; its shape comes from the size
-CLASS_NAMES = {"attention": "self_attn.", "mlp up/gate": "mlp.up_proj", "mlp down": "mlp.down_proj",
-               "embedding / lm_head": "embed_tokens"}
+CLASS_MARKERS = {"attention": ("self_attn.",), "mlp up/gate": ("mlp.up_proj", "mlp.gate_proj"),
+                 "mlp down": ("mlp.down_proj",), "embedding / lm_head": ("embed_tokens", "lm_head")}
 
 
 def key_classes(size: str) -> list[dict]:
@@ -67,9 +67,8 @@ def key_classes(size: str) -> list[dict]:
     table = shapes(size)
     matrices = {k: s for k, s in table.items() if len(s) == 2}
     classes = []
-    for label, marker in CLASS_NAMES.items():
-        members = [k for k in matrices if marker in k or (marker == "embed_tokens" and k == "lm_head.weight")
-                   or (marker == "mlp.up_proj" and "mlp.gate_proj" in k)]
+    for label, markers in CLASS_MARKERS.items():
+        members = [k for k in matrices if any(marker in k for marker in markers)]
         by_shape: dict[tuple[int, int], list[str]] = {}
         for k in members:
             by_shape.setdefault(matrices[k], []).append(k)
