@@ -219,6 +219,9 @@ class DictSource:
     def get(self, key: str) -> torch.Tensor:
         return self._tensors[key]
 
+    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        return self._tensors[key][start:stop]
+
 
 class SafetensorsSource:
     """A lazy ``TensorSource`` over a ``.safetensors`` file, a sharded ``*.index.json``, or a directory
@@ -281,6 +284,10 @@ class SafetensorsSource:
 
     def get(self, key: str) -> torch.Tensor:
         return self._open(self._key_to_file[key]).get_tensor(key)
+
+    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a key (its first dimension), read from the file alone."""
+        return self._open(self._key_to_file[key]).get_slice(key)[start:stop]
 
     def metadata(self) -> dict[str, str]:
         """The ``__metadata__`` of the first file (for a sharded checkpoint, of the first shard)."""

@@ -32,6 +32,8 @@ from .outputs import remove_stale
 from .recipe import Recipe
 from .task_vectors import COMPUTE_DTYPE, SourceLike, TaskVectorSet, check_finite
 
+ROW_BLOCK = 1 << 22  # elements of a key read and merged at a time by ``iter_model_in_blocks`` (16 MB in float32)
+
 
 def iter_merge(task_vectors: TaskVectorSet, method: MergeMethod, keys: Sequence[str] | None = None,
                progress: bool = False, skip_zero_keys: bool = True,
@@ -142,7 +144,71 @@ def merge_task_vectors(task_vectors: Sequence[SourceLike] | TaskVectorSet, metho
 
 def _iter_merged_model(tvs: TaskVectorSet, method: MergeMethod, out_dtype: torch.dtype | None,
                        progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The merged model key by key: a ``blockwise`` method with a pretrained model merges each key in row blocks
+    (``iter_model_in_blocks``), any other through ``iter_merge``. A negative scaling goes through ``iter_merge``:
+    there a key no task moved is theta_0 + (+0.0), in blocks theta_0 + (-0.0), which turns a -0.0 of theta_0's
+    into +0.0 in one and not the other."""
+    if method.blockwise and tvs.pretrained is not None and method.params.scaling >= 0:
+        return iter_model_in_blocks(tvs, method, out_dtype, progress=progress)
     return _iter_model(tvs, iter_merge(tvs, method, progress=progress), out_dtype)
+
+
+def row_blocks(shape: tuple[int, ...], block: int = ROW_BLOCK) -> list[tuple[int, int]]:
+    """``(start, stop)`` ranges of a key's first dimension, each about ``block`` elements (at least one row)."""
+    rows = shape[0]
+    per_row = max(1, math.prod(shape[1:]))
+    step = max(1, block // per_row)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def iter_model_in_blocks(tvs: TaskVectorSet, method: MergeMethod, out_dtype: torch.dtype | None = None, *,
+                         block: int = ROW_BLOCK, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """theta_0 + scaling * merge, key by key, for a ``blockwise`` method: each key is read, merged, offset and
+    converted in row blocks of about ``block`` elements into the output tensor, so what a key holds beside its
+    output is K + 2 blocks (not K whole float32 task vectors). Bit for bit ``_iter_model(tvs, iter_merge(...))``
+    (tests/test_row_blocks.py) for a scaling >= 0: every step is elementwise, in the same order, and a key no task
+    moved comes out as theta_0 + 0 either way (``_iter_merged_model`` says why not for a negative one)."""
+    if not method.blockwise:
+        raise ParameterError(f"{method.name}: merges a key from statistics of the whole key, not in row blocks")
+    float_keys = set(tvs.keys)
+    method.fit(tvs, list(tvs.keys))
+    for key in tqdm(tvs.all_keys, desc=f"merge {method.name}", unit="key", disable=not progress, leave=False):
+        if key not in float_keys:  # integer buffers come from the pretrained model
+            yield key, tvs.pretrained.get(key).clone()
+        else:
+            yield key, _merged_key_in_blocks(tvs, method, key, out_dtype or tvs.dtype(key), block)
+
+
+def _merged_key_in_blocks(tvs: TaskVectorSet, method: MergeMethod, key: str, dtype: torch.dtype,
+                          block: int) -> torch.Tensor:
+    shape = tvs.shape(key)
+    out = torch.empty(shape, dtype=dtype, device=tvs.device)
+    if out.numel() == 0:
+        return out
+    if not shape:  # a 0-d key: one block of one element, read whole
+        ranges = [(0, 1)]
+
+        def blocks():
+            yield [tau.reshape(1) for tau in tvs.load(key)]
+
+        def offset(start, stop, merged):
+            return tvs.add_pretrained(key, merged.reshape(())).reshape(1)
+    else:
+        ranges = row_blocks(shape, block)
+
+        def blocks():
+            for start, stop in ranges:
+                yield tvs.load_rows(key, start, stop)
+
+        def offset(start, stop, merged):
+            return tvs.add_pretrained_rows(key, start, stop, merged)
+    rows = out.view(1) if not shape else out
+    for (start, stop), merged in zip(ranges, method.combine_blocks(key, blocks), strict=True):
+        merged.mul_(method.params.scaling)  # (*); combine_blocks yields buffers of its own
+        theta = offset(start, stop, merged).to(dtype)
+        check_finite(theta, key, f"the merged model ({theta.dtype})")
+        rows[start:stop] = theta
+    return out
 
 
 def _iter_model(tvs: TaskVectorSet, merged: Iterator[tuple[str, torch.Tensor]],
@@ -225,18 +291,18 @@ def merge_checkpoints(pretrained: str | os.PathLike, finetuned: Sequence[str | o
     tvs = TaskVectorSet.from_models(pretrained, finetuned, device=device)
     metadata = {"mergecal_method": method_id, "mergecal_num_models": str(tvs.K), **(SAFETENSORS_METADATA if hf else {})}
     if recipe is None:
-        merged = iter_merge(tvs, method, progress=progress)
+        model = _iter_merged_model(tvs, method, out_dtype, progress)
     else:
-        merged = iter_weight_space(recipe, tvs, progress=progress)
+        model = _iter_model(tvs, iter_weight_space(recipe, tvs, progress=progress), out_dtype)
         metadata["mergecal_recipe"] = recipe.id
     paths = [p for p in [pretrained, *finetuned] if isinstance(p, (str, os.PathLike))]
     if not hf:
-        return save_checkpoint(_iter_model(tvs, merged, out_dtype), out_dir, max_shard_bytes=max_shard_bytes,
+        return save_checkpoint(model, out_dir, max_shard_bytes=max_shard_bytes,
                                metadata=metadata, inputs=paths, overwrite=overwrite)
     with ShardedCheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, metadata=metadata,
                                  inputs=[*paths, *([tokenizer_from] if tokenizer_from is not None else [])],
                                  overwrite=overwrite) as writer:
-        for key, tensor in _iter_model(tvs, merged, out_dtype):
+        for key, tensor in model:
             writer.add(key, tensor)
         writer.finish()
         card = model_card(pretrained, finetuned, recipe.id if recipe is not None else method_id, __version__,

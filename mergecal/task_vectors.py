@@ -88,6 +88,11 @@ def check_finite(tensor: torch.Tensor, key: str, model: str) -> None:
         raise NonFiniteError(f"key {key!r} in {model} contains {bad}")
 
 
+def _read_rows(source: TensorSource, key: str, start: int, stop: int) -> torch.Tensor:
+    get_rows = getattr(source, "get_rows", None)
+    return get_rows(key, start, stop) if get_rows is not None else source.get(key)[start:stop]
+
+
 class TaskVectorSet:
     """K task vectors over common floating-point keys, loaded one key at a time in float32.
 
@@ -166,6 +171,39 @@ class TaskVectorSet:
             # a converted copy is ours, so the difference goes in place (one key-sized buffer less at a time)
             taus.append(theta - base if theta is stored else theta.sub_(base))
         return taus
+
+    def _get_rows(self, source: TensorSource, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of ``source``'s tensor for ``key`` as stored (a source without ``get_rows``: sliced
+        from the whole tensor), checked for NaN/Inf: every block is checked, so a key read in blocks is checked
+        whole."""
+        tensor = _read_rows(source, key, start, stop)
+        if self.check_finite:
+            check_finite(tensor, key, source.name)
+        return tensor
+
+    def load_rows(self, key: str, start: int, stop: int) -> list[torch.Tensor]:
+        """``load(key)``'s rows ``start:stop`` (the first dimension), read and differenced for those rows alone."""
+        if key not in self._dtypes or not self._dtypes[key].is_floating_point:
+            raise CheckpointError(f"key {key!r} is not a floating-point key of these models")
+        if self.pretrained is None:
+            return [self._get_rows(s, key, start, stop).to(device=self.device, dtype=COMPUTE_DTYPE)
+                    for s in self.sources]
+        base = self._get_rows(self.pretrained, key, start, stop).to(device=self.device, dtype=COMPUTE_DTYPE)
+        taus = []
+        for source in self.sources:
+            stored = self._get_rows(source, key, start, stop)
+            theta = stored.to(device=self.device, dtype=COMPUTE_DTYPE)
+            taus.append(theta - base if theta is stored else theta.sub_(base))
+        return taus
+
+    def add_pretrained_rows(self, key: str, start: int, stop: int, update: torch.Tensor) -> torch.Tensor:
+        """``add_pretrained`` for rows ``start:stop`` of ``key``."""
+        if self.pretrained is None:
+            raise ParameterError("this TaskVectorSet was built from task vectors; it has no pretrained model")
+        stored = _read_rows(self.pretrained, key, start, stop).to(self.device)  # checked by load_rows
+        if torch.promote_types(stored.dtype, COMPUTE_DTYPE) != COMPUTE_DTYPE:
+            stored = stored.to(COMPUTE_DTYPE)
+        return torch.add(update, stored)
 
     def load_pretrained(self, key: str) -> torch.Tensor:
         if self.pretrained is None:

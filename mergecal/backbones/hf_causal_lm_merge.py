@@ -24,7 +24,7 @@ def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[st
     recipe ID) is recorded in the safetensors metadata; ``diagnostics`` (a dict) receives the calibrations'
     (SVC's spectra, WSC's coefficients). The experts must share the base's config and tokenizer
     (``check_same_family``). ``out_dir`` may not hold an input; see ``save_causal_lm_weights``."""
-    from ..merge import _iter_model, iter_merge, require_data_free
+    from ..merge import _iter_merged_model, _iter_model, require_data_free
     from ..methods import get_merge_method
     from ..outputs import remove_stale
     from ..merge import iter_weight_space
@@ -49,12 +49,13 @@ def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[st
             raise ParameterError(f"recipe {method.label!r}: give parameters inside the recipe, not as keywords "
                                  f"({sorted(params)[0]!r})")
         require_data_free(method)
-        merged = iter_weight_space(method, tvs, progress=progress, diagnostics=diagnostics)
+        model = _iter_model(tvs, iter_weight_space(method, tvs, progress=progress, diagnostics=diagnostics),
+                            out_dtype)
         metadata = {"mergecal_method": method.merge.id, "mergecal_recipe": method.id}
     else:
         merge_method = get_merge_method(method, **params)
-        merged = iter_merge(tvs, merge_method, progress=progress)
+        model = _iter_merged_model(tvs, merge_method, out_dtype, progress)
         metadata = {"mergecal_method": merge_method.id}
-    return save_causal_lm_weights(_iter_model(tvs, merged, out_dtype), out_dir, like=pretrained_dir,
+    return save_causal_lm_weights(model, out_dir, like=pretrained_dir,
                                   max_shard_bytes=max_shard_bytes, inputs=expert_dirs, overwrite=overwrite,
                                   metadata={**metadata, "mergecal_num_models": str(tvs.K)})

@@ -40,18 +40,22 @@ def key_seed(seed: int, task_index: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def dropped(tau: torch.Tensor, drop_rate: float, generator: torch.Generator) -> torch.Tensor:
+    """``tau`` with each entry zeroed with probability ``drop_rate``: the mask is the generator's next
+    ``tau.numel()`` draws, so a key's row blocks taken in order draw the whole key's mask."""
+    keep = torch.rand(tau.shape, generator=generator, device=tau.device) >= drop_rate
+    return tau * keep
+
+
 def drop_and_rescale(tau: torch.Tensor, drop_rate: float, seed: int, rescale: str) -> torch.Tensor:
     """One DARE draw: zero entries with probability ``drop_rate``, rescale the rest."""
     if drop_rate == 0.0:
         return tau.clone()
-    generator = torch.Generator(device=tau.device).manual_seed(seed)
-    keep = torch.rand(tau.shape, generator=generator, device=tau.device) >= drop_rate
-    dropped = tau * keep
-    del keep
+    out = dropped(tau, drop_rate, torch.Generator(device=tau.device).manual_seed(seed))
     if rescale == "inverse_keep":
-        return dropped.div_(1.0 - drop_rate)  # in place: the same bits, one key-sized buffer less
-    kept_l1 = dropped.abs().sum()
-    return dropped.mul_(tau.abs().sum() / kept_l1) if kept_l1 > 0 else dropped
+        return out.div_(1.0 - drop_rate)  # in place: the same bits, one key-sized buffer less
+    kept_l1 = out.abs().sum()
+    return out.mul_(tau.abs().sum() / kept_l1) if kept_l1 > 0 else out
 
 
 class _DroppedTaskVectors:
@@ -80,6 +84,10 @@ class Dare(MergeMethod):
         super().__init__(params, **values)
         self._ties = TiesCore(self.params, self.name) if self.params.base == "ties" else None
 
+    @property
+    def blockwise(self) -> bool:
+        return self._ties is None  # TIES's trim and sign vote read statistics of the whole key
+
     def drop(self, key: str, taus: list[torch.Tensor]) -> list[torch.Tensor]:
         p = self.params
         return [drop_and_rescale(tau, p.drop_rate, key_seed(p.seed, t, key), p.rescale) for t, tau in enumerate(taus)]
@@ -94,6 +102,44 @@ class Dare(MergeMethod):
         # sum_of(self.drop(key, taus)), one dropped task vector at a time: the same additions in the same order
         p, total = self.params, None
         for t, tau in enumerate(taus):
-            dropped = drop_and_rescale(tau, p.drop_rate, key_seed(p.seed, t, key), p.rescale)
-            total = dropped if total is None else total.add_(dropped)
+            draw = drop_and_rescale(tau, p.drop_rate, key_seed(p.seed, t, key), p.rescale)
+            total = draw if total is None else total.add_(draw)
         return total
+
+    def combine_blocks(self, key, blocks):
+        """DARE over task arithmetic in row blocks: each task's generator continues from block to block, so
+        the masks are the whole key's and inverse-keep rescaling gives ``combine``'s bits. The L1 rescaling
+        needs each task vector's whole-key L1 norms first: a first pass sums them over the blocks in float64
+        (``combine`` sums in float32), so its factor may differ from ``combine``'s in the last bit."""
+        p = self.params
+        if p.drop_rate == 0.0:
+            yield from super().combine_blocks(key, blocks)
+            return
+
+        def generators(taus):
+            return [torch.Generator(device=tau.device).manual_seed(key_seed(p.seed, t, key))
+                    for t, tau in enumerate(taus)]
+
+        scales = None
+        if p.rescale == "l1":
+            sums, draws = None, None
+            for taus in blocks():
+                draws = draws or generators(taus)
+                sums = sums or [[0.0, 0.0] for _ in taus]
+                for t, tau in enumerate(taus):
+                    sums[t][0] += float(tau.abs().sum(dtype=torch.float64))
+                    sums[t][1] += float(dropped(tau, p.drop_rate, draws[t]).abs().sum(dtype=torch.float64))
+            scales = [torch.tensor(whole, dtype=torch.float32) / torch.tensor(kept, dtype=torch.float32)
+                      if kept > 0 else None for whole, kept in sums or []]
+        draws = None
+        for taus in blocks():
+            draws = draws or generators(taus)
+            total = None
+            for t, tau in enumerate(taus):
+                out = dropped(tau, p.drop_rate, draws[t])
+                if scales is None:
+                    out.div_(1.0 - p.drop_rate)
+                elif scales[t] is not None:
+                    out.mul_(scales[t])
+                total = out if total is None else total.add_(out)
+            yield total

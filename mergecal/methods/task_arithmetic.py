@@ -20,6 +20,7 @@ class TaskArithmetic(MergeMethod):
     name = "task_arithmetic"
     Params = TaskArithmeticParams
     key_rule = "all_float"
+    blockwise = True
     summary = "lambda * sum of the task vectors"
 
     def combine(self, key: str, taus: list[torch.Tensor]) -> torch.Tensor:

@@ -19,6 +19,7 @@ class WeightAveraging(MergeMethod):
     name = "weight_averaging"
     Params = WeightAveragingParams
     key_rule = "all_float"
+    blockwise = True
     summary = "mean of the task vectors"
 
     def combine(self, key: str, taus: list[torch.Tensor]) -> torch.Tensor:
