@@ -109,37 +109,44 @@ class Dare(MergeMethod):
     def combine_blocks(self, key, blocks):
         """DARE over task arithmetic in row blocks: each task's generator continues from block to block, so
         the masks are the whole key's and inverse-keep rescaling gives ``combine``'s bits. The L1 rescaling
-        needs each task vector's whole-key L1 norms first: a first pass sums them over the blocks in float64
-        (``combine`` sums in float32), so its factor may differ from ``combine``'s in the last bit."""
+        needs each task vector's whole-key L1 norms first: a first pass draws the masks (kept for the second:
+        1 byte an element and task) and sums the norms, each block in float32 and the blocks in float64
+        (``combine``: one float32 sum of the key), so its factor may differ from ``combine``'s in the last bit."""
         p = self.params
         if p.drop_rate == 0.0:
             yield from super().combine_blocks(key, blocks)
             return
+        draws = None
 
-        def generators(taus):
-            return [torch.Generator(device=tau.device).manual_seed(key_seed(p.seed, t, key))
-                    for t, tau in enumerate(taus)]
+        def keep_masks(taus):
+            nonlocal draws
+            draws = draws or [torch.Generator(device=tau.device).manual_seed(key_seed(p.seed, t, key))
+                              for t, tau in enumerate(taus)]
+            return [torch.rand(tau.shape, generator=g, device=tau.device) >= p.drop_rate
+                    for tau, g in zip(taus, draws)]
 
-        scales = None
+        scales, masks = None, None
         if p.rescale == "l1":
-            sums, draws = None, None
+            masks, sums = [], None
             for taus in blocks():
-                draws = draws or generators(taus)
+                masks.append(keep_masks(taus))
                 sums = sums or [[0.0, 0.0] for _ in taus]
-                for t, tau in enumerate(taus):
-                    sums[t][0] += float(tau.abs().sum(dtype=torch.float64))
-                    sums[t][1] += float(dropped(tau, p.drop_rate, draws[t]).abs().sum(dtype=torch.float64))
+                for t, (tau, keep) in enumerate(zip(taus, masks[-1])):
+                    magnitude = tau.abs()
+                    sums[t][0] += float(magnitude.sum())
+                    sums[t][1] += float(magnitude.mul_(keep).sum())  # |tau * keep| = |tau| * keep
             scales = [torch.tensor(whole, dtype=torch.float32) / torch.tensor(kept, dtype=torch.float32)
                       if kept > 0 else None for whole, kept in sums or []]
-        draws = None
-        for taus in blocks():
-            draws = draws or generators(taus)
+        for i, taus in enumerate(blocks()):
+            keeps = keep_masks(taus) if masks is None else masks[i]
             total = None
-            for t, tau in enumerate(taus):
-                out = dropped(tau, p.drop_rate, draws[t])
+            for t, (tau, keep) in enumerate(zip(taus, keeps)):
+                out = tau * keep  # dropped(): the same product
                 if scales is None:
                     out.div_(1.0 - p.drop_rate)
                 elif scales[t] is not None:
                     out.mul_(scales[t])
                 total = out if total is None else total.add_(out)
+            if masks is not None:
+                masks[i] = None  # each block's masks freed once used
             yield total
