@@ -407,6 +407,30 @@ def test_ties_in_blocks_equals_ties_in_one_block_bit_for_bit(monkeypatch, scope,
     assert all(torch.equal(blocked[k], whole[k]) and blocked[k].shape == whole[k].shape for k in whole)
 
 
+@pytest.mark.parametrize("scope", ["global", "per_tensor"])
+def test_ties_keeping_everything_skips_the_histograms_with_the_same_bits(monkeypatch, scope):
+    """top_k = 1 (DARE over TIES as MergeKit's dare_ties): the thresholds are 0.0 without the two histogram passes,
+    and the merge equals the one with kth_largest_magnitudes's thresholds (the smallest magnitudes) bit for bit,
+    zeros of either sign included."""
+    from mergecal.methods import ties
+
+    g = torch.Generator().manual_seed(8)
+    taus = [tv(w=torch.randn(9, 7, generator=g), b=torch.randn(5, generator=g)) for _ in range(3)]
+    taus[0]["w"][0, :3] = torch.tensor([0.0, -0.0, 1e-30])
+    taus[2]["w"][1] = -taus[1]["w"][1]  # zero votes
+    for method, params in [("ties", {"top_k": 1.0, "trim_scope": scope}),
+                           ("dare", {"base": "ties", "top_k": 1.0, "trim_scope": scope, "drop_rate": 0.5})]:
+        fast = merge_task_vectors(taus, method, **params)
+        calls = []
+        monkeypatch.setattr(ties, "magnitude_thresholds",
+                            lambda stream, counts, numel: calls.append(numel) or kth_largest_magnitudes(stream, counts))
+        exact = merge_task_vectors(taus, method, **params)
+        monkeypatch.undo()
+        assert calls  # the exact thresholds were computed ...
+        assert all(torch.equal(fast[k].view(torch.int32), exact[k].view(torch.int32)) for k in exact)  # ... same bits
+    assert ties.magnitude_thresholds(lambda: iter(()), [10, 10], 10) == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("rescale", ["inverse_keep", "l1"])
 def test_dare_adds_its_dropped_task_vectors_as_sum_of_them(rescale):
     """DARE over task arithmetic drops and adds one task vector at a time: bit for bit the sum of the K dropped

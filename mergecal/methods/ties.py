@@ -68,6 +68,15 @@ def kept_count(top_k: float, numel: int) -> int:
     return int(top_k * numel)
 
 
+def magnitude_thresholds(stream, counts: list[int], numel: int) -> list[float]:
+    """``kth_largest_magnitudes(stream, counts)`` for ``trim``, without its two passes over the data when every
+    count keeps all ``numel`` elements (top_k = 1: DARE over TIES as MergeKit's ``dare_ties``, say): 0.0 then trims
+    nothing, exactly as the smallest magnitude would (``trim`` zeroes only magnitudes strictly below it)."""
+    if all(count >= numel for count in counts):
+        return [0.0] * len(counts)
+    return kth_largest_magnitudes(stream, counts)
+
+
 class TiesCore:
     """TIES' trim / elect / merge with its (optionally global) statistics; shared with DARE+TIES."""
 
@@ -83,7 +92,7 @@ class TiesCore:
         numel = sum(int(torch.Size(task_vectors.shape(k)).numel()) for k in keys)
         n_keep = kept_count(self.p.top_k, numel)
         K = task_vectors.K
-        self._thresholds = kth_largest_magnitudes(lambda: (task_vectors.load(k) for k in keys), [n_keep] * K)
+        self._thresholds = magnitude_thresholds(lambda: (task_vectors.load(k) for k in keys), [n_keep] * K, numel)
         # the original resolves zero votes with the majority elected sign over the flattened model
         total = 0.0
         for key in keys:
@@ -106,7 +115,8 @@ class TiesCore:
         if self.p.trim_scope == "global":
             thresholds, majority = self._thresholds, self._majority
         else:
-            thresholds = kth_largest_magnitudes(in_blocks, [kept_count(self.p.top_k, flat[0].numel())] * len(flat))
+            numel = flat[0].numel()
+            thresholds = magnitude_thresholds(in_blocks, [kept_count(self.p.top_k, numel)] * len(flat), numel)
             votes = sum(float(elect_signs(trim(part, thresholds), self.p.sign_vote).sum(dtype=torch.float64))
                         for part in in_blocks())
             majority = float(torch.sign(torch.tensor(votes)))
