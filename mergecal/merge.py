@@ -170,8 +170,7 @@ def iter_model_in_blocks(tvs: TaskVectorSet, method: MergeMethod, out_dtype: tor
     moved comes out as theta_0 + 0 either way (``_iter_merged_model`` says why not for a negative one)."""
     if not method.blockwise:
         raise ParameterError(f"{method.name}: merges a key from statistics of the whole key, not in row blocks")
-    float_keys = set(tvs.keys)
-    method.fit(tvs, list(tvs.keys))
+    float_keys = set(tvs.keys)  # no ``fit``: a blockwise method reads no statistic of a key or of the model
     for key in tqdm(tvs.all_keys, desc=f"merge {method.name}", unit="key", disable=not progress, leave=False):
         if key not in float_keys:  # integer buffers come from the pretrained model
             yield key, tvs.pretrained.get(key).clone()

@@ -159,14 +159,18 @@ class TaskVectorSet:
 
     def load(self, key: str) -> list[torch.Tensor]:
         """The K task-vector slices for ``key``, float32, on ``self.device``."""
+        return self._differences(key, lambda source: self._get(source, key))
+
+    def _differences(self, key: str, read) -> list[torch.Tensor]:
+        """The K task vectors of what ``read(source)`` returns of each model (a key, or rows of it)."""
         if key not in self._dtypes or not self._dtypes[key].is_floating_point:
             raise CheckpointError(f"key {key!r} is not a floating-point key of these models")
-        if self.pretrained is None:
-            return [self._fetch(s, key) for s in self.sources]
-        base = self._fetch(self.pretrained, key)
+        if self.pretrained is None:  # no copy of a float32 input: methods never modify what they are given
+            return [read(s).to(device=self.device, dtype=COMPUTE_DTYPE) for s in self.sources]
+        base = read(self.pretrained).to(device=self.device, dtype=COMPUTE_DTYPE)
         taus = []
         for source in self.sources:
-            stored = self._get(source, key)
+            stored = read(source)
             theta = stored.to(device=self.device, dtype=COMPUTE_DTYPE)
             # a converted copy is ours, so the difference goes in place (one key-sized buffer less at a time)
             taus.append(theta - base if theta is stored else theta.sub_(base))
@@ -183,39 +187,27 @@ class TaskVectorSet:
 
     def load_rows(self, key: str, start: int, stop: int) -> list[torch.Tensor]:
         """``load(key)``'s rows ``start:stop`` (the first dimension), read and differenced for those rows alone."""
-        if key not in self._dtypes or not self._dtypes[key].is_floating_point:
-            raise CheckpointError(f"key {key!r} is not a floating-point key of these models")
-        if self.pretrained is None:
-            return [self._get_rows(s, key, start, stop).to(device=self.device, dtype=COMPUTE_DTYPE)
-                    for s in self.sources]
-        base = self._get_rows(self.pretrained, key, start, stop).to(device=self.device, dtype=COMPUTE_DTYPE)
-        taus = []
-        for source in self.sources:
-            stored = self._get_rows(source, key, start, stop)
-            theta = stored.to(device=self.device, dtype=COMPUTE_DTYPE)
-            taus.append(theta - base if theta is stored else theta.sub_(base))
-        return taus
+        return self._differences(key, lambda source: self._get_rows(source, key, start, stop))
 
     def add_pretrained_rows(self, key: str, start: int, stop: int, update: torch.Tensor) -> torch.Tensor:
-        """``add_pretrained`` for rows ``start:stop`` of ``key``."""
-        if self.pretrained is None:
-            raise ParameterError("this TaskVectorSet was built from task vectors; it has no pretrained model")
-        stored = _read_rows(self.pretrained, key, start, stop).to(self.device)  # checked by load_rows
-        if torch.promote_types(stored.dtype, COMPUTE_DTYPE) != COMPUTE_DTYPE:
-            stored = stored.to(COMPUTE_DTYPE)
-        return torch.add(update, stored)
+        """``add_pretrained`` for rows ``start:stop`` of ``key`` (not checked again: ``load_rows`` read them)."""
+        return self._offset(_read_rows(self._require_pretrained(), key, start, stop), update)
 
     def load_pretrained(self, key: str) -> torch.Tensor:
-        if self.pretrained is None:
-            raise ParameterError("this TaskVectorSet was built from task vectors; it has no pretrained model")
-        return self._fetch(self.pretrained, key)
+        return self._fetch(self._require_pretrained(), key)
 
     def add_pretrained(self, key: str, update: torch.Tensor) -> torch.Tensor:
         """theta_0 + ``update`` (float32), equal bit for bit to ``load_pretrained(key) + update`` without the float32
         copy of theta_0: the add promotes the stored dtype itself, exactly."""
+        return self._offset(self._get(self._require_pretrained(), key), update)
+
+    def _require_pretrained(self) -> TensorSource:
         if self.pretrained is None:
             raise ParameterError("this TaskVectorSet was built from task vectors; it has no pretrained model")
-        stored = self._get(self.pretrained, key).to(self.device)
+        return self.pretrained
+
+    def _offset(self, stored: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        stored = stored.to(self.device)
         if torch.promote_types(stored.dtype, COMPUTE_DTYPE) != COMPUTE_DTYPE:  # float64: added in float32, as there
             stored = stored.to(COMPUTE_DTYPE)
         return torch.add(update, stored)

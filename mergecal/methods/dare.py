@@ -40,18 +40,17 @@ def key_seed(seed: int, task_index: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def dropped(tau: torch.Tensor, drop_rate: float, generator: torch.Generator) -> torch.Tensor:
-    """``tau`` with each entry zeroed with probability ``drop_rate``: the mask is the generator's next
-    ``tau.numel()`` draws, so a key's row blocks taken in order draw the whole key's mask."""
-    keep = torch.rand(tau.shape, generator=generator, device=tau.device) >= drop_rate
-    return tau * keep
+def keep_mask(tau: torch.Tensor, drop_rate: float, generator: torch.Generator) -> torch.Tensor:
+    """Which entries of ``tau`` survive a drop with probability ``drop_rate``: the generator's next ``tau.numel()``
+    draws, so a key's row blocks taken in order draw the whole key's mask."""
+    return torch.rand(tau.shape, generator=generator, device=tau.device) >= drop_rate
 
 
 def drop_and_rescale(tau: torch.Tensor, drop_rate: float, seed: int, rescale: str) -> torch.Tensor:
     """One DARE draw: zero entries with probability ``drop_rate``, rescale the rest."""
     if drop_rate == 0.0:
         return tau.clone()
-    out = dropped(tau, drop_rate, torch.Generator(device=tau.device).manual_seed(seed))
+    out = tau * keep_mask(tau, drop_rate, torch.Generator(device=tau.device).manual_seed(seed))
     if rescale == "inverse_keep":
         return out.div_(1.0 - drop_rate)  # in place: the same bits, one key-sized buffer less
     kept_l1 = out.abs().sum()
@@ -122,8 +121,7 @@ class Dare(MergeMethod):
             nonlocal draws
             draws = draws or [torch.Generator(device=tau.device).manual_seed(key_seed(p.seed, t, key))
                               for t, tau in enumerate(taus)]
-            return [torch.rand(tau.shape, generator=g, device=tau.device) >= p.drop_rate
-                    for tau, g in zip(taus, draws)]
+            return [keep_mask(tau, p.drop_rate, g) for tau, g in zip(taus, draws)]
 
         scales, masks = None, None
         if p.rescale == "l1":
@@ -141,7 +139,7 @@ class Dare(MergeMethod):
             keeps = keep_masks(taus) if masks is None else masks[i]
             total = None
             for t, (tau, keep) in enumerate(zip(taus, keeps)):
-                out = tau * keep  # dropped(): the same product
+                out = tau * keep  # drop_and_rescale's product
                 if scales is None:
                     out.div_(1.0 - p.drop_rate)
                 elif scales[t] is not None:
