@@ -155,6 +155,9 @@ def main() -> None:
     parser.add_argument("--size", default="smoke", choices=["smoke", "1.6b", "7b"])
     parser.add_argument("--work", type=Path, required=True, help="a folder for the checkpoints and outputs")
     parser.add_argument("--experts", type=int, default=3)
+    parser.add_argument("--layers", type=int, help="decoder layers, if not the size's own: every key keeps the size's "
+                        "shape, so the peak memory of a key-by-key merge is the full model's (7B's family at full "
+                        "depth is 4 x 13.5 GB, beyond the 2-core machine's disk with both outputs)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--methods", nargs="+", default=list(MERGECAL_SETTINGS), choices=list(MERGECAL_SETTINGS))
@@ -162,10 +165,11 @@ def main() -> None:
     args = parser.parse_args()
 
     family = args.work / f"family-{args.size}-k{args.experts}"
-    base, experts = write_family(family, args.size, args.experts)
+    base, experts = write_family(family, args.size, args.experts, layers=args.layers, reuse=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     mergecal_cli = [sys.executable, "-m", "mergecal.cli"]
-    print(f"{args.size}: {parameters(args.size) / 1e9:.2f} B parameters, base + {len(experts)} experts, "
+    print(f"{args.size}: {parameters(args.size, args.layers) / 1e9:.2f} B parameters"
+          f"{'' if args.layers is None else f' ({args.layers} decoder layers)'}, base + {len(experts)} experts, "
           f"{args.threads} threads, {args.repeats} repeats")
     rows = {}
     for method in args.methods:
@@ -192,7 +196,8 @@ def main() -> None:
               f"time x{k['seconds'] / m['seconds']:.2f}, anon x{m['anon_mb'] / k['anon_mb']:.2f} | "
               + ", ".join(f"{name} {value:.3g}" for name, value in row["difference"].items()), flush=True)
     if args.output:
-        args.output.write_text(json.dumps({"size": args.size, "experts": len(experts), "threads": args.threads,
+        args.output.write_text(json.dumps({"size": args.size, "layers": args.layers, "experts": len(experts),
+                                           "threads": args.threads,
                                            "repeats": args.repeats, "rows": rows}, indent=2))
 
 

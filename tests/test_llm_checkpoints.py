@@ -29,3 +29,15 @@ def test_a_written_family_loads_as_a_llama_with_every_key(tmp_path):
     expert = load_state_dict(experts[0])
     matrices = [k for k in state if state[k].dim() == 2]
     assert matrices and all(not (expert[k] == state[k]).all() for k in matrices)  # each expert moved every matrix
+
+
+def test_a_family_is_reused_only_when_written_with_the_same_arguments(tmp_path):
+    base, experts = write_family(tmp_path, "smoke", experts=2, reuse=True)
+    written = {p: p.stat().st_mtime_ns for p in base.parent.rglob("*.safetensors")}
+    assert write_family(tmp_path, "smoke", experts=2, reuse=True) == (base, experts)
+    assert {p: p.stat().st_mtime_ns for p in base.parent.rglob("*.safetensors")} == written  # nothing rewritten
+    write_family(tmp_path, "smoke", experts=2, layers=1, reuse=True)  # another depth: written again
+    assert json.loads((tmp_path / "family.json").read_text())["layers"] == 1
+    from mergecal.checkpoint import load_state_dict
+
+    assert set(load_state_dict(base)) == set(shapes("smoke", layers=1))

@@ -1,5 +1,6 @@
-"""Elementwise merges (task arithmetic, weight averaging, DARE over task arithmetic) read and merge each key in row
-blocks (``merge.iter_model_in_blocks``): the same bits as the whole-key stream, K blocks held instead of K keys."""
+"""Elementwise merges (task arithmetic, weight averaging, DARE over task arithmetic, TIES and DARE over TIES at
+top_k = 1 within each tensor) read and merge each key in row blocks (``merge.iter_model_in_blocks``): the same bits
+as the whole-key stream, K blocks held instead of K keys."""
 
 import pytest
 import torch
@@ -34,7 +35,11 @@ def bits(tensor):
 
 
 METHODS = [("task_arithmetic", {"scaling": 0.3}), ("weight_averaging", {}),
-           ("dare", {"drop_rate": 0.7, "seed": 4}), ("dare", {"drop_rate": 0.0}), ("task_arithmetic", {"scaling": 0.0})]
+           ("dare", {"drop_rate": 0.7, "seed": 4}), ("dare", {"drop_rate": 0.0}), ("task_arithmetic", {"scaling": 0.0}),
+           ("ties", {"top_k": 1.0, "trim_scope": "per_tensor", "scaling": 0.7}),
+           ("ties", {"top_k": 1.0, "trim_scope": "per_tensor", "sign_vote": "count", "disjoint": "max"}),
+           ("dare", {"base": "ties", "top_k": 1.0, "trim_scope": "per_tensor", "drop_rate": 0.7, "seed": 4}),
+           ("dare", {"base": "ties", "top_k": 1.0, "trim_scope": "per_tensor", "drop_rate": 0.0, "disjoint": "sum"})]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -54,11 +59,12 @@ def test_blocks_give_the_whole_key_streams_bits(dtype, method, params, block):
         assert torch.equal(bits(blocked[key]), bits(value)), key
 
 
-def test_dare_l1_in_blocks_equals_the_whole_key_up_to_its_factor_rounding():
+@pytest.mark.parametrize("base", [{}, {"base": "ties", "top_k": 1.0, "trim_scope": "per_tensor"}])
+def test_dare_l1_in_blocks_equals_the_whole_key_up_to_its_factor_rounding(base):
     """The L1 factor is summed over the blocks in float64 (the whole key: in float32): same masks, factors within
-    float32 rounding of each other."""
+    float32 rounding of each other (atol: two ulps of 1, the models' scale, for a theta_0 + tau that cancels)."""
     pre, fts = models(torch.float32)
-    method = {"drop_rate": 0.6, "seed": 1, "rescale": "l1"}
+    method = {"drop_rate": 0.6, "seed": 1, "rescale": "l1", **base}
     tvs = TaskVectorSet.from_models(pre, fts)
     whole = dict(_iter_model(tvs, iter_merge(tvs, get_merge_method("dare", **method)), None))
     blocked = dict(iter_model_in_blocks(TaskVectorSet.from_models(pre, fts), get_merge_method("dare", **method),
@@ -66,7 +72,7 @@ def test_dare_l1_in_blocks_equals_the_whole_key_up_to_its_factor_rounding():
     for key, value in whole.items():
         assert torch.equal(blocked[key] == pre[key], value == pre[key]), key  # the same entries moved
         if value.is_floating_point():
-            torch.testing.assert_close(blocked[key], value, rtol=1e-6, atol=0)
+            torch.testing.assert_close(blocked[key], value, rtol=1e-6, atol=2.4e-7)
 
 
 def test_blocks_read_rows_and_never_a_whole_key(tmp_path):
@@ -104,9 +110,30 @@ def test_a_nan_in_a_block_names_the_key_and_the_model():
         dict(iter_model_in_blocks(tvs, get_merge_method("task_arithmetic"), block=7))
 
 
+def test_ties_zero_votes_take_the_keys_majority_in_blocks():
+    """Coordinates whose task vectors cancel exactly (a zero vote) take the majority elected sign of the key, which
+    the blocks' first pass adds up: here +1 (most coordinates vote +), so the positive entry is kept there."""
+    pre = {"w": torch.zeros(12, 4)}
+    first = torch.rand(12, 4, generator=torch.Generator().manual_seed(2)) + 0.5
+    second = first.clone()
+    second[::3] = -first[::3]  # rows 0, 3, 6, 9 cancel: zero mass vote
+    fts = [{"w": first}, {"w": second}]
+    method = {"top_k": 1.0, "trim_scope": "per_tensor"}
+    tvs = TaskVectorSet.from_models(pre, fts)
+    whole = dict(_iter_model(tvs, iter_merge(tvs, get_merge_method("ties", **method)), None))["w"]
+    blocked = dict(iter_model_in_blocks(TaskVectorSet.from_models(pre, fts), get_merge_method("ties", **method),
+                                        block=4))["w"]
+    assert torch.equal(bits(blocked), bits(whole))
+    assert torch.equal(blocked[::3], first[::3])  # the majority's (+) entry alone, a mean over one
+    assert torch.equal(blocked[1::3], first[1::3])  # agreeing entries: their mean, the entry itself
+
+
 def test_methods_reading_whole_keys_are_not_merged_in_blocks():
     pre, fts = models(torch.float32)
     assert not get_merge_method("dare", base="ties").blockwise and not get_merge_method("ties").blockwise
+    # top_k = 1 over the whole model: the zero-vote majority is the model's, found by fit
+    assert not get_merge_method("ties", top_k=1.0).blockwise
+    assert get_merge_method("dare", base="ties", top_k=1.0, trim_scope="per_tensor").blockwise
     with pytest.raises(ParameterError, match="ties: merges a key from statistics of the whole key"):
         next(iter_model_in_blocks(TaskVectorSet.from_models(pre, fts), get_merge_method("ties")))
 

@@ -85,7 +85,8 @@ class Dare(MergeMethod):
 
     @property
     def blockwise(self) -> bool:
-        return self._ties is None  # TIES's trim and sign vote read statistics of the whole key
+        # TIES's trim reads each key's magnitude statistics, except at top_k = 1 within each tensor (ties.TiesCore)
+        return self._ties is None or self._ties.blockwise
 
     def drop(self, key: str, taus: list[torch.Tensor]) -> list[torch.Tensor]:
         p = self.params
@@ -106,15 +107,29 @@ class Dare(MergeMethod):
         return total
 
     def combine_blocks(self, key, blocks):
-        """DARE over task arithmetic in row blocks: each task's generator continues from block to block, so
-        the masks are the whole key's and inverse-keep rescaling gives ``combine``'s bits. The L1 rescaling
-        needs each task vector's whole-key L1 norms first: a first pass draws the masks (kept for the second:
-        1 byte an element and task) and sums the norms, each block in float32 and the blocks in float64
-        (``combine``: one float32 sum of the key), so its factor may differ from ``combine``'s in the last bit."""
-        p = self.params
-        if p.drop_rate == 0.0:
+        """DARE in row blocks: each task's generator continues from block to block, so the masks are the whole
+        key's and inverse-keep rescaling gives ``combine``'s bits (over task arithmetic, and over TIES at top_k = 1,
+        whose two passes see the same masks, kept: 1 byte an element and task). The L1 rescaling needs each task
+        vector's whole-key L1 norms first: a first pass draws the masks (kept) and sums the norms, each block in
+        float32 and the blocks in float64 (``combine``: one float32 sum of the key), so its factor may differ from
+        ``combine``'s in the last bit."""
+        if self._ties is not None:  # drop_rate 0: drop_and_rescale's copies, unchanged; TIES stacks its own
+            yield from self._ties.combine_blocks(
+                blocks if self.params.drop_rate == 0.0 else self._dropped_blocks(key, blocks, passes=2))
+            return
+        if self.params.drop_rate == 0.0:
             yield from super().combine_blocks(key, blocks)
             return
+        for taus in self._dropped_blocks(key, blocks, passes=1)():
+            total = taus[0]
+            for tau in taus[1:]:
+                total.add_(tau)  # combine's order; each dropped block is a buffer of its own
+            yield total
+
+    def _dropped_blocks(self, key, blocks, passes):
+        """``blocks`` dropped and rescaled, iterable ``passes`` times: the masks are drawn once, in order (kept when
+        the L1 norms or a second pass need them, each block's freed after its last pass)."""
+        p = self.params
         draws = None
 
         def keep_masks(taus):
@@ -124,27 +139,36 @@ class Dare(MergeMethod):
             return [keep_mask(tau, p.drop_rate, g) for tau, g in zip(taus, draws)]
 
         scales, masks = None, None
-        if p.rescale == "l1":
+        if p.rescale == "l1" or passes > 1:
             masks, sums = [], None
             for taus in blocks():
                 masks.append(keep_masks(taus))
-                sums = sums or [[0.0, 0.0] for _ in taus]
-                for t, (tau, keep) in enumerate(zip(taus, masks[-1])):
-                    magnitude = tau.abs()
-                    sums[t][0] += float(magnitude.sum())
-                    sums[t][1] += float(magnitude.mul_(keep).sum())  # |tau * keep| = |tau| * keep
-            scales = [torch.tensor(whole, dtype=torch.float32) / torch.tensor(kept, dtype=torch.float32)
-                      if kept > 0 else None for whole, kept in sums or []]
-        for i, taus in enumerate(blocks()):
-            keeps = keep_masks(taus) if masks is None else masks[i]
-            total = None
-            for t, (tau, keep) in enumerate(zip(taus, keeps)):
-                out = tau * keep  # drop_and_rescale's product
-                if scales is None:
-                    out.div_(1.0 - p.drop_rate)
-                elif scales[t] is not None:
-                    out.mul_(scales[t])
-                total = out if total is None else total.add_(out)
-            if masks is not None:
-                masks[i] = None  # each block's masks freed once used
-            yield total
+                if p.rescale == "l1":
+                    sums = sums or [[0.0, 0.0] for _ in taus]
+                    for t, (tau, keep) in enumerate(zip(taus, masks[-1])):
+                        magnitude = tau.abs()
+                        sums[t][0] += float(magnitude.sum())
+                        sums[t][1] += float(magnitude.mul_(keep).sum())  # |tau * keep| = |tau| * keep
+            if p.rescale == "l1":
+                scales = [torch.tensor(whole, dtype=torch.float32) / torch.tensor(kept, dtype=torch.float32)
+                          if kept > 0 else None for whole, kept in sums or []]
+        remaining = passes
+
+        def dropped():
+            nonlocal remaining
+            remaining -= 1
+            for i, taus in enumerate(blocks()):
+                keeps = keep_masks(taus) if masks is None else masks[i]
+                outs = []
+                for tau, keep, scale in zip(taus, keeps, scales or [None] * len(taus)):
+                    out = tau * keep  # drop_and_rescale's product
+                    if scales is None:
+                        out.div_(1.0 - p.drop_rate)
+                    elif scale is not None:
+                        out.mul_(scale)
+                    outs.append(out)
+                if masks is not None and remaining == 0:
+                    masks[i] = None
+                yield outs
+
+        return dropped

@@ -128,6 +128,25 @@ class TiesCore:
             merged[a:b] = disjoint_merge(trimmed, signs, self.p.disjoint)
         return merged.reshape(taus[0].shape)
 
+    @property
+    def blockwise(self) -> bool:
+        """top_k = 1 within each tensor trims nothing: what is left of a key's statistics is the zero-vote majority,
+        a sum of per-coordinate signs that a first pass over the row blocks adds up exactly as ``combine`` does."""
+        return self.p.top_k >= 1.0 and self.p.trim_scope == "per_tensor"
+
+    def combine_blocks(self, blocks):
+        """``combine``'s bits in two passes over the row blocks (``blockwise`` only): the vote total, then the
+        merge. No trim (its thresholds would be 0.0, which zero nothing); the votes are integers summed in
+        float64, so any partition of the key into blocks adds them to the same total."""
+        votes = sum(float(elect_signs(torch.stack(part), self.p.sign_vote).sum(dtype=torch.float64))
+                    for part in blocks())
+        majority = float(torch.sign(torch.tensor(votes)))
+        for part in blocks():
+            stacked = torch.stack(part)
+            signs = elect_signs(stacked, self.p.sign_vote)
+            signs[signs == 0] = majority
+            yield disjoint_merge(stacked, signs, self.p.disjoint)
+
 
 @register
 class Ties(MergeMethod):
@@ -140,8 +159,15 @@ class Ties(MergeMethod):
         super().__init__(params, **values)
         self._core = TiesCore(self.params, self.name)
 
+    @property
+    def blockwise(self) -> bool:
+        return self._core.blockwise
+
     def fit(self, task_vectors, keys):
         self._core.fit(task_vectors, keys)
 
     def combine(self, key, taus):
         return self._core.combine(key, taus)
+
+    def combine_blocks(self, key, blocks):
+        return self._core.combine_blocks(blocks)

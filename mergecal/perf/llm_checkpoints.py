@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..backbones.hf_directory import SAFETENSORS_METADATA
-from ..checkpoint import ShardedCheckpointWriter
+from ..checkpoint import ShardedCheckpointWriter, atomic_write_text
 
 #: the SVC paper's Table 4 ("Singular Value Calibration...", arXiv:2602.05536): SVC on Llama-2-7B, what the
 #: 7B measurements of scripts/gpu_session.py and scripts/perf_svd_llama.py are shown beside
@@ -68,17 +68,26 @@ def parameters(size: str, layers: int | None = None) -> int:
 
 
 def write_family(root: str | Path, size: str, experts: int = 3, *, max_shard_bytes: int = 2 * 1024**3,
-                 device: str = "cpu", layers: int | None = None) -> tuple[Path, list[Path]]:
+                 device: str = "cpu", layers: int | None = None, reuse: bool = False) -> tuple[Path, list[Path]]:
     """``root/base`` and ``root/expert<i>``: the same base tensor in every model (seeded per key), each expert
     plus 1e-3 noise of its own; written atomically, never over a directory mergecal did not write. Returns
     (base, experts). ``device``: where the random
     numbers are drawn (a GPU draws 7B's much faster; the values differ from the CPU's, the shapes do not);
-    ``layers``: another number of decoder layers than the size's own (``_size``)."""
+    ``layers``: another number of decoder layers than the size's own (``_size``). ``reuse``: keep a family this
+    function wrote with the same arguments (``root/family.json``, written last) instead of writing it again (a 7B
+    family is 4 x 13.5 GB)."""
 
     def randn(shape, seed: int) -> torch.Tensor:
         return torch.randn(shape, generator=torch.Generator(device).manual_seed(seed), device=device)
 
     root, table = Path(root), shapes(size, layers)
+    names = ["base"] + [f"expert{i}" for i in range(experts)]
+    stamp = json.dumps({"size": size, "layers": layers, "experts": experts, "max_shard_bytes": max_shard_bytes,
+                        "device": torch.device(device).type, "torch": torch.__version__}, sort_keys=True)
+    stamp_path = root / "family.json"
+    if reuse and stamp_path.is_file() and stamp_path.read_text() == stamp and all((root / n).is_dir() for n in names):
+        return root / "base", [root / n for n in names[1:]]
+    stamp_path.unlink(missing_ok=True)  # a family being rewritten is no longer the stamped one
     paths = []
     for name, noise in [("base", None)] + [(f"expert{i}", i) for i in range(experts)]:
         writer = ShardedCheckpointWriter(root / name, max_shard_bytes=max_shard_bytes,
@@ -91,4 +100,5 @@ def write_family(root: str | Path, size: str, experts: int = 3, *, max_shard_byt
         writer.finish()
         (writer.staging / "config.json").write_text(json.dumps(config(size, layers), indent=2))
         paths.append(writer.close())
+    atomic_write_text(stamp_path, stamp)
     return paths[0], paths[1:]
