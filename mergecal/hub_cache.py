@@ -1,10 +1,10 @@
 """Hub ids read from the local Hugging Face cache, never from the network.
 
 Wherever a lab's track names a checkpoint or a dataset (``local_clip``: ``model.pretrained``, ``finetuned``,
-``datasets``; ``local_llm``: ``base``, ``experts``), a hub id may stand for a path: ``hf://org/name`` (explicit),
-or ``org/name`` when no such path exists under the repository, with an optional ``@revision`` (a branch, a tag or a
-commit hash, without ``/``); ``hf://org/name[@revision]/a/file.safetensors`` names a file of the repository. It
-resolves to the snapshot folder that huggingface_hub's own offline lookup
+``datasets``; ``local_llm``: ``base``, ``experts``, ``unscored``), a hub id may stand for a path: ``hf://org/name``
+(explicit), or ``org/name`` when no such path exists under the repository, with an optional ``@revision`` (a branch,
+a tag or a commit hash, without ``/``); ``hf://org/name[@revision]/a/file.safetensors`` names a file of the
+repository. It resolves to the snapshot folder that huggingface_hub's own offline lookup
 (``snapshot_download(..., local_files_only=True)``) finds in the cache (``HF_HUB_CACHE``, else ``HF_HOME``/hub);
 the files are then read and hashed like any local file, so the snapshot's content enters the cell ids. An id
 that is not in the cache is one line naming it and the command that fetches it where a network exists.

@@ -380,7 +380,8 @@ def test_every_shipped_preset_is_a_valid_eight_task_track_and_a_tracks_own_keys_
     from mergecal.presets import PRESETS
 
     fusionbench = ("fusionbench-clip-vit-b16-ta8", "fusionbench-clip-vit-b32-ta8", "fusionbench-clip-vit-l14-ta8")
-    assert PRESETS == fusionbench + tuple(n.replace("fusionbench", "task-vectors") for n in fusionbench)
+    assert PRESETS == fusionbench + tuple(n.replace("fusionbench", "task-vectors") for n in fusionbench) + \
+        ("wizardmath-llama-2-chat-7b",)  # the LLM pair: tests/test_llm_preset.py
     for name in fusionbench:
         track = parse_params({"local_clip": [{"name": "p", "preset": name}]}).local_clip[0]
         size = name.split("-")[3]  # b32, b16, l14

@@ -247,3 +247,23 @@ def test_a_dataset_missing_from_the_local_cache_fails_the_track_with_one_line(la
     report = local_llm.references(params.local_llm[0], root)
     assert "aps/super_glue" in report["error"] and "\n" not in report["error"] and "base" not in report
     assert not list(cache.glob("aps___super_glue*"))
+
+
+def test_a_metric_under_two_filters_is_named_with_its_filter_and_its_documents_per_filter():
+    """GSM8K's registry task reports exact_match under two filters (lm-eval 0.4's result keys and one sample per
+    document and filter): the bare name would be whichever lm-eval lists last, so only ``metric,filter`` names it;
+    a metric under one filter (the suite's ``strip``) keeps its bare name too."""
+    from mergecal.evaluation.lm_eval_tasks import _metrics, _per_document
+
+    raw = {"alias": "gsm8k", "exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.1,
+           "exact_match,flexible-extract": 0.5, "exact_match_stderr,flexible-extract": 0.2}
+    assert _metrics(raw) == {"exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.1,
+                             "exact_match,flexible-extract": 0.5, "exact_match_stderr,flexible-extract": 0.2}
+    assert _metrics({"exact_match,strip": 0.5, "acc,none": 0.75}) == {"exact_match,strip": 0.5, "exact_match": 0.5,
+                                                                       "acc": 0.75}
+    samples = [{"doc_id": d, "filter": f, "metrics": ["exact_match"], "exact_match": float(v)}
+               for f, values in (("flexible-extract", [1, 1]), ("strict-match", [0, 1])) for d, v in
+               reversed(list(enumerate(values)))]
+    assert _per_document(samples) == {"exact_match,flexible-extract": [1.0, 1.0],
+                                      "exact_match,strict-match": [0.0, 1.0]}
+    assert _per_document([{"doc_id": 0, "filter": "none", "metrics": ["acc"], "acc": 1.0}]) == {"acc": [1.0]}

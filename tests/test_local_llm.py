@@ -52,6 +52,11 @@ def _track(name, experts, **extra):
     (_track("lab", {"maximum": "m", "sentiment": "s"}, min_test=50),
      r"local_llm.0.data.n_test: 4 test documents per task, fewer than min_test 50"),
     (_track("lab", {"maximum": "m", "sentiment": "s"}, min_test=0), r"local_llm.0.min_test: "),
+    (_track("lab", {"maximum": "m"}, unscored={"maximum": "s"}),
+     r"local_llm.0.unscored.maximum: also an expert with a task: name each expert once"),
+    (_track("lab", {}, unscored={"a": "m", "b": "s"}),
+     r"local_llm.0.experts: expected at least one expert with a task"),
+    (_track("lab", {"maximum": "m"}, unscored={"chat model": "s"}), r"local_llm.0.unscored.chat model: a name"),
 ])
 def test_local_llm_params_errors_are_one_clear_line(track, message):
     with pytest.raises(ParameterError, match=message) as info:
@@ -368,6 +373,51 @@ def test_bad_models_fail_their_cells_with_one_line_and_other_tracks_go_on(checkp
     assert not marker.exists()  # the pickle was hashed as bytes, never loaded
 
 
+@pytest.mark.integration
+def test_unscored_experts_are_merged_and_hashed_but_never_scored(checkpoints, prefect_server):
+    """The published WizardMath + chat pair's shape: one expert scored on its task, one merged without a task. With
+    one scaling, its merge is the same model as the track scoring both experts, so the task both report scores the
+    same."""
+    from mergecal.pipeline.flow import run_benchmark
+    from mergecal.pipeline.tracks.causal_lm.files import cells as local_cells
+
+    root, _ = checkpoints
+    tracks = [_track("pair", {"maximum": "ckpt/max"}, unscored={"chat": "ckpt/sent2"}),
+              _track("both", {"maximum": "ckpt/max", "sentiment": "ckpt/sent2"})]
+    name = _write_params(root, tracks, "params-unscored.yaml", chains=("{merge}",), scaling=(0.5,))
+    if not (root / "params.yaml").exists():  # run alone: the flow's workers know a checkout by its params.yaml
+        shutil.copy(root / name, root / "params.yaml")
+    references = _stages(root, name)
+    assert set(references["pair"]["tasks"]) == {"maximum"} and "error" not in references["pair"]["unscored"]["chat"]
+    assert references["pair"]["unscored"]["chat"]["norm"] == references["both"]["tasks"]["sentiment"]["norm"]
+    recorded = json.loads((root / "models/local/inputs.json").read_text())["pair"]["files"]
+    assert any(role.startswith("unscored.chat/") for role in recorded)
+
+    params = load_params(root / name)
+    pair = params.local_llm[0]
+    by_label = {c.merge: c for c in local_cells.cells(params) if c.track == "local_llm:pair"}
+    assert set(by_label) == {"zeroshot", "finetuned", "task_arithmetic"} and by_label["finetuned"].tasks == ("maximum",)
+    merge_inputs = local_cells.inputs(by_label["task_arithmetic"], params, root)
+    assert any(role.startswith("unscored.chat/") for role in merge_inputs)
+    assert not any(role.startswith("unscored.") for role in local_cells.inputs(by_label["finetuned"], params, root))
+    assert local_cells.models(by_label["task_arithmetic"], pair, root).experts == [root / "ckpt/max",
+                                                                                    root / "ckpt/sent2"]
+
+    from mergecal.pipeline.tracking import Tracker
+
+    result = run_benchmark(params_path=name, root=str(root), output="results/unscored.json")
+    assert result["failed"] == 0, [r.get("error") for r in result["rows"]]
+    tracker = Tracker(root, "mergecal")
+    metrics = {}
+    for track in ("pair", "both"):
+        for run in tracker.client.search_runs([tracker.experiment_id], f"tags.`mergecal.track` = 'local_llm:{track}' "
+                                              "and tags.`mergecal.status` = 'ok'", max_results=100):
+            metrics[track, run.data.tags["mergecal.merge"]] = run.data.metrics
+    assert "acc.sentiment" not in metrics["pair", "task_arithmetic"]
+    for label in ("task_arithmetic", "finetuned"):
+        assert metrics["pair", label]["acc.maximum"] == metrics["both", label]["acc.maximum"], label
+
+
 def test_a_users_task_directory_is_scored_with_its_metrics_and_hashed_with_its_data(checkpoints, tmp_path):
     """task_dir: the user's lm-eval YAMLs (here the suite's, written as a user would have them), the metric per
     task and the validation task by the ``<task>_validation`` convention; the YAMLs and the local data files they
@@ -494,6 +544,8 @@ def test_the_manual_example_of_local_tracks_is_valid_params():
     text = (Path(__file__).resolve().parents[1] / "docs" / "own-models.md").read_text()
     example = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     params = parse_params(yaml.safe_load(example))
-    assert [t.name for t in params.local_llm] == ["lab-llama-1b", "lab-mistral-7b", "lab-llama-1b-registry"]
+    assert [t.name for t in params.local_llm] == ["lab-llama-1b", "lab-mistral-7b", "lab-llama-1b-registry",
+                                                  "lab-llama2-math-chat"]
     assert params.local_llm[1].tasks["gsm8k_local"].validation == "gsm8k_local_validation"
-    assert [t.source for t in params.local_llm] == ["suite", "task_dir", "registry"]
+    assert [t.source for t in params.local_llm] == ["suite", "task_dir", "registry", "registry"]
+    assert params.local_llm[3].merged_names == ["gsm8k", "chat"] and params.local_llm[3].align_vocabulary

@@ -4,9 +4,10 @@ lm-eval or datasets is imported).
 
 Splits. The reported score is lm-eval's own: the task's ``test_split`` when it defines one, else its
 ``validation_split`` (what ``lm_eval --tasks <name>`` reports). The scaling is chosen on a split that is not the
-reported one: the ``validation_split`` when the task reports ``test_split``, else its ``training_split`` (e.g.
-boolq reports validation and chooses on train; an expert fine-tuned on that train split is favoured there, which
-the configured ``max_validation`` slice does not change). A task with no such second split is refused.
+reported one: the ``validation_split`` when the task reports ``test_split`` and has one, else its
+``training_split`` (boolq reports validation and chooses on train, gsm8k reports test and chooses on train; an
+expert fine-tuned on that train split is favoured there, which the configured ``max_validation`` slice does not
+change). A task with no such second split is refused.
 
 Both splits are scored through variant YAMLs written beside the track's work files, each an ``include:`` of the
 registry YAML, so lm-eval's definition is used unchanged: ``<task>__mergecal_<split>`` sets ``test_split`` to the
@@ -76,13 +77,13 @@ def task_config(task: str, *, key: str | None = None) -> dict:
 
 def splits(task: str, config: dict, *, key: str | None = None) -> dict[str, str]:
     """{"test": the reported split, "validation": the split the scaling is chosen on} (module docstring)."""
-    if config.get("test_split"):
-        chosen, reported = config.get("validation_split"), config["test_split"]
+    if config.get("test_split"):  # gsm8k has test and train only: its scaling is chosen on train
+        chosen, reported = config.get("validation_split") or config.get("training_split"), config["test_split"]
     else:
         chosen, reported = config.get("training_split"), config.get("validation_split")
     if not reported or not chosen:
         raise UnknownNameError(f"{key + ': ' if key else ''}lm-eval task {task!r} has no two splits to report on and "
-                               "to choose the scaling on (test and validation, or validation and train)")
+                               "to choose the scaling on (test and validation or train, or validation and train)")
     return {"test": reported, "validation": chosen}
 
 

@@ -221,11 +221,42 @@ def task_sources(task_dir: str | os.PathLike, names: Sequence[str]) -> TaskSourc
 
 
 def _metrics(raw: dict) -> dict[str, float]:
-    """lm-eval's ``{"acc,none": v, "acc_stderr,none": s, "alias": ...}`` as ``{"acc": v, "acc_stderr": s}``."""
-    out = {}
+    """lm-eval's ``{"acc,none": v, "acc_stderr,none": s, "alias": ...}`` as ``{"acc": v, "acc_stderr": s}``. A
+    metric under a named filter is also kept as ``"<metric>,<filter>"``; its bare name only when one filter reports
+    it (GSM8K's ``exact_match`` comes under ``strict-match`` and ``flexible-extract``: which one is the user's to
+    name, never the last one lm-eval happens to list)."""
+    out, filters = {}, {}
     for key, value in raw.items():
         if "," in key and isinstance(value, (int, float)):
-            out[key.split(",")[0]] = float(value)
+            metric, name = key.split(",", 1)
+            filters.setdefault(metric, []).append(name)
+            if name != "none":
+                out[key] = float(value)
+            out[metric] = float(value)
+    for metric, names in filters.items():
+        if len(names) > 1:
+            del out[metric]
+    return out
+
+
+def _per_document(samples: list[dict]) -> dict[str, list[float]]:
+    """Each metric's per-document scores (doc_id order) from lm-eval's samples, named as ``_metrics`` names them:
+    a task with several filters logs one sample per document and filter."""
+    by_filter: dict[str, list[dict]] = {}
+    for sample in samples:
+        by_filter.setdefault(sample.get("filter", "none"), []).append(sample)
+    out, reported = {}, {}
+    for name, group in by_filter.items():
+        group = sorted(group, key=lambda sample: sample["doc_id"])
+        for metric in (group[0]["metrics"] if group else []):
+            scores = [float(s[metric]) for s in group]
+            reported.setdefault(metric, []).append(name)
+            out[metric] = scores
+            if name != "none":
+                out[f"{metric},{name}"] = scores
+    for metric, names in reported.items():
+        if len(names) > 1:
+            del out[metric]
     return out
 
 
@@ -272,9 +303,7 @@ def evaluate_lm(model_dir: str | os.PathLike, tasks: Sequence[str], task_dir: st
     for task in tasks:
         out[task] = _metrics(results["results"][task])
         if per_document is not None:
-            samples = sorted(results["samples"][task], key=lambda sample: sample["doc_id"])
-            per_document[task] = {metric: [float(s[metric]) for s in samples]
-                                  for metric in (samples[0]["metrics"] if samples else [])}
+            per_document[task] = _per_document(results["samples"][task])
         n = results.get("n-samples", {}).get(task, {}).get("effective")
         if n is not None:
             out[task]["n"] = float(n)

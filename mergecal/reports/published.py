@@ -61,7 +61,7 @@ def compare(table: Table, published: list[PublishedRow]) -> Reproduction | None:
             continue
         matched.add(row.recipe)
         columns = [(f"acc.{t}", t, paper.per_task[paper.tasks.index(t)]) for t in table.tasks if t in paper.tasks]
-        if set(table.tasks) == set(paper.tasks):
+        if set(table.tasks) == set(paper.tasks) and paper.average is not None:
             columns.append(("avg_acc", "avg", paper.average))
         for name, header, printed in columns:
             value, interval = row.values.get(name), row.intervals.get(name)

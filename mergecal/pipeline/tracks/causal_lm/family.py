@@ -35,6 +35,7 @@ class Models:
     experts: list[Path]
     scorer: LmEval
     scratch: Path
+    align_vocabulary: bool = False  # experts may add tokens (merge_causal_lms's option)
 
 
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no causal-LM "
@@ -68,10 +69,11 @@ def lm_eval_version() -> str:
 
 def summaries(tasks, test: dict[str, float], reference: dict, metrics_of: dict[str, str]) -> dict[str, float]:
     """``acc.<task>`` is the task's lm-eval metric (exact_match or acc: the leaderboard's column), also logged
-    under its own name; normalized by the expert's own test score."""
+    under its own name (a filter's comma as a colon, which MLflow's names allow: ``exact_match:flexible-extract``);
+    normalized by the expert's own test score."""
     metrics: dict[str, float] = {}
     for task in tasks:
-        metrics[f"acc.{task}"] = metrics[f"{metrics_of[task]}.{task}"] = test[task]
+        metrics[f"acc.{task}"] = metrics[f"{metrics_of[task].replace(',', ':')}.{task}"] = test[task]
         metrics[f"norm_acc.{task}"] = test[task] / max(reference["tasks"][task]["test_accuracy"], 1e-12)
     metrics["avg_acc"] = sum(metrics[f"acc.{t}"] for t in tasks) / len(tasks)
     metrics["avg_norm_acc"] = sum(metrics[f"norm_acc.{t}"] for t in tasks) / len(tasks)
@@ -115,7 +117,7 @@ def session(cell: Cell, recipe: Recipe, models: Models, *, device: str = "cpu") 
     def merged(value: float):
         diagnostics: dict = {}
         out = merge_causal_lms(base, experts, recipe.with_scaling(value), scratch / f"scaling-{value:g}",
-                               device=device, diagnostics=diagnostics)
+                               device=device, diagnostics=diagnostics, align_vocabulary=models.align_vocabulary)
         return out, diagnostics
 
     best: list = []  # [avg normalized score, directory] of the best merge so far: the only one kept on disk

@@ -97,9 +97,11 @@ def layer_type(key: str) -> str:
     return "other"
 
 
-def task_vector_norms(base: Path, expert: Path) -> dict[str, float]:
-    """‖τ‖ over all keys, per layer type, and ‖τ‖ / ‖θ₀‖ (read key by key)."""
-    pre, fine = SafetensorsSource(base), SafetensorsSource(expert)
+def task_vector_norms(base: Path, expert: Path, sources=None) -> dict[str, float]:
+    """‖τ‖ over all keys, per layer type, and ‖τ‖ / ‖θ₀‖ (read key by key). ``sources``: the (base, expert)
+    ``TensorSource`` pair to read instead of the directories' files (experts that add tokens: the aligned shapes
+    the merge reads, ``mergecal.backbones.vocabulary``)."""
+    pre, fine = sources if sources is not None else (SafetensorsSource(base), SafetensorsSource(expert))
     total, base_sq, per_type = 0.0, 0.0, {}
     for key in pre.keys():
         p = pre.get(key).double()
@@ -113,14 +115,15 @@ def task_vector_norms(base: Path, expert: Path) -> dict[str, float]:
             "norm_by_layer_type": {k: v ** 0.5 for k, v in sorted(per_type.items())}}
 
 
-def expert_reference(scorer: LmEval, base: Path, expert: Path, task: str, tasks, *, device: str = "cpu") -> dict:
+def expert_reference(scorer: LmEval, base: Path, expert: Path, task: str, tasks, *, device: str = "cpu",
+                     sources=None) -> dict:
     """An expert's score on its own task (validation and test: normalized score's denominator), its test
     scores on every task and its task vector's norms (read key by key)."""
     val = scorer.score(expert, [task], "validation", device=device)[task]
     examples: dict[str, list[float]] = {}  # the expert's per-document test scores: the finetuned row's interval
     test = scorer.score(expert, tasks, "test", device=device, examples=examples)
     return {"val_accuracy": val, "test_accuracy": test[task], "test_all_tasks": test, "test_correct": examples[task],
-            **task_vector_norms(base, expert)}
+            **task_vector_norms(base, expert, sources)}
 
 
 def base_reference(scorer: LmEval, base: Path, tasks, *, device: str = "cpu") -> dict:

@@ -16,11 +16,11 @@ from pathlib import Path
 from .....backbones.hf_causal_lm import model_dir_files
 from .....errors import MergecalError
 from .....recipe import Recipe
-from ....cells import Cell, CellResult, per_seed, per_seed_skipped
+from ....cells import REFERENCES, Cell, CellResult, per_seed, per_seed_skipped
 from ....config import Params
 from .params import LocalLlmTrack
-from .stages import (base_path, check_expert, check_model_dir, expert_path, references_path, scorer, task_files,
-                         work_dir)
+from .stages import (base_path, check_expert, check_model_dir, expert_path, merged_paths, references_path, scorer,
+                     task_files, work_dir)
 from ....own_models import checked_reference, role_files
 from ...registry import cell_track, configured_track, configured_tracks
 from .. import family
@@ -53,6 +53,8 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     models = {"base": base_path(track, root)}
     if cell.merge != "zeroshot":
         models.update({f"expert.{t}": expert_path(track, t, root) for t in cell.tasks})
+    if cell.merge not in REFERENCES:  # the merges read the unscored experts too
+        models.update({f"unscored.{n}": expert_path(track, n, root) for n in track.unscored})
     files = {"reference": references_path(track, root), **task_files(track, root)}
     for role, directory in models.items():
         try:
@@ -82,10 +84,12 @@ def _checked_models(cell: Cell, track: LocalLlmTrack, root: Path) -> tuple[Path,
     ran); the experts only when the cell reads them (all but the ``zeroshot`` row)."""
     base = base_path(track, root)
     check_model_dir(base, allow_unsafe_pickle=track.allow_unsafe_pickle)
-    experts = [expert_path(track, t, root) for t in cell.tasks]
+    experts = ([expert_path(track, t, root) for t in cell.tasks] if cell.merge in REFERENCES
+               else merged_paths(track, cell.tasks, root))
     if cell.merge != "zeroshot":
         for expert in experts:
-            check_expert(base, expert, allow_unsafe_pickle=track.allow_unsafe_pickle)
+            check_expert(base, expert, allow_unsafe_pickle=track.allow_unsafe_pickle,
+                         align_vocabulary=track.align_vocabulary)
     return base, experts
 
 
@@ -94,7 +98,8 @@ def models(cell: Cell, track: LocalLlmTrack, root: Path) -> family.Models:
     recorded error of what this cell needs)."""
     reference = _reference(track, cell, root)
     base, experts = _checked_models(cell, track, root)
-    return family.Models(reference, base, experts, scorer(track, root), work_dir(root) / "merged")
+    return family.Models(reference, base, experts, scorer(track, root), work_dir(root) / "merged",
+                         track.align_vocabulary)
 
 
 def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:

@@ -34,19 +34,28 @@ class LocalLlmTrack(Strict):
     ``allow_unsafe_pickle`` such an expert is refused; with it, the error names the file and how to convert it
     to safetensors. A task YAML with ``!function`` entries (lm-eval imports and runs the Python file beside it)
     is refused unless ``trust_task_code`` (as ``trust_remote_code``: for a folder you trust). A task with fewer
-    than ``min_test`` test documents is refused (``MIN_TEST_EXAMPLES``)."""
+    than ``min_test`` test documents is refused (``MIN_TEST_EXAMPLES``). ``unscored`` experts (name: model
+    directory) are merged with the others but have no task here: the published pair WizardMath-7B-V1.0 +
+    Llama-2-7b-chat is scored on GSM8K only (its chat expert's AlpacaEval needs a judge model lm-eval does not run);
+    they take no part in the ``finetuned`` row or the normalized scores, and every merge cell reads them.
+    ``align_vocabulary``: experts may add tokens after the base's vocabulary (WizardMath-7B-V1.0's ``[PAD]``), given
+    mean rows where a model lacks one, as DARE's code aligns them (``mergecal.backbones.vocabulary``)."""
 
     enabled: bool = True
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the backbone label of the leaderboard
     task_set: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     base: str = Field(min_length=1)
     experts: dict[str, str]
+    unscored: dict[str, str] = Field(default_factory=dict)  # experts merged with the others, no task of their own
     task_dir: str | None = None
     task_source: Literal["suite", "task_dir", "registry"] | None = None  # unset: task_dir if given, else suite
     tasks: dict[str, LocalLmTask] = Field(default_factory=dict)  # with task_dir: one entry per expert
     data: dict[str, Any] = Field(default_factory=dict)  # without task_dir: mergecal.data.llm.LlmSuiteConfig
     evaluation: LlmEvaluation = Field(default_factory=LlmEvaluation)
     allow_unsafe_pickle: bool = False
+    # experts may add tokens after the base's vocabulary (WizardMath's [PAD]): aligned as DARE's code does
+    # (mergecal.backbones.vocabulary); off, an expert with another vocab_size or tokenizer is refused
+    align_vocabulary: bool = False
     trust_task_code: bool = False  # task_dir only: let lm-eval run the `!function` code of the task YAMLs
     min_test: Count = MIN_TEST_EXAMPLES
     # the preset it was built from (mergecal.presets); not in model_dump, so not in cell ids (its values are)
@@ -61,17 +70,27 @@ class LocalLlmTrack(Strict):
 
         return expand(values, "local_llm")
 
-    @field_validator("experts")
+    @field_validator("experts", "unscored")
     @classmethod
     def _experts(cls, experts: dict[str, str]) -> dict[str, str]:
-        if len(experts) < 2:
-            raise ValueError(f"expected at least 2 experts (task: model directory), got {len(experts)}")
         for task, path in experts.items():
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", task):
-                raise ConfigValueError(task, "a task name: letters, digits, '.', '_' or '-'")
+                raise ConfigValueError(task, "a name: letters, digits, '.', '_' or '-'")
             if not path:
                 raise ConfigValueError(task, "expected a model directory")
         return experts
+
+    @model_validator(mode="after")
+    def _count(self) -> "LocalLlmTrack":
+        if not self.experts:
+            raise ConfigValueError("experts", "expected at least one expert with a task (task: model directory)")
+        if len(self.experts) + len(self.unscored) < 2:
+            raise ConfigValueError("experts", f"expected at least 2 experts to merge (task: model directory; or "
+                                              f"more in unscored), got {len(self.experts)}")
+        both = [name for name in self.unscored if name in self.experts]
+        if both:
+            raise ConfigValueError(f"unscored.{both[0]}", "also an expert with a task: name each expert once")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> "LocalLlmTrack":
@@ -138,6 +157,15 @@ class LocalLlmTrack(Strict):
     @property
     def task_names(self) -> list[str]:
         return list(self.experts)
+
+    @property
+    def merged_names(self) -> list[str]:
+        """Every expert a merge reads: the scored ones in task order, then the unscored."""
+        return [*self.experts, *self.unscored]
+
+    def expert_of(self, name: str) -> str:
+        """The model directory of an expert, scored or unscored, as params.yaml gives it."""
+        return self.experts[name] if name in self.experts else self.unscored[name]
 
 
 

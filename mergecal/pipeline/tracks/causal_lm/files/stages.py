@@ -16,10 +16,11 @@ tracks) and ``.mergecal/local/merged`` (merges of running cells). Hashes are cac
 
 A model directory is checked before anything reads its weights (``check_model_dir``): it exists, holds a
 config.json, its weights are safetensors (pickled ``pytorch_model*.bin`` are never unpickled here) and every
-shard its index lists is present; an expert also shares the base's config and tokenizer. A failure is recorded
-in references.json as one line; the stage goes on with the other models and tracks, and the cells that need
-that model fail with the same line. A ``task_dir`` YAML whose ``!function`` entries would run the folder's
-Python code is refused before lm-eval imports anything unless the track sets ``trust_task_code``; a task
+shard its index lists is present; an expert also shares the base's config and tokenizer (with
+``align_vocabulary``: but for tokens it adds after the base's vocabulary, ``mergecal.backbones.vocabulary``). A
+failure is recorded in references.json as one line; the stage goes on with the other models and tracks, and the
+cells that need that model fail with the same line. A ``task_dir`` YAML whose ``!function`` entries would run the
+folder's Python code is refused before lm-eval imports anything unless the track sets ``trust_task_code``; a task
 with fewer than ``min_test`` test documents refuses the track (``check_test_counts``).
 """
 
@@ -30,6 +31,7 @@ import json
 from pathlib import Path
 
 from .....backbones.hf_causal_lm import check_same_family, model_dir_files, weight_format
+from .....backbones.vocabulary import PaddedVocabularySource, aligned_vocabulary, check_aligned_family
 from .....checkpoint import SafetensorsSource, atomic_write_text
 from .....data.llm import LlmSuiteConfig, build_llm_suite
 from .....errors import CheckpointError, MergecalError, ParameterError
@@ -37,7 +39,7 @@ from .....evaluation.lm_eval_registry import config_digest, write_variant_yamls
 from .....evaluation.lm_eval_tasks import task_sources as sources
 from ....config import Params
 from .params import LocalLlmTrack
-from ..scoring import LmEval, expert_reference, suite_config_digests, suite_lm_eval
+from ..scoring import LmEval, expert_reference, suite_config_digests, suite_lm_eval, task_vector_norms
 from ....own_models import (check_test_counts, content_records, loaded_files, name_under, resolve,
                             tracks_dir)
 from ....results import one_line
@@ -68,8 +70,14 @@ def base_path(track: LocalLlmTrack, root: str | Path) -> Path:
     return resolve(track.base, root)
 
 
-def expert_path(track: LocalLlmTrack, task: str, root: str | Path) -> Path:
-    return resolve(track.experts[task], root)
+def expert_path(track: LocalLlmTrack, name: str, root: str | Path) -> Path:
+    """The directory of an expert, scored (by its task) or ``unscored`` (by its name)."""
+    return resolve(track.expert_of(name), root)
+
+
+def merged_paths(track: LocalLlmTrack, tasks, root: str | Path) -> list[Path]:
+    """The experts a merge cell over ``tasks`` reads: theirs, then every unscored one."""
+    return [expert_path(track, name, root) for name in [*tasks, *track.unscored]]
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -88,9 +96,33 @@ def check_model_dir(path: Path, *, allow_unsafe_pickle: bool = False) -> None:
     SafetensorsSource(path)  # headers of every shard: a shard missing from the index is named here
 
 
-def check_expert(base: Path, expert: Path, *, allow_unsafe_pickle: bool = False) -> None:
+def check_expert(base: Path, expert: Path, *, allow_unsafe_pickle: bool = False,
+                 align_vocabulary: bool = False) -> None:
     check_model_dir(expert, allow_unsafe_pickle=allow_unsafe_pickle)
-    check_same_family(base, [expert])
+    if align_vocabulary:
+        check_aligned_family(base, [expert])
+    else:
+        check_same_family(base, [expert])
+
+
+def track_vocabulary(track: LocalLlmTrack, root: str | Path) -> tuple[int, dict[Path, int]] | None:
+    """(aligned size, {model directory: own size}) over the base and every expert of an ``align_vocabulary``
+    track (None otherwise): the shapes every merge and norm of the track reads."""
+    if not track.align_vocabulary:
+        return None
+    size, _, own = aligned_vocabulary(base_path(track, root), [expert_path(track, n, root) for n in track.merged_names])
+    return size, own
+
+
+def norm_sources(track: LocalLlmTrack, root: str | Path, base: Path, expert: Path):
+    """What an expert's task-vector norms read: the files (None), or with ``align_vocabulary`` the base and the
+    expert with the track's aligned vocabulary (``task_vector_norms``'s ``sources``)."""
+    vocabulary = track_vocabulary(track, root)
+    if vocabulary is None:
+        return None
+    size, own = vocabulary
+    return (PaddedVocabularySource(SafetensorsSource(base), own[base], size),
+            PaddedVocabularySource(SafetensorsSource(expert), own[expert], size))
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -178,12 +210,14 @@ def task_config_digests(track: LocalLlmTrack, root: str | Path) -> dict[str, str
 # ----------------------------------------------------------------------------------------------- stages
 
 def model_dirs(track: LocalLlmTrack, root: str | Path) -> dict[str, Path]:
-    return {"base": base_path(track, root), **{f"expert.{t}": expert_path(track, t, root) for t in track.experts}}
+    return {"base": base_path(track, root), **{f"expert.{t}": expert_path(track, t, root) for t in track.experts},
+            **{f"unscored.{n}": expert_path(track, n, root) for n in track.unscored}}
 
 
 def model_keys(track: LocalLlmTrack) -> dict[str, str]:
     """{role in inputs.json: the params key of its path}."""
-    return {"base": "base", **{f"expert.{t}": f"experts.{t}" for t in track.experts}}
+    return {"base": "base", **{f"expert.{t}": f"experts.{t}" for t in track.experts},
+            **{f"unscored.{n}": f"unscored.{n}" for n in track.unscored}}
 
 
 MODEL_FILES = "model files (expected config.json, tokenizer files and *.safetensors or pytorch_model*.bin)"
@@ -250,13 +284,23 @@ def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, d
     except Exception as err:  # noqa: BLE001 - recorded: the track's cells fail with it, the others go on
         report["error"] = one_line(err)
     else:
+        checks = {"allow_unsafe_pickle": track.allow_unsafe_pickle, "align_vocabulary": track.align_vocabulary}
         for task in tasks:
             expert = expert_path(track, task, root)
             try:
-                check_expert(base, expert, allow_unsafe_pickle=track.allow_unsafe_pickle)
-                report["tasks"][task] = expert_reference(score, base, expert, task, tasks, device=device)
+                check_expert(base, expert, **checks)
+                report["tasks"][task] = expert_reference(score, base, expert, task, tasks, device=device,
+                                                         sources=norm_sources(track, root, base, expert))
             except Exception as err:  # noqa: BLE001 - as above, for this expert's cells
                 report["tasks"][task] = {"error": one_line(err)}
+        for name in track.unscored:  # checked and measured, never scored (no task of their own)
+            expert = expert_path(track, name, root)
+            try:
+                check_expert(base, expert, **checks)
+                report.setdefault("unscored", {})[name] = task_vector_norms(
+                    base, expert, norm_sources(track, root, base, expert))
+            except Exception as err:  # noqa: BLE001 - the merge cells fail with it
+                report.setdefault("unscored", {})[name] = {"error": one_line(err)}
     atomic_write_text(references_path(track, root), json.dumps(report, indent=2, sort_keys=True))
     return report
 
