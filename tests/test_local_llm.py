@@ -549,3 +549,13 @@ def test_the_manual_example_of_local_tracks_is_valid_params():
     assert params.local_llm[1].tasks["gsm8k_local"].validation == "gsm8k_local_validation"
     assert [t.source for t in params.local_llm] == ["suite", "task_dir", "registry", "registry"]
     assert params.local_llm[3].merged_names == ["gsm8k", "chat"] and params.local_llm[3].align_vocabulary
+
+
+def test_the_new_options_at_their_defaults_leave_a_tracks_dump_and_so_its_cell_ids_unchanged():
+    plain = parse_params({"local_llm": [_track("lab", {"maximum": "m", "sentiment": "s"})]}).local_llm[0]
+    dump = plain.model_dump(mode="json")
+    assert "unscored" not in dump and "align_vocabulary" not in dump and dump["experts"] == {"maximum": "m",
+                                                                                            "sentiment": "s"}
+    both = parse_params({"local_llm": [_track("lab", {"maximum": "m"}, unscored={"chat": "s"},
+                                              align_vocabulary=True)]}).local_llm[0]
+    assert both.model_dump(mode="json")["unscored"] == {"chat": "s"} and both.model_dump()["align_vocabulary"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
 from .....config_types import ConfigValueError, Count
 from ....params_base import MIN_TEST_EXAMPLES, Strict, _check_dataclass
@@ -60,6 +60,16 @@ class LocalLlmTrack(Strict):
     min_test: Count = MIN_TEST_EXAMPLES
     # the preset it was built from (mergecal.presets); not in model_dump, so not in cell ids (its values are)
     preset: str | None = Field(None, exclude=True)
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        # options at their default are left out of dumps, so the cell ids of tracks written before them are unchanged
+        out = handler(self)
+        if not self.unscored:
+            out.pop("unscored", None)
+        if not self.align_vocabulary:
+            out.pop("align_vocabulary", None)
+        return out
 
     @model_validator(mode="before")
     @classmethod
