@@ -242,18 +242,23 @@ def save_causal_lm(model, tokenizer, out_dir: str | os.PathLike, *, max_shard_by
 CONFIG_BOOKKEEPING = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures")
 
 
+def check_same_config(base: Path, expert: Path, ignore: Sequence[str] = ()) -> None:
+    """The expert's config.json equals the base's but for bookkeeping keys and ``ignore``: one CheckpointError
+    naming the expert's file and the first differing key otherwise."""
+    base_config, config = _config(base), _config(expert)
+    for key in sorted(set(base_config) | set(config)):
+        if key in CONFIG_BOOKKEEPING or key in ignore or base_config.get(key) == config.get(key):
+            continue
+        raise CheckpointError(f"{expert / 'config.json'}: {key} is {config.get(key)!r}, the base model "
+                              f"{base} has {base_config.get(key)!r} (an expert must be a fine-tune of the base)")
+
+
 def check_same_family(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[str | os.PathLike]) -> None:
     """Experts must be fine-tunes of the base: the same model config (bookkeeping keys aside) and the same
     tokenizer files, byte for byte. A mismatch is one CheckpointError naming the expert's file and key."""
     base = Path(pretrained_dir)
-    base_config = _config(base)
     for expert in map(Path, expert_dirs):
-        config = _config(expert)
-        for key in sorted(set(base_config) | set(config)):
-            if key in CONFIG_BOOKKEEPING or base_config.get(key) == config.get(key):
-                continue
-            raise CheckpointError(f"{expert / 'config.json'}: {key} is {config.get(key)!r}, the base model "
-                                  f"{base} has {base_config.get(key)!r} (an expert must be a fine-tune of the base)")
+        check_same_config(base, expert)
         for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt"):
             mine, theirs = expert / name, base / name
             if mine.exists() != theirs.exists() or (mine.exists() and mine.read_bytes() != theirs.read_bytes()):

@@ -160,17 +160,11 @@ def check_aligned_family(pretrained_dir: str | os.PathLike, expert_dirs: Sequenc
     ``ALIGNED_CONFIG_KEYS``, and the same base vocabulary (every tokenizer file both hold: tokenizer.model, vocab.json
     and merges.txt byte for byte, tokenizer.json's ``model`` section), at least one file compared; then
     ``aligned_vocabulary``'s checks. One CheckpointError naming the expert's file otherwise."""
-    from .hf_causal_lm import CONFIG_BOOKKEEPING, _config
+    from .hf_causal_lm import check_same_config
 
     base = Path(pretrained_dir)
-    base_config = _config(base)
     for expert in map(Path, expert_dirs):
-        config = _config(expert)
-        for key in sorted(set(base_config) | set(config)):
-            if key in CONFIG_BOOKKEEPING or key in ALIGNED_CONFIG_KEYS or base_config.get(key) == config.get(key):
-                continue
-            raise CheckpointError(f"{expert / 'config.json'}: {key} is {config.get(key)!r}, the base model "
-                                  f"{base} has {base_config.get(key)!r} (an expert must be a fine-tune of the base)")
+        check_same_config(base, expert, ignore=ALIGNED_CONFIG_KEYS)
         compared = 0
         for name in ("tokenizer.model", "vocab.json", "merges.txt", "tokenizer.json"):
             mine, theirs = expert / name, base / name
