@@ -220,23 +220,27 @@ def task_sources(task_dir: str | os.PathLike, names: Sequence[str]) -> TaskSourc
     return out
 
 
-def _metrics(raw: dict) -> dict[str, float]:
-    """lm-eval's ``{"acc,none": v, "acc_stderr,none": s, "alias": ...}`` as ``{"acc": v, "acc_stderr": s}``. A
-    metric under a named filter is also kept as ``"<metric>,<filter>"``; its bare name only when one filter reports
-    it (GSM8K's ``exact_match`` comes under ``strict-match`` and ``flexible-extract``: which one is the user's to
-    name, never the last one lm-eval happens to list)."""
+def _by_filter(values) -> dict:
+    """``{(metric, filter): value}`` named for reading: ``"<metric>,<filter>"`` for a named filter, and the bare
+    metric when one filter alone reports it (GSM8K's ``exact_match`` comes under ``strict-match`` and
+    ``flexible-extract``: which one is the user's to name, never the last one lm-eval happens to list)."""
     out, filters = {}, {}
-    for key, value in raw.items():
-        if "," in key and isinstance(value, (int, float)):
-            metric, name = key.split(",", 1)
-            filters.setdefault(metric, []).append(name)
-            if name != "none":
-                out[key] = float(value)
-            out[metric] = float(value)
+    for (metric, name), value in values.items():
+        filters.setdefault(metric, []).append(name)
+        if name != "none":
+            out[f"{metric},{name}"] = value
+        out[metric] = value
     for metric, names in filters.items():
         if len(names) > 1:
             del out[metric]
     return out
+
+
+def _metrics(raw: dict) -> dict[str, float]:
+    """lm-eval's ``{"acc,none": v, "acc_stderr,none": s, "alias": ...}`` as ``{"acc": v, "acc_stderr": s}``, a
+    filtered metric named as ``_by_filter`` names it."""
+    return _by_filter({tuple(key.split(",", 1)): float(value) for key, value in raw.items()
+                       if "," in key and isinstance(value, (int, float))})
 
 
 def _per_document(samples: list[dict]) -> dict[str, list[float]]:
@@ -245,19 +249,12 @@ def _per_document(samples: list[dict]) -> dict[str, list[float]]:
     by_filter: dict[str, list[dict]] = {}
     for sample in samples:
         by_filter.setdefault(sample.get("filter", "none"), []).append(sample)
-    out, reported = {}, {}
+    values = {}
     for name, group in by_filter.items():
         group = sorted(group, key=lambda sample: sample["doc_id"])
         for metric in (group[0]["metrics"] if group else []):
-            scores = [float(s[metric]) for s in group]
-            reported.setdefault(metric, []).append(name)
-            out[metric] = scores
-            if name != "none":
-                out[f"{metric},{name}"] = scores
-    for metric, names in reported.items():
-        if len(names) > 1:
-            del out[metric]
-    return out
+            values[metric, name] = [float(s[metric]) for s in group]
+    return _by_filter(values)
 
 
 def evaluate_lm(model_dir: str | os.PathLike, tasks: Sequence[str], task_dir: str | os.PathLike, *,
