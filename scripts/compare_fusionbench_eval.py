@@ -8,7 +8,7 @@ PYTHONPATH for this script only (its own imports are torch, transformers, datase
 
 On identical inputs — a small random Hugging Face CLIP with the real parameter names at 224 px (its tokenizer files
 written from open_clip's bundled BPE, the one OpenAI's CLIP uses), and fabricated images of many sizes and aspect
-ratios for each of the eight tasks' class lists — it compares, task by task, what FusionBench's CLIP task pool
+ratios for each of the twenty tasks' class lists — it compares, task by task, what FusionBench's CLIP task pool
 (``CLIPVisionModelTaskPool``: ``get_classnames_and_templates``, ``CLIPProcessor``, ``HFCLIPClassifier``) and
 mergecal's local_clip evaluation (``real_vision`` names and templates, ``clip_resize`` + ``preprocess``, the HF
 directory read into open_clip, ``zero_shot_head``, ``logits``) compute: class names, templates, token ids, the
@@ -28,7 +28,12 @@ import torch
 
 # mergecal's task -> FusionBench's dataset name (its CLIPTemplateFactory keys)
 FUSIONBENCH_NAMES = {"SUN397": "sun397", "Cars": "stanford-cars", "RESISC45": "resisc45", "EuroSAT": "eurosat",
-                     "SVHN": "svhn", "GTSRB": "gtsrb", "MNIST": "mnist", "DTD": "dtd"}
+                     "SVHN": "svhn", "GTSRB": "gtsrb", "MNIST": "mnist", "DTD": "dtd",
+                     # the TALL-mask paper's twelve (FusionBench's TALL14 / TALL20 task pools)
+                     "Flowers102": "oxford_flowers102", "PCAM": "pcam", "FER2013": "fer2013",
+                     "OxfordIIITPet": "oxford-iiit-pet", "STL10": "stl10", "CIFAR100": "cifar100", "CIFAR10": "cifar10",
+                     "Food101": "food101", "FashionMNIST": "fashion_mnist", "EMNIST": "emnist_letters",
+                     "KMNIST": "kmnist", "RenderedSST2": "rendered-sst2"}
 SIZE = 224
 
 

@@ -202,11 +202,30 @@ def eigh_sizes_table(sizes: list[int], shares=(0.125, 0.25, 1 / 3, 0.5, 0.8)) ->
     return "\n".join(lines)
 
 
-def compare_drivers(size: str, K: int, methods: list[str], classes: list[str] | None) -> list[dict]:
-    """Per method and key class, the default eigensolver rule against dsyevr for every top k (the rule before),
-    alternated in one process (the order swapped each class): seconds, their ratio, and the largest relative
-    difference of the outputs (both exact routes; they differ in round-off, and by a rotation inside an eigenvalue
-    cluster that the kept rank cuts)."""
+@contextlib.contextmanager
+def svc_responses_by_product():
+    """SVC's rule before ``mergecal.calibrations.svc.MERGED_RESPONSE_FROM``: a_m always the product u_r^T dW_m."""
+    from mergecal.calibrations import svc
+
+    saved = svc.MERGED_RESPONSE_FROM
+    svc.MERGED_RESPONSE_FROM = sys.maxsize
+    try:
+        yield
+    finally:
+        svc.MERGED_RESPONSE_FROM = saved
+
+
+#: --compare: the rule before each change, as a context manager, and its label
+RULES_BEFORE = {"drivers": (top_pairs_by_evr_only, "evr only"), "svc-responses": (svc_responses_by_product, "product")}
+
+
+def compare_drivers(size: str, K: int, methods: list[str], classes: list[str] | None,
+                    rule: str = "drivers") -> list[dict]:
+    """Per method and key class, the default route against the rule before a change (``RULES_BEFORE``: dsyevr for
+    every top k; SVC's a_m as a product), alternated in one process (the order swapped each class): seconds, their
+    ratio, and the largest relative difference of the outputs (both exact routes; they differ in round-off, and the
+    eigensolvers by a rotation inside an eigenvalue cluster that the kept rank cuts)."""
+    before_rule, before = RULES_BEFORE[rule]
     rows = []
     for i, c in enumerate(key_classes(size)):
         if classes and c["class"] not in classes:
@@ -214,17 +233,17 @@ def compare_drivers(size: str, K: int, methods: list[str], classes: list[str] | 
         taus = [tv[c["key"]] for tv in synthetic_task_vectors({c["key"]: c["shape"]}, K)]
         for method in methods:
             fn, times, out = METHODS[method][0], {}, {}
-            for route in (("evr only", "default") if i % 2 == 0 else ("default", "evr only")):
-                with top_pairs_by_evr_only() if route == "evr only" else contextlib.nullcontext():
+            for route in ((before, "default") if i % 2 == 0 else ("default", before)):
+                with before_rule() if route == before else contextlib.nullcontext():
                     start = time.perf_counter()
                     out[route] = fn(taus)
                     times[route] = time.perf_counter() - start
-            ref = out["evr only"].double()
+            ref = out[before].double()
             diff = float((out["default"].double() - ref).norm() / ref.norm())
-            rows.append({"method": method, "class": c["class"], "shape": c["shape"],
-                         "evr_only_seconds": times["evr only"], "default_seconds": times["default"],
-                         "speedup": times["evr only"] / times["default"], "rel_diff": diff})
-            print(f"  drivers {method:8s} {c['class']:22s}: evr only {times['evr only']:7.2f} s, default "
+            rows.append({"method": method, "class": c["class"], "shape": c["shape"], "before": before,
+                         "before_seconds": times[before], "default_seconds": times["default"],
+                         "speedup": times[before] / times["default"], "rel_diff": diff})
+            print(f"  {rule} {method:8s} {c['class']:22s}: {before} {times[before]:7.2f} s, default "
                   f"{times['default']:7.2f} s (x{rows[-1]['speedup']:.2f}), rel. diff {diff:.1e}", flush=True)
         del taus
     return rows
@@ -265,11 +284,15 @@ def predicted_seconds(result: dict, recipe_method: str, layers: int) -> float:
     return total
 
 
-def drivers_markdown(rows: list[dict]) -> str:
-    lines = ["The eigensolver rule (`mergecal.linalg.eigh_driver`) against dsyevr for every top k, alternated in one "
-             "process:", "", "| method | key class | dsyevr only (s) | default (s) | speed-up | rel. difference |",
+def drivers_markdown(rows: list[dict], rule: str = "drivers") -> str:
+    intro = {"drivers": "The eigensolver rule (`mergecal.linalg.eigh_driver`) against dsyevr for every top k",
+             "svc-responses": "SVC's merged responses read off the decomposition "
+                              "(`mergecal.calibrations.svc.MERGED_RESPONSE_FROM`) against the product"}[rule]
+    before = RULES_BEFORE[rule][1]
+    lines = [f"{intro}, alternated in one process:", "",
+             f"| method | key class | {before} (s) | default (s) | speed-up | rel. difference |",
              "|---|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['method']} | {r['class']} | {r['evr_only_seconds']:.2f} | {r['default_seconds']:.2f} "
+    lines += [f"| {r['method']} | {r['class']} | {r['before_seconds']:.2f} | {r['default_seconds']:.2f} "
               f"| {r['speedup']:.2f} | {r['rel_diff']:.1e} |" for r in rows]
     return "\n".join(lines)
 
@@ -329,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="write the tables as Markdown here and a .json beside it")
     parser.add_argument("--compare-drivers", action="store_true",
                         help="only the eigensolver rule against dsyevr for every top k, alternated (no per-key table)")
-    parser.add_argument("--classes", nargs="*", help="with --compare-drivers: these key classes only")
+    parser.add_argument("--compare-svc-responses", action="store_true",
+                        help="only SVC's merged responses read off the decomposition against the product, alternated")
+    parser.add_argument("--classes", nargs="*", help="with --compare-*: these key classes only")
     parser.add_argument("--eigh-sizes", nargs="+", type=int, metavar="N",
                         help="only dsyevd against dsyevr's top-k ranges on n x n Gram matrices of these sizes")
     args = parser.parse_args(argv)
@@ -341,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.eigh_sizes:
         print(eigh_sizes_table(args.eigh_sizes))
         return 0
-    if args.compare_drivers:
-        rows = compare_drivers(args.size, args.tasks, args.methods, args.classes)
-        text = drivers_markdown(rows)
+    if args.compare_drivers or args.compare_svc_responses:
+        rule = "drivers" if args.compare_drivers else "svc-responses"
+        rows = compare_drivers(args.size, args.tasks, args.methods, args.classes, rule)
+        text = drivers_markdown(rows, rule)
         print()
         print(text)
         if args.output:

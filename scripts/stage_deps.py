@@ -1,6 +1,7 @@
 """dvc.yaml's code deps from the import graph: each stage depends on exactly the project's modules (mergecal/,
-flows/, stages/) that its command's module imports, directly or not (``mergecal.pipeline.imports``), so that an
-edit reruns the stages that import the edited module and no other.
+flows/, stages/) that its command's module imports, directly or not (``mergecal.pipeline.imports``), and the data
+files those packages read (``PACKAGE_DATA``), so that an edit reruns the stages that import the edited module and
+no other.
 
     python -m scripts.stage_deps --check   # exit 1 and one line per stage whose code deps drifted
     python -m scripts.stage_deps --write   # rewrite those deps lists in place (comments and layout kept)
@@ -27,6 +28,10 @@ from mergecal.pipeline.imports import PROJECT_PACKAGES, import_graph, source_pat
 RUNS_EVERY_MEMBER = {"stages.benchmark"}
 #: the stage that measures every track's stability through the registry's DIAGNOSTICS
 RUNS_DIAGNOSTICS = {"stages.stability"}
+#: data files a package reads at run time, deps of every stage that imports it: the published tables (a transcription
+#: fix reruns the report). Not the presets: their values reach the cells through the tracks' params, hashed by
+#: local_inputs into its output.
+PACKAGE_DATA = {"mergecal.published": "mergecal/published/*.yaml"}
 COMMAND_MODULE = re.compile(r"\bpython3?\s+-m\s+((?:" + "|".join(PROJECT_PACKAGES) + r")(?:\.\w+)*)")
 
 
@@ -52,7 +57,9 @@ def expected_code_deps(stages: dict, root: Path) -> dict[str, list[str]]:
                                 "project's sources")
         closure = stage_closure(graph, match.group(1), runs_every_member=match.group(1) in RUNS_EVERY_MEMBER,
                                 runs_diagnostics=match.group(1) in RUNS_DIAGNOSTICS)
-        out[name] = source_paths(closure, root)
+        data = [p.relative_to(root).as_posix() for module, pattern in PACKAGE_DATA.items() if module in closure
+                for p in root.glob(pattern)]
+        out[name] = sorted(source_paths(closure, root) + data)
     return out
 
 

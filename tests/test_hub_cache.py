@@ -217,6 +217,79 @@ def test_a_preset_resolves_offline_and_runs_end_to_end_at_smoke_size(cache, tmp_
     assert set(result.examples) == {"MNIST", "EuroSAT"} and all(len(v) == 20 for v in result.examples.values())
 
 
+def test_a_twenty_task_preset_reads_its_webdataset_and_validation_test_splits_end_to_end(cache, tmp_path):
+    """FusionBench's TALL20 pool by its preset, three of the tasks the TALL-mask paper adds, each stored as its hub
+    repository holds it (micro size): FER2013 as CLIP_benchmark's webdataset shards (clip-benchmark/wds_fer2013),
+    Food-101 with train and validation only (ethz/food101: FusionBench tests on validation), KMNIST's hiragana
+    label names (tanganke/kmnist). The references and a task-arithmetic cell run; the SVC paper's 14-task table
+    (another 14) is compared on Food-101, the one column the two share, and never on its average."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    from mergecal.checkpoint import save_checkpoint
+    from mergecal.data.real_vision import task_metadata
+    from mergecal.pipeline.cells import enumerate_cells, run_cell
+    from mergecal.published import for_tracks
+    from stages import local_inputs, local_tracks
+
+    torch.set_num_threads(1)
+    clip = micro_hf_clip()
+    staged = tmp_path / "staged"
+    clip.save_pretrained(staged / "pretrained")
+    cache_repo(cache, "model", "openai/clip-vit-base-patch32", {p.name: p for p in (staged / "pretrained").iterdir()})
+    generator = torch.Generator().manual_seed(2)
+    for task in ("fer2013", "food101", "kmnist"):
+        vision = {k.removeprefix("vision_model."): v + 0.02 * torch.randn(v.shape, generator=generator)
+                  for k, v in clip.state_dict().items() if k.startswith("vision_model.")}
+        save_checkpoint(vision, staged / task)
+        cache_repo(cache, "model", f"tanganke/clip-vit-base-patch32_{task}",
+                   {p.name: p for p in (staged / task).iterdir()})
+    shards = {}
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 14), ("test", 21)):
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for i in range(n):
+                image = io.BytesIO()
+                Image.fromarray((np.full((24, 24, 3), 30 * (i % 7)) + rng.integers(0, 30, (24, 24, 3)))
+                                .astype(np.uint8)).save(image, format="JPEG")
+                for name, data in ((f"s{i:07d}.jpg", image.getvalue()), (f"s{i:07d}.cls", str(i % 7).encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        shards[f"{split}/0.tar"] = buffer.getvalue()
+    cache_repo(cache, "dataset", "clip-benchmark/wds_fer2013", {**shards, "classnames.txt": b"angry\n"})
+    food = task_metadata("Food101")[0][:10]  # a pool's first ten classes: labels 0-9 of the 101
+    _parquet(staged / "food" / "data", food, ("train", "validation"))
+    cache_repo(cache, "dataset", "ethz/food101", {f"data/{p.name}": p for p in (staged / "food/data").iterdir()})
+    _parquet(staged / "kmnist" / "data", task_metadata("KMNIST")[0], ("train", "test"))
+    cache_repo(cache, "dataset", "tanganke/kmnist", {f"data/{p.name}": p for p in (staged / "kmnist/data").iterdir()})
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    track = {"name": "fb20", "preset": "fusionbench-clip-vit-b32-tall20", "preset_tasks": ["FER2013", "Food101",
+                                                                                           "KMNIST"],
+             "evaluation": {"batch_size": 16, "max_validation": 8}, "min_test": 20}
+    (root / "params.yaml").write_text(yaml.safe_dump({
+        "vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
+        "benchmark": {"merges": {"task_arithmetic": {"scaling": [0.3, 1.0]}}, "chains": ["{merge}"]},
+        "local_clip": [track]}))
+    for stage in (local_inputs, local_tracks):
+        assert stage.run(stage.stage, ["--root", str(root)]) == 0
+    params = load_params(root / "params.yaml")
+    report = yaml.safe_load(clip_files.references_path(params.local_clip[0], root).read_text())
+    assert "error" not in report and set(report["tasks"]) == {"FER2013", "Food101", "KMNIST"}, report
+    # FER2013's 21 test images; Food-101's 20 validation images as its test split; KMNIST's 20 test images
+    assert {t: e["n"]["test"] for t, e in report["tasks"].items()} == {"FER2013": 21, "Food101": 20, "KMNIST": 20}
+    cell = next(c for c in enumerate_cells(params) if c.track.startswith("local_clip") and c.merge == "task_arithmetic")
+    result = run_cell(cell, params, root)
+    assert 0 <= result.metrics["avg_acc"] <= 1 and set(result.examples) == {"FER2013", "Food101", "KMNIST"}
+    [svc] = for_tracks(params)["fb20"]
+    assert svc[0].task_set == "svc14" and set(svc[0].tasks) & set(params.local_clip[0].finetuned) == {"Food101"}
+
+
 def test_the_task_vectors_presets_name_their_pickled_checkpoints_under_the_labs_folders(tmp_path):
     """task_vectors' pools are not on the hub: the preset's paths sit under the folders the track names
     (``preset_roots``), each fine-tuned file is task_vectors' pickled finetuned.pt (refused without the opt-in),
@@ -374,23 +447,36 @@ def test_a_preset_track_runs_through_the_flow_to_the_boards_published_section(ca
     assert svc["counts"]["inside"] + svc["counts"]["outside"] == len(compared)
 
 
-def test_every_shipped_preset_is_a_valid_eight_task_track_and_a_tracks_own_keys_win(tmp_path):
+def test_every_shipped_preset_is_a_valid_track_of_its_task_set_and_a_tracks_own_keys_win(tmp_path):
+    from mergecal.data.real_vision_metadata import TASK_SETS
     from mergecal.errors import ParameterError
     from mergecal.pipeline.config import parse_params
-    from mergecal.presets import PRESETS
+    from mergecal.presets import PRESETS, published_of
+    from mergecal.published import rows
 
-    fusionbench = ("fusionbench-clip-vit-b16-ta8", "fusionbench-clip-vit-b32-ta8", "fusionbench-clip-vit-l14-ta8")
-    assert PRESETS == fusionbench + tuple(n.replace("fusionbench", "task-vectors") for n in fusionbench) + \
-        ("wizardmath-llama-2-chat-7b",)  # the LLM pair: tests/test_llm_preset.py
+    fusionbench = tuple(f"fusionbench-clip-vit-{size}-{task_set}" for size in ("b16", "b32", "l14")
+                        for task_set in ("ta8", "tall14", "tall20"))
+    task_vectors = tuple(f"task-vectors-clip-vit-{size}-ta8" for size in ("b16", "b32", "l14"))
+    assert PRESETS == fusionbench + task_vectors + ("wizardmath-llama-2-chat-7b",)  # LLM: tests/test_llm_preset.py
     for name in fusionbench:
         track = parse_params({"local_clip": [{"name": "p", "preset": name}]}).local_clip[0]
-        size = name.split("-")[3]  # b32, b16, l14
+        size, task_set = name.split("-")[3:5]  # b32, b16, l14; ta8, tall14, tall20
         base = {"b32": "clip-vit-base-patch32", "b16": "clip-vit-base-patch16", "l14": "clip-vit-large-patch14"}[size]
-        assert track.model.pretrained == f"hf://openai/{base}" and track.task_set == "ta8"
-        assert list(track.finetuned) == ["SUN397", "Cars", "RESISC45", "EuroSAT", "SVHN", "GTSRB", "MNIST", "DTD"]
+        assert track.model.pretrained == f"hf://openai/{base}" and track.task_set == task_set
+        assert tuple(track.finetuned) == TASK_SETS[task_set]  # FusionBench's order (TALL20's: the eight first)
         assert all(v.startswith(f"hf://tanganke/{base}_") for v in track.finetuned.values())
         assert set(track.datasets) == set(track.finetuned) and all(parse_hub_id(v) for v in track.datasets.values())
         assert track.evaluation.center_crop == "floor"  # FusionBench's (Hugging Face's) crop
+        # the same model ids for the eight in every task set of a backbone
+        eight = parse_params({"local_clip": [{"name": "p", "preset": name.replace(task_set, "ta8")}]}).local_clip[0]
+        assert {t: track.finetuned[t] for t in eight.finetuned} == eight.finetuned
+        assert {t: track.datasets[t] for t in eight.datasets} == eight.datasets
+        # each names published tables that exist; the TALL sets the SVC paper's 14 (another set: no average shared)
+        for entry in published_of(name):
+            found = rows(entry["source"], entry["backbone"], entry["task_set"])
+            assert found and (entry["task_set"] == "ta8") == (task_set == "ta8")
+            shared = set(found[0].tasks) & set(track.finetuned)
+            assert len(shared) == {"ta8": 8, "tall14": 11, "tall20": 12}[task_set], shared
     own = parse_params({"local_clip": [{"name": "p", "preset": "fusionbench-clip-vit-b32-ta8", "task_set": "mine",
                                         "finetuned": {"DTD": "/ckpt/dtd"}, "preset_tasks": ["DTD", "MNIST"],
                                         "evaluation": {"max_test": 500}}]})

@@ -397,6 +397,110 @@ def test_unknown_names_and_bad_arguments(tmp_path):
         load_real_split(tmp_path, "DTD", "train").images([1], 4)
 
 
+# ------------------------------------------------------------------------- the TALL-mask tasks (14- and 20-task sets)
+
+
+def test_the_tall_tasks_have_their_datasets_class_counts_and_one_placeholder_templates():
+    from mergecal.data.real_vision_metadata import TASK_SETS, VISION_TASKS
+
+    # the datasets' own class counts (their papers / torchvision), not FusionBench's lists
+    counts = {"Flowers102": 102, "PCAM": 2, "FER2013": 7, "OxfordIIITPet": 37, "STL10": 10, "CIFAR100": 100,
+              "CIFAR10": 10, "Food101": 101, "FashionMNIST": 10, "EMNIST": 26, "KMNIST": 10, "RenderedSST2": 2}
+    assert VISION_TASKS == REAL_TASKS + tuple(counts)
+    assert [len(TASK_SETS[s]) for s in ("ta8", "tall14", "tall20")] == [8, 14, 20]
+    assert TASK_SETS["tall14"][8:] == ("Flowers102", "PCAM", "FER2013", "OxfordIIITPet", "STL10", "CIFAR100")
+    for task, n in counts.items():
+        classnames, templates = task_metadata(task)
+        assert len(classnames) == n and len(set(classnames)) == n, task
+        assert templates and all(t.count("{}") == 1 and t.count("{") == 1 for t in templates), task
+        rv.label_lookup(task)  # raises if two classes share a matching key (KMNIST's hiragana included)
+    # FusionBench's spellings of the task names, and a few of its prompts as it writes them
+    assert [rv.canonical_task(n) for n in ("oxford_flowers102", "oxford-iiit-pet", "emnist_letters", "fashion_mnist",
+                                           "rendered-sst2", "pcam", "fer2013")] == [
+        "Flowers102", "OxfordIIITPet", "EMNIST", "FashionMNIST", "RenderedSST2", "PCAM", "FER2013"]
+    assert TEMPLATES["Food101"] == ("a photo of {}, a type of food.",)
+    assert TEMPLATES["EMNIST"][0].format("A") == 'a photo of the digit character: "A".'
+    assert CLASSNAMES["CIFAR100"][1] == "aquarium_fish" and CLASSNAMES["KMNIST"][0] == "お"
+    assert resolve_label("KMNIST", "き", "here") == 1 and resolve_label("PCAM", "Lymph_Node", "here") == 0
+
+
+def write_webdataset(path, examples: list[tuple[str, bytes, str]]) -> None:
+    """A webdataset shard: for each (key, image bytes, label text) the members <key>.png and <key>.cls."""
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for key, image, label in examples:
+            for name, data in ((f"{key}.png", image), (f"{key}.cls", label.encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def png_bytes(array: np.ndarray) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_fer2013_from_clip_benchmarks_webdataset_shards(tmp_path):
+    """clip-benchmark/wds_fer2013 as FusionBench reads it: ``<split>/<n>.tar`` of ``<key>.{jpg,cls}``; labels and
+    pixels in shard and member order, no validation shards (held out of train), bad shards named in one line."""
+    root = tmp_path / "fer2013"
+    ims = [pixels(i, 8, 8) for i in range(7)]
+    write_webdataset(root / "test" / "0.tar", [(f"s{i:07d}", png_bytes(ims[i]), str(i % 7)) for i in range(4)])
+    write_webdataset(root / "test" / "1.tar", [(f"s{i:07d}", png_bytes(ims[i]), str(6 - i)) for i in range(4, 7)])
+    write_webdataset(root / "train" / "0.tar", [(f"s{i:07d}", png_bytes(ims[i]), "3") for i in range(7)])
+    (root / "classnames.txt").write_text("\n".join(CLASSNAMES["FER2013"]))
+    test = load_real_split(tmp_path, "fer2013", "test")
+    assert test.layout == "hf" and test.labels.tolist() == [0, 1, 2, 3, 2, 1, 0]
+    check_images(test, ims)
+    assert rv.dataset_files(tmp_path, "FER2013") == [root / "train" / "0.tar", root / "test" / "0.tar",
+                                                     root / "test" / "1.tar"]  # train, validation (train's), test
+    val = load_real_split(tmp_path, "FER2013", "validation", seed=1)
+    assert len(val) == len(validation_indices(7, seed=1)) and set(val.labels.tolist()) == {3}
+    write_webdataset(root / "test" / "2.tar", [("s9", png_bytes(ims[0]), "seven")])
+    with pytest.raises(DatasetError, match=r"FER2013: label of .*s9.* in .*2\.tar is 'seven', expected an integer"):
+        load_real_split(tmp_path, "FER2013", "test")
+    write_webdataset(root / "test" / "2.tar", [("s9", png_bytes(ims[0]), "7")])
+    with pytest.raises(DatasetError, match=r"FER2013: labels of .* lie in \[0, 7\], expected \[0, 7\)"):
+        load_real_split(tmp_path, "FER2013", "test")
+
+
+def test_food101_tests_on_its_validation_split_and_cifar100_reads_its_fine_labels(tmp_path):
+    import datasets
+    import pyarrow.parquet as pq
+
+    ims = [pixels(i) for i in range(6)]
+    food = hf_dataset(ims, [0, 1, 2, 3, 4, 5], list(CLASSNAMES["Food101"][:6]))
+    (tmp_path / "food101" / "data").mkdir(parents=True)
+    pq.write_table(food.data.table, tmp_path / "food101" / "data" / "train-00000-of-00001.parquet")
+    pq.write_table(food.data.table.slice(4), tmp_path / "food101" / "data" / "validation-00000-of-00001.parquet")
+    assert load_real_split(tmp_path, "Food101", "test").labels.tolist() == [4, 5]  # FusionBench's test: validation
+    val = load_real_split(tmp_path, "Food101", "validation", seed=2)  # so validation is held out of train
+    assert val.labels.tolist() == np.arange(6)[validation_indices(6, seed=2)].tolist()
+    features = datasets.Features({"img": datasets.Image(), "fine_label": datasets.ClassLabel(
+        names=list(CLASSNAMES["CIFAR100"])), "coarse_label": datasets.Value("int64")})
+    cifar = datasets.Dataset.from_dict({"img": [Image.fromarray(im) for im in ims[:3]], "fine_label": [7, 99, 0],
+                                        "coarse_label": [1, 2, 3]}, features=features)
+    (tmp_path / "cifar100").mkdir()
+    pq.write_table(cifar.data.table, tmp_path / "cifar100" / "test-00000-of-00001.parquet")
+    test = load_real_split(tmp_path, "CIFAR100", "test")
+    assert test.labels.tolist() == [7, 99, 0]
+    check_images(test, ims[:3])
+    pcam = datasets.Dataset.from_dict({"image": [Image.fromarray(im) for im in ims[:3]], "label": [True, False, True]},
+                                      features=datasets.Features({"image": datasets.Image(),
+                                                                  "label": datasets.Value("bool")}))
+    (tmp_path / "pcam" / "data").mkdir(parents=True)
+    pq.write_table(pcam.data.table, tmp_path / "pcam" / "data" / "test-00000-of-00001.parquet")
+    assert load_real_split(tmp_path, "PCAM", "test").labels.tolist() == [1, 0, 1]  # boolean labels, as FusionBench
+    with pytest.raises(DatasetError, match=r"STL10: no STL10 data under .*torchvision \(not read for STL10\)"):
+        load_real_split(tmp_path, "STL10", "test")
+
+
 # ------------------------------------------------------------------------------- the files a dataset is read from
 
 

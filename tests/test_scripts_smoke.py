@@ -195,7 +195,41 @@ def test_perf_svd_llama_compares_the_eigensolver_rules_and_below_its_size_they_a
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert len(rows) == 2 * 5 and all(r["rel_diff"] == 0.0 for r in rows), rows
     assert linalg.EVD_FOR_MANY_PAIRS_FROM == 1024
+    # SVC's merged responses likewise: below MERGED_RESPONSE_FROM (every smoke key) both rules are one computation
+    from mergecal.calibrations import svc
+
+    assert load("perf_svd_llama").main(["--size", "smoke", "--compare-svc-responses", "--methods", "svc",
+                                        "--output", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert len(rows) == 5 and all(r["rel_diff"] == 0.0 and r["before"] == "product" for r in rows), rows
+    assert svc.MERGED_RESPONSE_FROM == 1024 and "against the product" in out.read_text()
     script = load("perf_svd_llama")
     table = script.eigh_sizes_table([40, 64])
     assert [line.split(" | ")[0] for line in table.splitlines()[2:]] == ["| 40", "| 64"]
     assert all(len(line.split("|")) == 2 + 7 for line in table.splitlines()[2:])  # n, dsyevd, five shares
+
+
+def test_copy_fusionbench_metadata_writes_the_committed_module_from_fusionbench_shaped_files(tmp_path, capsys):
+    """scripts/copy_fusionbench_metadata.py on data files in FusionBench's own shape (plain lists and
+    ``lambda c: f"..."`` templates, CIFAR-100's names under ``fine_label``), written here from the committed module:
+    it writes that module back byte for byte, and refuses a template that is not a one-placeholder string."""
+    from mergecal.data import real_vision_metadata_tall as tall
+
+    script = load("copy_fusionbench_metadata")
+    folder = tmp_path / "fusion_bench" / "tasks" / "clip_classification"
+    folder.mkdir(parents=True)
+
+    def write(module: str, variable: str, names, templates) -> None:
+        lambdas = ",\n".join(f"    lambda c: f{t.replace('{}', '{c}')!r}" for t in templates)
+        (folder / f"{module}.py").write_text(f"{variable} = {list(names)!r}\n\ntemplates = [\n{lambdas},\n]\n")
+
+    for task, (module, variable) in script.TALL_EXTRA.items():
+        write(module, variable, tall.CLASSNAMES[task], tall.TEMPLATES[task])
+    out = tmp_path / "tall.py"
+    assert script.main([str(tmp_path), "--out", str(out)]) == 0
+    assert out.read_text() == (ROOT / "mergecal" / "data" / "real_vision_metadata_tall.py").read_text()
+    assert "CIFAR100: 100 classes, 18 templates" in capsys.readouterr().out
+    (folder / "pcam.py").write_text("classnames = ['a', 'b']\ntemplates = [lambda c: f'{c} or {c}']\n")
+    with pytest.raises(SystemExit, match=r"pcam\.py: template '\{\} or \{\}' is not a plain one-placeholder"):
+        script.main([str(tmp_path), "--out", str(out)])
+    assert script.main([str(tmp_path / "missing"), "--out", str(out)]) == 2

@@ -172,6 +172,40 @@ def test_gram_solver_matches_the_float64_reference_and_the_svd_solver(shape, spa
         svc_coefficients(merged, taus, 0.5, solver="nope")
 
 
+@pytest.mark.parametrize("space", ["column", "row"])
+@pytest.mark.parametrize("solver", ["gram", "svd"])
+def test_the_merged_responses_read_off_the_decomposition_match_the_product_against_the_reference(
+        space, solver, monkeypatch):
+    """From rank MERGED_RESPONSE_FROM on, a_m is sigma_r v_r^T (sigma_r u_r in the row space), not the product
+    u_r^T dW_m: the same Algorithm 1 (against the float64 loop) to float32 round-off; below it, the product route,
+    bit for bit what it computed before (the committed results). Forced both ways on a small key, and at the rank
+    itself (1024) on a thin one."""
+    import mergecal.calibrations.svc as svc_module
+
+    taus = random_taus(K=3, m=48, n=32, seed=5)
+    merged = 0.7 * sum(taus)
+    product, _ = Svc(space=space, solver=solver).calibrate("w", merged, taus)
+    monkeypatch.setattr(svc_module, "MERGED_RESPONSE_FROM", 1)
+    read_off, _ = Svc(space=space, solver=solver).calibrate("w", merged, taus)
+    if space == "column":
+        U, S, Vt, _, gamma = reference_gamma(merged, taus, 1 / 3)
+        expected = (U * (gamma * S)) @ Vt
+        bound = 1e-6 if solver == "gram" else 2e-5  # the float32 SVD's own error (module docstring)
+        for out in (product, read_off):
+            assert np.linalg.norm(out.double().numpy() - expected) / np.linalg.norm(expected) < bound
+    assert (read_off - product).norm() / product.norm() < 1e-5
+    assert not torch.equal(read_off, product)  # another rounding: the two routes are both taken
+    monkeypatch.undo()
+    assert svc_module.MERGED_RESPONSE_FROM == 1024
+    wide = random_taus(K=2, m=1024, n=1030, seed=6)  # rank 1024: read off by default
+    merged = sum(wide)
+    c = svc_coefficients(merged, wide, 0.5, space=space, solver=solver)
+    monkeypatch.setattr(svc_module, "MERGED_RESPONSE_FROM", 10**9)
+    p = svc_coefficients(merged, wide, 0.5, space=space, solver=solver)
+    torch.testing.assert_close(c["gamma"], p["gamma"], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(c["s"], p["s"])
+
+
 def test_gram_solver_on_a_rank_deficient_update_stays_finite_and_guarded():
     """Tasks on disjoint rows, merged rank 4 < 12: the QR branch completes the null space (sigma = 0 there, so
     the output is unique) and the round-off guard zeroes the null directions' coefficients."""

@@ -1,8 +1,11 @@
-"""The eight standard real vision tasks of model merging, read from local files only (nothing is downloaded).
+"""The real vision tasks of model merging, read from local files only (nothing is downloaded).
 
-Tasks (``REAL_TASKS``): SUN397, Cars (Stanford Cars), RESISC45, EuroSAT, SVHN, GTSRB, MNIST, DTD, with the
-class names and templates of ``real_vision_metadata``. ``load_real_split(root, name, split)`` finds the
-dataset under ``root`` (the "data location" of task_vectors / torchvision) in one of three layouts:
+Tasks (``VISION_TASKS``): the eight standard ones (``REAL_TASKS``: SUN397, Cars (Stanford Cars), RESISC45,
+EuroSAT, SVHN, GTSRB, MNIST, DTD) and the twelve the TALL-mask paper adds for its 14- and 20-task sets
+(Flowers102, PCAM, FER2013, OxfordIIITPet, STL10, CIFAR100, then CIFAR10, Food101, FashionMNIST, EMNIST (letters),
+KMNIST, RenderedSST2; ``TASK_SETS``), with the class names and templates of ``real_vision_metadata``.
+``load_real_split(root, name, split)`` finds the dataset under ``root`` (the "data location" of task_vectors /
+torchvision) in one of three layouts:
 
 ``imagefolder`` -- task_vectors' preprocessed splits: ``ROOT/<dir>/{train,val,test}/<class>/<image>``, with
     ``<dir>`` one of ``DATASET_DIRS[name]`` (e.g. ``EuroSAT_splits``, ``dtd``, ``sun397``/``SUN397``,
@@ -10,7 +13,8 @@ dataset under ``root`` (the "data location" of task_vectors / torchvision) in on
     (case, spaces, ``_``, ``/``, ``-`` ignored; SUN397's ``a_abbey`` letter prefix and EuroSAT's ``AnnualCrop``
     style accepted). When there is no ``test/`` folder, ``val/`` is the test split: the common preprocessing
     script writes DTD's ``test1.txt`` and SUN397's ``Testing_01.txt`` there, and task_vectors tests on it.
-``torchvision`` -- what ``torchvision.datasets.X(root, download=False)`` (or task_vectors' own class) reads:
+``torchvision`` -- (the eight tasks) what ``torchvision.datasets.X(root, download=False)`` (or task_vectors'
+    own class) reads:
     MNIST ``ROOT/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]``;
     SVHN ``ROOT/svhn/{train,test}_32x32.mat`` (or directly under ROOT; label 10 means digit 0);
     EuroSAT ``ROOT/eurosat/2750/<class>/*.jpg`` (also ``ROOT/2750``, ``ROOT/EuroSAT_RGB``); it has no official
@@ -28,7 +32,10 @@ dataset under ``root`` (the "data location" of task_vectors / torchvision) in on
 ``hf`` -- Hugging Face ``datasets`` files under ``ROOT/<dir>``: a ``DatasetDict.save_to_disk`` directory
     (``dataset_dict.json``), or parquet shards ``**/{train,validation,test}-*.parquet`` as in the hub repos
     FusionBench uses (``tanganke/sun397`` etc.), with an ``image`` and a ``label`` column; ``ROOT`` may also be
-    such a repository's snapshot in a Hugging Face cache (a hub id, ``mergecal.hub_cache``). Label names from the
+    such a repository's snapshot in a Hugging Face cache (a hub id, ``mergecal.hub_cache``); or webdataset tar
+    shards ``<split>/<n>.tar`` (``<key>.jpg`` + ``<key>.cls``: clip-benchmark/wds_fer2013, FusionBench's FER2013).
+    As FusionBench reads them: CIFAR-100's ``fine_label`` where there is no ``label`` column, and Food-101's
+    ``validation`` split as its test split (its validation then held out of train). Label names from the
     ``ClassLabel`` feature are matched to the standard classes; when they do not match but their number does,
     the integer labels are taken as the standard order. Read with pyarrow / ``load_from_disk``, never the hub.
 
@@ -57,7 +64,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import MergecalError, ParameterError, UnknownNameError
-from .real_vision_metadata import CLASSNAMES, NATIVE_NAMES, REAL_TASKS, TEMPLATES
+from .real_vision_metadata import CLASSNAMES, NATIVE_NAMES, REAL_TASKS, TASK_SETS, TEMPLATES, VISION_TASKS  # noqa: F401
 from .vision import validation_indices
 
 
@@ -83,23 +90,43 @@ DATASET_DIRS: dict[str, tuple[str, ...]] = {
     "GTSRB": ("gtsrb", "GTSRB"),
     "MNIST": ("mnist", "MNIST"),
     "DTD": ("dtd", "DTD"),
+    # the TALL-mask tasks (their hub repositories' names, FusionBench's and torchvision's spellings)
+    "Flowers102": ("oxford_flowers102", "flowers102", "Flowers102", "flowers-102"),
+    "PCAM": ("pcam", "PCAM", "PatchCamelyon"),
+    "FER2013": ("fer2013", "FER2013", "wds_fer2013"),
+    "OxfordIIITPet": ("oxford-iiit-pet", "oxford_iiit_pet", "OxfordIIITPet", "oxford_pets"),
+    "STL10": ("stl10", "STL10"),
+    "CIFAR100": ("cifar100", "CIFAR100", "cifar-100"),
+    "CIFAR10": ("cifar10", "CIFAR10", "cifar-10"),
+    "Food101": ("food101", "Food101", "food-101"),
+    "FashionMNIST": ("fashion_mnist", "FashionMNIST", "fashion-mnist"),
+    "EMNIST": ("emnist_letters", "EMNIST", "emnist"),
+    "KMNIST": ("kmnist", "KMNIST"),
+    "RenderedSST2": ("rendered-sst2", "rendered_sst2", "RenderedSST2"),
 }
 # Among several parquet configurations in one hub repository, the one that holds the task.
 _HF_PREFERRED_CONFIG = {"SVHN": "cropped_digits", "MNIST": "mnist"}
-_NAME_ALIASES = {"stanfordcars": "Cars", "cars": "Cars"}
+_NAME_ALIASES = {"stanfordcars": "Cars", "cars": "Cars", "oxfordflowers102": "Flowers102", "flower102": "Flowers102",
+                 "patchcamelyon": "PCAM", "oxfordpets": "OxfordIIITPet", "emnistletters": "EMNIST"}
+# Label columns tried in order, where a task's hub copies name theirs otherwise (CIFAR-100's fine labels)
+_LABEL_COLUMNS = {"CIFAR100": ("label", "labels", "fine_label")}
+# FusionBench's test split where it is not the split named test: Food-101 has none (its validation split, 25,250
+# images, is what FusionBench and the TALL-mask code test on); the validation split is then held out of train
+_HF_TEST_SPLIT = {"Food101": "validation"}
 
 
 def _norm(text: str) -> str:
-    """Matching key of a class or dataset name: lower case, letters and digits only."""
-    return re.sub(r"[^0-9a-z]", "", str(text).lower())
+    """Matching key of a class or dataset name: lower case, letters and digits only (any script: KMNIST's
+    classes are hiragana)."""
+    return re.sub(r"[\W_]", "", str(text).lower())
 
 
 def canonical_task(name: str) -> str:
-    """The ``REAL_TASKS`` spelling of ``name`` (case and punctuation ignored; "StanfordCars" -> "Cars")."""
-    by_key = {_norm(t): t for t in REAL_TASKS} | _NAME_ALIASES
+    """The ``VISION_TASKS`` spelling of ``name`` (case and punctuation ignored; "StanfordCars" -> "Cars")."""
+    by_key = {_norm(t): t for t in VISION_TASKS} | _NAME_ALIASES
     task = by_key.get(_norm(name))
     if task is None:
-        raise UnknownNameError(f"unknown real vision task {name!r}; expected one of {', '.join(REAL_TASKS)}")
+        raise UnknownNameError(f"unknown real vision task {name!r}; expected one of {', '.join(VISION_TASKS)}")
     return task
 
 
@@ -557,10 +584,12 @@ _TORCHVISION: dict[str, tuple[Callable[[Path], Path | None], Callable, str]] = {
 
 
 def _torchvision_find(root: Path, task: str) -> Path | None:
-    return _TORCHVISION[task][0](root)
+    return _TORCHVISION[task][0](root) if task in _TORCHVISION else None  # the eight tasks only
 
 
 def _torchvision_expected(root: Path, task: str) -> str:
+    if task not in _TORCHVISION:
+        return f"torchvision (not read for {task})"
     return f"torchvision {root}/{_TORCHVISION[task][2]}"
 
 
@@ -590,8 +619,27 @@ def _parquet_files(directory: Path) -> list[Path]:
     return sorted(p for pattern in patterns for p in directory.glob(pattern) if _parquet_split(p))
 
 
+_TAR_SPLIT = re.compile(r"^(?P<split>[A-Za-z_]+?)[-_]\d+\.tar$")
+_WDS_IMAGE = ("jpg", "jpeg", "png", "webp")
+_WDS_LABEL = ("cls", "label")
+
+
+def _tar_split(path: Path) -> str | None:
+    """Split name of a webdataset shard: ``test/0.tar`` (CLIP_benchmark's ``wds_*`` repositories, e.g.
+    clip-benchmark/wds_fer2013, FusionBench's FER2013) or ``test-000000.tar``."""
+    match = _TAR_SPLIT.match(path.name)
+    if match:
+        return match["split"]
+    known = {name for names in _HF_SPLIT_NAMES.values() for name in names}
+    return path.parent.name if re.fullmatch(r"\d+\.tar", path.name) and path.parent.name in known else None
+
+
+def _tar_files(directory: Path) -> list[Path]:
+    return sorted(p for pattern in ("*.tar", "*/*.tar") for p in directory.glob(pattern) if _tar_split(p))
+
+
 def _hf_holds(d: Path) -> bool:
-    return (d / "dataset_dict.json").is_file() or (d.is_dir() and bool(_parquet_files(d)))
+    return (d / "dataset_dict.json").is_file() or (d.is_dir() and bool(_parquet_files(d) or _tar_files(d)))
 
 
 def is_hub_dataset_snapshot(root: Path) -> bool:
@@ -640,9 +688,17 @@ def _hf_labels(task: str, raw: np.ndarray, names: Sequence[str] | None, where: s
     return mapping[raw] if mapping is not None else raw
 
 
+def _split_names(task: str, split: str) -> tuple[str, ...]:
+    """The stored split names that hold ``split`` of ``task`` (none: the layout lacks it)."""
+    test = _HF_TEST_SPLIT.get(task)
+    if test is None:
+        return _HF_SPLIT_NAMES[split]
+    return {"test": (test,), "validation": ()}.get(split, _HF_SPLIT_NAMES[split])
+
+
 def _pick_columns(task: str, columns: Sequence[str], where: str) -> tuple[str, str]:
     image = next((c for c in ("image", "img") if c in columns), None)
-    label = next((c for c in ("label", "labels") if c in columns), None)
+    label = next((c for c in _LABEL_COLUMNS.get(task, ("label", "labels")) if c in columns), None)
     if image is None or label is None:
         raise DatasetError(f"{task}: {where} has columns {list(columns)}, expected an 'image' and a 'label' column")
     return image, label
@@ -652,7 +708,7 @@ def _hf_disk(location: Path, task: str, split: str) -> _Source | None:
     from datasets import load_from_disk
 
     splits = json.loads((location / "dataset_dict.json").read_text()).get("splits", [])
-    key = next((s for s in _HF_SPLIT_NAMES[split] if s in splits), None)
+    key = next((s for s in _split_names(task, split) if s in splits), None)
     if key is None:
         if split == "validation":
             return None
@@ -675,7 +731,7 @@ def _hf_disk(location: Path, task: str, split: str) -> _Source | None:
 def _hf_parquet(location: Path, task: str, split: str) -> _Source | None:
     import pyarrow.parquet as pq
 
-    files = [p for p in _parquet_files(location) if _parquet_split(p) in _HF_SPLIT_NAMES[split]]
+    files = [p for p in _parquet_files(location) if _parquet_split(p) in _split_names(task, split)]
     groups = sorted({p.parent for p in files})
     if len(groups) > 1:
         preferred = [g for g in groups if g.name in (_HF_PREFERRED_CONFIG.get(task), "data")]
@@ -687,7 +743,7 @@ def _hf_parquet(location: Path, task: str, split: str) -> _Source | None:
         if split == "validation":
             return None
         raise DatasetError(f"{task}: no {split}-*.parquet shard under {location} (hf parquet layout)")
-    where = str(files[0].parent / f"{_HF_SPLIT_NAMES[split][0]}-*.parquet")
+    where = str(files[0].parent / f"{_parquet_split(files[0])}-*.parquet")
     handles = [pq.ParquetFile(p) for p in files]
     image, label = _pick_columns(task, handles[0].schema_arrow.names, str(files[0]))
     names = None
@@ -711,9 +767,57 @@ def _hf_parquet(location: Path, task: str, split: str) -> _Source | None:
     return _Source(labels, load, where, tuple(files))
 
 
+def _hf_webdataset(location: Path, task: str, split: str) -> _Source | None:
+    """Webdataset tar shards (what ``datasets`` reads from such a repository): members ``<key>.<field>``, an image
+    field (jpg, png, webp) and an integer label (``cls``) per key, in shard and member order. Labels are taken
+    as the standard class order (CLIP_benchmark writes its classnames.txt in it)."""
+    import tarfile
+
+    files = [p for p in _tar_files(location) if _tar_split(p) in _split_names(task, split)]
+    if not files:
+        if split == "validation":
+            return None
+        raise DatasetError(f"{task}: no {split} webdataset shard (<split>/<n>.tar) under {location}")
+    where = str(files[0].parent / "*.tar")
+    images: list[tuple[Path, int, int]] = []  # (shard, offset, size) of each example's image
+    labels: list[int] = []
+    for path in files:
+        examples: dict[str, dict[str, tarfile.TarInfo]] = {}
+        try:
+            with tarfile.open(path) as tar:
+                for member in tar:
+                    if member.isfile() and "." in Path(member.name).name:
+                        key, field = member.name.split("/")[-1].split(".", 1)
+                        examples.setdefault(f"{Path(member.name).parent}/{key}", {})[field.lower()] = member
+                for key, fields in examples.items():
+                    image = next((fields[f] for f in _WDS_IMAGE if f in fields), None)
+                    label = next((fields[f] for f in _WDS_LABEL if f in fields), None)
+                    if image is None or label is None:
+                        raise DatasetError(f"{task}: example {key!r} of {path} has fields {sorted(fields)}, expected "
+                                           f"an image ({', '.join(_WDS_IMAGE)}) and a label ({', '.join(_WDS_LABEL)})")
+                    text = tar.extractfile(label).read().decode().strip()
+                    if not re.fullmatch(r"\d+", text):
+                        raise DatasetError(f"{task}: label of {key!r} in {path} is {text[:20]!r}, expected an integer")
+                    labels.append(int(text))
+                    images.append((path, image.offset_data, image.size))
+        except (OSError, tarfile.TarError) as exc:
+            raise DatasetError(f"{task}: cannot read webdataset shard {path}: {exc}") from None
+    labels_array = _hf_labels(task, np.asarray(labels, dtype=np.int64), None, where)
+
+    def load(i: int) -> Image.Image:
+        path, offset, size = images[i]
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return _to_pil({"bytes": f.read(size)}, path, task)
+
+    return _Source(labels_array, load, where, tuple(files))
+
+
 def _hf_read(location: Path, task: str, split: str, root: Path) -> _Source | None:
     if (location / "dataset_dict.json").is_file():
         return _hf_disk(location, task, split)
+    if not _parquet_files(location) and _tar_files(location):
+        return _hf_webdataset(location, task, split)
     return _hf_parquet(location, task, split)
 
 

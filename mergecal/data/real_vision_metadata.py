@@ -1,4 +1,5 @@
-"""Class names and zero-shot prompt templates of the eight standard model-merging vision tasks.
+"""Class names and zero-shot prompt templates of the eight standard model-merging vision tasks (and, from
+``real_vision_metadata_tall``, of the twelve the TALL-mask paper adds for its 14- and 20-task sets).
 
 Kept as a Python module so no package-data configuration is needed. Class order is the datasets' standard
 label order (the one the fine-tuned checkpoints' heads use). Templates are ``str.format`` strings with one
@@ -15,6 +16,10 @@ Sources (copied programmatically, not retyped):
 """
 
 from __future__ import annotations
+
+from .real_vision_metadata_tall import CLASSNAMES as _TALL_CLASSNAMES
+from .real_vision_metadata_tall import TALL_TASKS
+from .real_vision_metadata_tall import TEMPLATES as _TALL_TEMPLATES
 
 REAL_TASKS: tuple[str, ...] = ("SUN397", "Cars", "RESISC45", "EuroSAT", "SVHN", "GTSRB", "MNIST", "DTD")
 
@@ -257,6 +262,15 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
     "EuroSAT": _EUROSAT_TEMPLATES, "SVHN": _SVHN_TEMPLATES, "GTSRB": _GTSRB_TEMPLATES,
     "MNIST": _MNIST_TEMPLATES, "DTD": _DTD_TEMPLATES,
 }
+
+# the twelve tasks the TALL-mask paper adds (its 14- and 20-task sets), as FusionBench evaluates them
+
+#: every task ``real_vision`` reads: the eight, then TALL's twelve in FusionBench's TALL20 order
+VISION_TASKS: tuple[str, ...] = REAL_TASKS + TALL_TASKS
+#: the TALL-mask paper's task sets (arXiv:2405.07813), FusionBench's TALL14 and TALL20 pools
+TASK_SETS: dict[str, tuple[str, ...]] = {"ta8": REAL_TASKS, "tall14": VISION_TASKS[:14], "tall20": VISION_TASKS}
+CLASSNAMES.update(_TALL_CLASSNAMES)
+TEMPLATES.update(_TALL_TEMPLATES)
 
 # On-disk label names that differ from the class names beyond case, spaces, "_", "/" and "-" (which the
 # loaders ignore when matching), in class order: EuroSAT's folder names (``2750/<class>``), GTSRB's

@@ -59,7 +59,8 @@ class LocalClipTrack(Strict):
     open_clip state dict in safetensors, a Hugging Face CLIP(Vision)Model directory, or, with
     ``allow_unsafe_pickle``, a pickled file such as task_vectors' finetuned.pt) and one local dataset per task
     (the data location holding it in any layout ``mergecal.data.real_vision`` reads). Tasks are the eight
-    standard vision tasks (their names as ``real_vision`` spells them, case ignored); ``class_names`` and
+    standard vision tasks and the twelve of the TALL-mask sets (their names as ``real_vision`` spells them,
+    case ignored); ``class_names`` and
     ``templates`` replace a task's standard ones in its zero-shot head (as many names as the task's classes).
     Relative paths are relative to the repository root. Nothing is copied or downloaded. A task with fewer
     than ``min_test`` test images is refused (``MIN_TEST_EXAMPLES``)."""
@@ -114,7 +115,7 @@ class LocalClipTrack(Strict):
     @classmethod
     def _finetuned(cls, finetuned: dict[str, str]) -> dict[str, str]:
         from .....data.real_vision import canonical_task
-        from .....data.real_vision_metadata import REAL_TASKS
+        from .....data.real_vision_metadata import VISION_TASKS
 
         if len(finetuned) < 2:
             raise ValueError(f"expected at least 2 fine-tuned checkpoints (task: path), got {len(finetuned)}")
@@ -122,7 +123,7 @@ class LocalClipTrack(Strict):
             try:
                 canonical_task(task)
             except MergecalError:
-                raise ConfigValueError(task, f"not one of the vision tasks ({', '.join(REAL_TASKS)})") from None
+                raise ConfigValueError(task, f"not one of the vision tasks ({', '.join(VISION_TASKS)})") from None
             if not path:
                 raise ConfigValueError(task, "expected a checkpoint file or directory")
         return finetuned
