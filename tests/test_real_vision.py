@@ -424,7 +424,7 @@ def test_the_tall_tasks_have_their_datasets_class_counts_and_one_placeholder_tem
     assert resolve_label("KMNIST", "き", "here") == 1 and resolve_label("PCAM", "Lymph_Node", "here") == 0
 
 
-def write_webdataset(path, examples: list[tuple[str, bytes, str]]) -> None:
+def write_webdataset(path, examples: list[tuple[str, bytes, str | bytes]]) -> None:
     """A webdataset shard: for each (key, image bytes, label text) the members <key>.png and <key>.cls."""
     import io
     import tarfile
@@ -432,7 +432,8 @@ def write_webdataset(path, examples: list[tuple[str, bytes, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w") as tar:
         for key, image, label in examples:
-            for name, data in ((f"{key}.png", image), (f"{key}.cls", label.encode())):
+            for name, data in ((f"{key}.png", image), (f"{key}.cls", label if isinstance(label, bytes) else
+                                                          label.encode())):
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -464,6 +465,9 @@ def test_fer2013_from_clip_benchmarks_webdataset_shards(tmp_path):
     assert len(val) == len(validation_indices(7, seed=1)) and set(val.labels.tolist()) == {3}
     write_webdataset(root / "test" / "2.tar", [("s9", png_bytes(ims[0]), "seven")])
     with pytest.raises(DatasetError, match=r"FER2013: label of .*s9.* in .*2\.tar is 'seven', expected an integer"):
+        load_real_split(tmp_path, "FER2013", "test")
+    write_webdataset(root / "test" / "2.tar", [("s9", png_bytes(ims[0]), b"\xff\xfe")])
+    with pytest.raises(DatasetError, match=r"FER2013: cannot read webdataset shard .*2\.tar: .*utf-8"):
         load_real_split(tmp_path, "FER2013", "test")
     write_webdataset(root / "test" / "2.tar", [("s9", png_bytes(ims[0]), "7")])
     with pytest.raises(DatasetError, match=r"FER2013: labels of .* lie in \[0, 7\], expected \[0, 7\)"):

@@ -800,7 +800,7 @@ def _hf_webdataset(location: Path, task: str, split: str) -> _Source | None:
                         raise DatasetError(f"{task}: label of {key!r} in {path} is {text[:20]!r}, expected an integer")
                     labels.append(int(text))
                     images.append((path, image.offset_data, image.size))
-        except (OSError, tarfile.TarError) as exc:
+        except (OSError, tarfile.TarError, UnicodeDecodeError) as exc:  # a label that is not text, too
             raise DatasetError(f"{task}: cannot read webdataset shard {path}: {exc}") from None
     labels_array = _hf_labels(task, np.asarray(labels, dtype=np.int64), None, where)
 
