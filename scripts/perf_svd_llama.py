@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -164,17 +165,11 @@ def totals(result: dict) -> list[dict]:
     return out
 
 
-@contextlib.contextmanager
 def top_pairs_by_evr_only():
     """The eigensolver rule before ``mergecal.linalg.EVD_FOR_MANY_PAIRS_FROM``: a top k always by dsyevr."""
     from mergecal import linalg
 
-    saved = linalg.EVD_FOR_MANY_PAIRS_FROM
-    linalg.EVD_FOR_MANY_PAIRS_FROM = sys.maxsize
-    try:
-        yield
-    finally:
-        linalg.EVD_FOR_MANY_PAIRS_FROM = saved
+    return mock.patch.object(linalg, "EVD_FOR_MANY_PAIRS_FROM", sys.maxsize)
 
 
 def eigh_sizes_table(sizes: list[int], shares=(0.125, 0.25, 1 / 3, 0.5, 0.8)) -> str:
@@ -202,17 +197,11 @@ def eigh_sizes_table(sizes: list[int], shares=(0.125, 0.25, 1 / 3, 0.5, 0.8)) ->
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
 def svc_responses_by_product():
     """SVC's rule before ``mergecal.calibrations.svc.MERGED_RESPONSE_FROM``: a_m always the product u_r^T dW_m."""
     from mergecal.calibrations import svc
 
-    saved = svc.MERGED_RESPONSE_FROM
-    svc.MERGED_RESPONSE_FROM = sys.maxsize
-    try:
-        yield
-    finally:
-        svc.MERGED_RESPONSE_FROM = saved
+    return mock.patch.object(svc, "MERGED_RESPONSE_FROM", sys.maxsize)
 
 
 #: --compare: the rule before each change, as a context manager, and its label

@@ -167,28 +167,47 @@ def _parquet(folder: Path, names: list[str], splits: tuple[str, ...]) -> None:
             str(folder / f"{split}-00000-of-00001.parquet"))
 
 
-def test_a_preset_resolves_offline_and_runs_end_to_end_at_smoke_size(cache, tmp_path):
-    """FusionBench's ViT-B/32 pool by its preset, two of its tasks (``preset_tasks``), every id fabricated in the
-    cache at micro size (a Hugging Face CLIP with the real parameter names, CLIPVisionModel experts, parquet test
-    sets in the layout of ylecun/mnist and tanganke/eurosat): the references and a task-arithmetic cell run."""
+def _fusionbench_b32_models(cache: Path, staged: Path, tasks: tuple[str, ...], seed: int) -> None:
+    """OpenAI's CLIP ViT-B/32 (a micro Hugging Face CLIP with the real parameter names) and FusionBench's
+    fine-tuned image encoders for ``tasks`` (its repository suffixes), in the cache under their hub ids."""
     from mergecal.checkpoint import save_checkpoint
-    from mergecal.data.real_vision import task_metadata
-    from mergecal.pipeline.cells import enumerate_cells, run_cell
-    from stages import local_inputs, local_tracks
 
-    torch.set_num_threads(1)
     clip = micro_hf_clip()
-    staged = tmp_path / "staged"
     clip.save_pretrained(staged / "pretrained")
-    cache_repo(cache, "model", "openai/clip-vit-base-patch32",
-               {p.name: p for p in (staged / "pretrained").iterdir()})
-    generator = torch.Generator().manual_seed(1)
-    for task in ("mnist", "eurosat"):
+    cache_repo(cache, "model", "openai/clip-vit-base-patch32", {p.name: p for p in (staged / "pretrained").iterdir()})
+    generator = torch.Generator().manual_seed(seed)
+    for task in tasks:
         vision = {k.removeprefix("vision_model."): v + 0.02 * torch.randn(v.shape, generator=generator)
                   for k, v in clip.state_dict().items() if k.startswith("vision_model.")}
         save_checkpoint(vision, staged / task)
         cache_repo(cache, "model", f"tanganke/clip-vit-base-patch32_{task}",
                    {p.name: p for p in (staged / task).iterdir()})
+
+
+def _references_and_a_cell(root: Path, track: dict):
+    """The track's stages (``local_inputs``, ``local_tracks``) and its task-arithmetic cell: (params, the
+    references report, the cell's result)."""
+    from mergecal.pipeline.cells import enumerate_cells, run_cell
+    from stages import local_inputs, local_tracks
+
+    _write_preset_params(root, track, ["{merge}"])
+    for stage in (local_inputs, local_tracks):
+        assert stage.run(stage.stage, ["--root", str(root)]) == 0
+    params = load_params(root / "params.yaml")
+    report = yaml.safe_load(clip_files.references_path(params.local_clip[0], root).read_text())
+    cell = next(c for c in enumerate_cells(params) if c.track.startswith("local_clip") and c.merge == "task_arithmetic")
+    return params, report, run_cell(cell, params, root)
+
+
+def test_a_preset_resolves_offline_and_runs_end_to_end_at_smoke_size(cache, tmp_path):
+    """FusionBench's ViT-B/32 pool by its preset, two of its tasks (``preset_tasks``), every id fabricated in the
+    cache at micro size (a Hugging Face CLIP with the real parameter names, CLIPVisionModel experts, parquet test
+    sets in the layout of ylecun/mnist and tanganke/eurosat): the references and a task-arithmetic cell run."""
+    from mergecal.data.real_vision import task_metadata
+
+    torch.set_num_threads(1)
+    staged = tmp_path / "staged"
+    _fusionbench_b32_models(cache, staged, ("mnist", "eurosat"), seed=1)
     _parquet(staged / "mnist" / "data" / "mnist", task_metadata("MNIST")[0], ("train", "test"))
     cache_repo(cache, "dataset", "ylecun/mnist",
                {f"mnist/{p.name}": p for p in (staged / "mnist/data/mnist").iterdir()})
@@ -196,23 +215,12 @@ def test_a_preset_resolves_offline_and_runs_end_to_end_at_smoke_size(cache, tmp_
     cache_repo(cache, "dataset", "tanganke/eurosat",
                {f"data/{p.name}": p for p in (staged / "eurosat/data/data").iterdir()})
 
-    root = tmp_path / "repo"
-    root.mkdir()
     track = {"name": "fb", "preset": "fusionbench-clip-vit-b32-ta8", "preset_tasks": ["MNIST", "EuroSAT"],
              "evaluation": {"batch_size": 16, "max_validation": 8}, "min_test": 20}
-    (root / "params.yaml").write_text(yaml.safe_dump({
-        "vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
-        "benchmark": {"merges": {"task_arithmetic": {"scaling": [0.3, 1.0]}}, "chains": ["{merge}"]},
-        "local_clip": [track]}))
-    for stage in (local_inputs, local_tracks):
-        assert stage.run(stage.stage, ["--root", str(root)]) == 0
-    params = load_params(root / "params.yaml")
-    report = yaml.safe_load(clip_files.references_path(params.local_clip[0], root).read_text())
+    params, report, result = _references_and_a_cell(tmp_path / "repo", track)
     assert set(report["tasks"]) == {"MNIST", "EuroSAT"} and "error" not in report, report
     for entry in report["tasks"].values():
         assert "error" not in entry and entry["n"]["test"] == 20 and entry["norm"] > 0, entry
-    cell = next(c for c in enumerate_cells(params) if c.track.startswith("local_clip") and c.merge == "task_arithmetic")
-    result = run_cell(cell, params, root)
     assert 0 <= result.metrics["avg_acc"] <= 1 and result.metrics["selected_scaling"] in (0.3, 1.0)
     assert set(result.examples) == {"MNIST", "EuroSAT"} and all(len(v) == 20 for v in result.examples.values())
 
@@ -228,24 +236,12 @@ def test_a_twenty_task_preset_reads_its_webdataset_and_validation_test_splits_en
 
     from PIL import Image
 
-    from mergecal.checkpoint import save_checkpoint
     from mergecal.data.real_vision import task_metadata
-    from mergecal.pipeline.cells import enumerate_cells, run_cell
     from mergecal.published import for_tracks
-    from stages import local_inputs, local_tracks
 
     torch.set_num_threads(1)
-    clip = micro_hf_clip()
     staged = tmp_path / "staged"
-    clip.save_pretrained(staged / "pretrained")
-    cache_repo(cache, "model", "openai/clip-vit-base-patch32", {p.name: p for p in (staged / "pretrained").iterdir()})
-    generator = torch.Generator().manual_seed(2)
-    for task in ("fer2013", "food101", "kmnist"):
-        vision = {k.removeprefix("vision_model."): v + 0.02 * torch.randn(v.shape, generator=generator)
-                  for k, v in clip.state_dict().items() if k.startswith("vision_model.")}
-        save_checkpoint(vision, staged / task)
-        cache_repo(cache, "model", f"tanganke/clip-vit-base-patch32_{task}",
-                   {p.name: p for p in (staged / task).iterdir()})
+    _fusionbench_b32_models(cache, staged, ("fer2013", "food101", "kmnist"), seed=2)
     shards = {}
     rng = np.random.default_rng(0)
     for split, n in (("train", 14), ("test", 21)):
@@ -267,24 +263,13 @@ def test_a_twenty_task_preset_reads_its_webdataset_and_validation_test_splits_en
     _parquet(staged / "kmnist" / "data", task_metadata("KMNIST")[0], ("train", "test"))
     cache_repo(cache, "dataset", "tanganke/kmnist", {f"data/{p.name}": p for p in (staged / "kmnist/data").iterdir()})
 
-    root = tmp_path / "repo"
-    root.mkdir()
     track = {"name": "fb20", "preset": "fusionbench-clip-vit-b32-tall20", "preset_tasks": ["FER2013", "Food101",
                                                                                            "KMNIST"],
              "evaluation": {"batch_size": 16, "max_validation": 8}, "min_test": 20}
-    (root / "params.yaml").write_text(yaml.safe_dump({
-        "vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
-        "benchmark": {"merges": {"task_arithmetic": {"scaling": [0.3, 1.0]}}, "chains": ["{merge}"]},
-        "local_clip": [track]}))
-    for stage in (local_inputs, local_tracks):
-        assert stage.run(stage.stage, ["--root", str(root)]) == 0
-    params = load_params(root / "params.yaml")
-    report = yaml.safe_load(clip_files.references_path(params.local_clip[0], root).read_text())
+    params, report, result = _references_and_a_cell(tmp_path / "repo", track)
     assert "error" not in report and set(report["tasks"]) == {"FER2013", "Food101", "KMNIST"}, report
     # FER2013's 21 test images; Food-101's 20 validation images as its test split; KMNIST's 20 test images
     assert {t: e["n"]["test"] for t, e in report["tasks"].items()} == {"FER2013": 21, "Food101": 20, "KMNIST": 20}
-    cell = next(c for c in enumerate_cells(params) if c.track.startswith("local_clip") and c.merge == "task_arithmetic")
-    result = run_cell(cell, params, root)
     assert 0 <= result.metrics["avg_acc"] <= 1 and set(result.examples) == {"FER2013", "Food101", "KMNIST"}
     [svc] = for_tracks(params)["fb20"]
     assert svc[0].task_set == "svc14" and set(svc[0].tasks) & set(params.local_clip[0].finetuned) == {"Food101"}
