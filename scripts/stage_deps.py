@@ -28,10 +28,12 @@ from mergecal.pipeline.imports import PROJECT_PACKAGES, import_graph, source_pat
 RUNS_EVERY_MEMBER = {"stages.benchmark"}
 #: the stage that measures every track's stability through the registry's DIAGNOSTICS
 RUNS_DIAGNOSTICS = {"stages.stability"}
-#: data files a package reads at run time, deps of every stage that imports it: the published tables (a transcription
-#: fix reruns the report). Not the presets: their values reach the cells through the tracks' params, hashed by
-#: local_inputs into its output.
-PACKAGE_DATA = {"mergecal.published": "mergecal/published/*.yaml"}
+#: data files a module reads at run time, deps of every stage that imports it: the published tables (a transcription
+#: fix reruns the report), and the presets' ``published:`` lists, which the report's published section reads (a
+#: preset edit reruns the report alone). The presets' tracks are no stage's file deps: their values reach the cells
+#: through the tracks' params, hashed by local_inputs into its output.
+PACKAGE_DATA = {"mergecal.published": "mergecal/published/*.yaml",
+                "mergecal.reports.published": "mergecal/presets/*.yaml"}
 COMMAND_MODULE = re.compile(r"\bpython3?\s+-m\s+((?:" + "|".join(PROJECT_PACKAGES) + r")(?:\.\w+)*)")
 
 

@@ -271,8 +271,10 @@ def test_a_twenty_task_preset_reads_its_webdataset_and_validation_test_splits_en
     # FER2013's 21 test images; Food-101's 20 validation images as its test split; KMNIST's 20 test images
     assert {t: e["n"]["test"] for t, e in report["tasks"].items()} == {"FER2013": 21, "Food101": 20, "KMNIST": 20}
     assert 0 <= result.metrics["avg_acc"] <= 1 and set(result.examples) == {"FER2013", "Food101", "KMNIST"}
-    [svc] = for_tracks(params)["fb20"]
-    assert svc[0].task_set == "svc14" and set(svc[0].tasks) & set(params.local_clip[0].finetuned) == {"Food101"}
+    fusionbench, svc = for_tracks(params)["fb20"]
+    tasks = set(params.local_clip[0].finetuned)
+    assert fusionbench[0].task_set == "tall20" and tasks <= set(fusionbench[0].tasks)  # every column of the three
+    assert svc[0].task_set == "svc14" and set(svc[0].tasks) & tasks == {"Food101"}
 
 
 def test_the_task_vectors_presets_name_their_pickled_checkpoints_under_the_labs_folders(tmp_path):
@@ -456,12 +458,19 @@ def test_every_shipped_preset_is_a_valid_track_of_its_task_set_and_a_tracks_own_
         eight = parse_params({"local_clip": [{"name": "p", "preset": name.replace(task_set, "ta8")}]}).local_clip[0]
         assert {t: track.finetuned[t] for t in eight.finetuned} == eight.finetuned
         assert {t: track.datasets[t] for t in eight.datasets} == eight.datasets
-        # each names published tables that exist; the TALL sets the SVC paper's 14 (another set: no average shared)
-        for entry in published_of(name):
+        # each names published tables that exist, FusionBench's documentation first (its 20-task references for
+        # both TALL sets); the TALL sets the SVC paper's 14 (another set: no average shared)
+        entries = published_of(name)
+        assert entries[0] == {"source": "fusionbench", "backbone": {"b32": "ViT-B/32", "b16": "ViT-B/16",
+                                                                     "l14": "ViT-L/14"}[size],
+                              "task_set": "ta8" if task_set == "ta8" else "tall20"}
+        for entry in entries:
             found = rows(entry["source"], entry["backbone"], entry["task_set"])
             assert found and (entry["task_set"] == "ta8") == (task_set == "ta8")
             shared = set(found[0].tasks) & set(track.finetuned)
-            assert len(shared) == {"ta8": 8, "tall14": 11, "tall20": 12}[task_set], shared
+            expected = len(track.finetuned) if entry["source"] == "fusionbench" else \
+                {"ta8": 8, "tall14": 11, "tall20": 12}[task_set]
+            assert len(shared) == expected, (entry, shared)
     own = parse_params({"local_clip": [{"name": "p", "preset": "fusionbench-clip-vit-b32-ta8", "task_set": "mine",
                                         "finetuned": {"DTD": "/ckpt/dtd"}, "preset_tasks": ["DTD", "MNIST"],
                                         "evaluation": {"max_test": 500}}]})

@@ -13,7 +13,7 @@ import pytest
 from mergecal.pipeline.config import parse_params
 from mergecal.published import PublishedRow, cite, for_tracks, load, recipe_of, rows
 from mergecal.reports.leaderboard import Row, Table
-from mergecal.reports.published import compare, markdown
+from mergecal.reports.published import compare, markdown, to_json
 
 BACKBONES = ("ViT-B/32", "ViT-B/16", "ViT-L/14")
 
@@ -26,7 +26,9 @@ BACKBONES = ("ViT-B/32", "ViT-B/16", "ViT-L/14")
                                             ("2", "TIES w/ SVC", "AlpacaEval", 1.4, 1.3),
                                             ("2", "TIES w/ SVC", "GSM8K", 3.1, 3.0)]),
     # MAGIC prints Traditional MTL's average as 88.9; its per-task numbers (the SVC paper's too) average 89.06
-    ("magic", 15 + 1, [("I", "Traditional MTL [11]")], [])])
+    ("magic", 15 + 1, [("I", "Traditional MTL [11]")], []),
+    # FusionBench's documentation: no gains printed; every eight-task average adds up (its 20-task tables print none)
+    ("fusionbench", 0, [], [])])
 def test_each_transcribed_table_adds_up(source, gains, slips, column_slips):
     data = load(source)
     assert len(data["tasks"]) == 8 and data["paper"]["arxiv"]
@@ -53,6 +55,79 @@ def test_each_transcribed_table_adds_up(source, gains, slips, column_slips):
             elif row["chain"] == "{merge}":
                 base[key] = (row["average"], row["per_task"])
     assert checked == gains and off == slips and off_columns == column_slips
+
+
+def test_fusionbenchs_two_printings_of_its_references_part_where_named():
+    """FusionBench's page prints each pool's zero-shot and fine-tuned accuracies three times: in the eight-task
+    merging tables, in the single-model tables (each encoder on all eight tasks) and in the 20-task tables (two
+    decimals). The single-model tables' diagonals are the merging tables' fine-tuned rows; the 20-task tables are
+    other evaluations, which part from the merging tables' on 21 of 48 eight-task columns by more than the two
+    roundings (ViT-L/14's zero-shot EuroSAT by 2.3 points): the first run of a preset should read both."""
+    data = load("fusionbench")
+    eight = {(t["backbone"], r["method"]): r["per_task"] for t in data["tables"] if t["task_set"] == "ta8"
+             for r in t["rows"] if r["method"] in ("zeroshot", "finetuned")}
+    for backbone, single in data["single_model_ta8"].items():
+        assert single["diagonal"] == eight[(backbone, "finetuned")]
+        if "pretrained" in single:  # ViT-B/32's single-model table prints MNIST's zero-shot as 48.3, not 48.2
+            assert [(t, a, b) for t, a, b in zip(data["tasks"], single["pretrained"], eight[(backbone, "zeroshot")])
+                    if a != b] == ([("MNIST", 48.3, 48.2)] if backbone == "ViT-B/32" else [])
+    parted = []
+    for backbone in BACKBONES:
+        twenty = rows("fusionbench", backbone, "tall20")
+        assert [r.recipe for r in twenty] == ["zeroshot", "finetuned"] and {r.decimals for r in twenty} == {2}
+        for row in twenty:
+            assert row.tasks[:8] == tuple(data["tasks"]) and row.average is None
+            parted += [(backbone, row.recipe, task) for task, a, b in zip(data["tasks"], eight[(backbone, row.recipe)],
+                                                                          row.per_task) if abs(a - b) > 0.055 + 1e-9]
+    assert len(parted) == 21 and ("ViT-L/14", "zeroshot", "EuroSAT") in parted
+    assert [p for p in parted if p[0] == "ViT-B/16"] == [("ViT-B/16", "zeroshot", t) for t in
+                                                         ("Cars", "RESISC45", "SVHN", "DTD")]
+
+
+def test_fusionbenchs_rows_are_the_fixed_scaling_protocols_cells_and_cite_the_document():
+    """Its Task Arithmetic and Ties-Merging rows are at lambda 0.3 with no search: they match the rows a
+    ``benchmark.fixed_scaling`` protocol at 0.3 names, not the searched merge; Simple Averaging is the weight
+    average; the citation names the page and its commit, and the tables by caption."""
+    from mergecal.pipeline.cells import matrix_chains
+    from mergecal.recipe import Recipe
+
+    # the params docs/reproduce-a-paper.md gives a lab for these rows: the cells' labels (Cell.label)
+    params = parse_params({"benchmark": {
+        "merges": {"task_arithmetic": {"scaling": [0.1, 0.3]}, "ties": {"disjoint": "sum", "scaling": [0.1, 0.3]}},
+        "chains": ["{merge}"], "fixed_scaling": [{"scaling": 0.3, "merges": ["task_arithmetic", "ties"],
+                                                  "chains": ["{merge}"]}]},
+        "local_clip": [{"name": "fb", "preset": "fusionbench-clip-vit-b32-ta8"}]})
+    labels = {(merge, bool(grid)): chain.replace("{merge}", merge)
+              for merge, chain, _, grid, _ in matrix_chains(params)}
+    for backbone in BACKBONES:
+        found = rows("fusionbench", backbone, "ta8")
+        recipes = [r.recipe for r in found if r.recipe is not None]
+        assert recipes == ["zeroshot", "finetuned", "weight_averaging", "task_arithmetic(scaling=0.3)",
+                           "ties(scaling=0.3)"]
+        for merge in ("task_arithmetic", "ties"):  # the fixed-scaling cell's label, not the searched one's
+            assert labels[(merge, False)] in recipes and labels[(merge, True)] not in recipes
+            assert Recipe.parse(labels[(merge, False)]).steps[0].params.scaling == 0.3
+        assert {r.decimals for r in found} == {1}
+    b32 = rows("fusionbench", "ViT-B/32", "ta8")
+    assert cite(b32) == ("FusionBench's documentation, docs/modelpool/clip_vit.md (tanganke/fusion_bench at "
+                         "26ffec5), table “Multi-task model merging methods using CLIP-ViT-B/32 models” "
+                         "(its paper: arXiv:2406.03280)")
+    assert len([r for r in b32 if r.recipe is None]) == 12  # RegMean, AdaMerging, WEMoE, ...: not mergecal's
+
+
+def test_a_two_decimal_table_allows_only_its_own_rounding():
+    """A number printed to two decimals lies within 0.005 of the value it rounds, not 0.05; the run's value and
+    interval are shown to the same precision."""
+    zeroshot = rows("fusionbench", "ViT-B/32", "tall20")[0]  # SUN397 63.18, Cars 59.58
+    table = Table("fb", "tall14", "standard", "0", ("SUN397", "Cars"), (
+        Row("zeroshot", "zeroshot", "none", "reference", "z", "run", False,
+            {"acc.SUN397": 0.6310, "acc.Cars": 0.5950},
+            intervals={"acc.SUN397": (0.6290, 0.6318), "acc.Cars": (0.5900, 0.5956)}),), ())
+    rep = compare(table, [zeroshot])
+    # SUN397: 63.18 at the interval's end; Cars: 59.58 above 59.56 + 0.005 (inside with a 0.05 allowance)
+    assert {c.column: c.inside for c in rep.comparisons} == {"SUN397": True, "Cars": False}  # a subset: no average
+    assert "| `zeroshot` | Pre-trained | Cars | 59.58 | 59.50 [59.00, 59.56] | **no** |" in markdown([rep])
+    assert [c["decimals"] for c in to_json([rep])[0]["comparisons"]] == [2, 2]
 
 
 def test_the_llm_tables_name_their_own_columns():
@@ -113,7 +188,9 @@ def test_published_rows_carry_mergecals_recipes_and_the_preset_names_its_table()
         {"name": "fb16", "preset": "fusionbench-clip-vit-b16-ta8"},
         {"name": "mine", "model": {"pretrained": "/c"}, "finetuned": {"MNIST": "/a", "DTD": "/b"},
          "datasets": {"MNIST": "/d", "DTD": "/d"}}]})
-    assert for_tracks(params) == {"fb16": [b16, rows("magic", "ViT-B/16", "ta8")]}
+    # FusionBench's own numbers for its pool first, then the papers'
+    assert for_tracks(params) == {"fb16": [rows("fusionbench", "ViT-B/16", "ta8"), b16,
+                                           rows("magic", "ViT-B/16", "ta8")]}
     assert "preset" not in params.local_clip[0].model_dump(mode="json")  # not in the cell ids
 
 

@@ -1,13 +1,15 @@
 """Published rows: the numbers papers print for the published model pools, transcribed once as data.
 
-One YAML file per paper in this folder (``SOURCES``): the paper's title and arXiv id, the checkpoints' origin as the
-paper states it, the protocol, and ``tables`` of rows — each with the paper's row name, mergecal's recipe for it
-(``method`` and ``chain``; null where mergecal has none), the per-task accuracies and the average as printed (in
+One YAML file per source in this folder (``SOURCES``): the paper's title and arXiv id, the checkpoints' origin as
+the source states it, the protocol, and ``tables`` of rows — each with the paper's row name, mergecal's recipe for
+it (``method`` and ``chain``; null where mergecal has none), the per-task accuracies and the average as printed (in
 percent), and the printed gain of a calibrated row over its base (``gains``: one a column, where a table prints them
-so). A table may name tasks of its own (``tasks``: the LLM tables' AlpacaEval and GSM8K columns); its average may be
-null (not printed). tests/test_published.py checks each table's arithmetic. A preset names the table its pool
-reproduces (``published:`` in ``mergecal/presets/*.yaml``), and the leaderboard of a track built from it shows the
-published number beside the run's (``mergecal.reports.published``).
+so). A table may name tasks of its own (``tasks``: the LLM tables' AlpacaEval and GSM8K columns) and its printed
+precision (``decimals``, 1 unless given: FusionBench's 20-task tables print 2); its average may be null (not
+printed). A source that is not a paper's table names the document it comes from (``document``: FusionBench's
+documentation page, at a commit) and its tables by caption. tests/test_published.py checks each table's arithmetic.
+A preset names the tables its pool reproduces (``published:`` in ``mergecal/presets/*.yaml``), and the leaderboard
+of a track built from it shows the published number beside the run's (``mergecal.reports.published``).
 """
 
 from __future__ import annotations
@@ -39,17 +41,22 @@ class PublishedRow:
     tasks: tuple[str, ...]
     per_task: tuple[float, ...]  # percent, as printed
     average: float | None  # percent, as printed (None: the table prints none, e.g. the SVC paper's LLM columns)
+    decimals: int = 1  # the printed precision
+    document: str | None = None  # the document, where the source is not the paper itself
 
     @property
     def cite(self) -> str:
-        return f"{self.title} (arXiv:{self.arxiv}), Table {self.table}"
+        return cite([self])
 
 
 def cite(published: list[PublishedRow]) -> str:
-    """One paper's rows, cited with every table they come from."""
-    tables = list(dict.fromkeys(p.table for p in published))
-    return (f"{published[0].title} (arXiv:{published[0].arxiv}), Table{'s' if len(tables) > 1 else ''} "
-            f"{', '.join(tables)}")
+    """One source's rows, cited with every table they come from: a paper's by number, a document's by caption."""
+    first, tables = published[0], list(dict.fromkeys(p.table for p in published))
+    plural = "s" if len(tables) > 1 else ""
+    if first.document:
+        captions = "; ".join(f"“{t}”" for t in tables)
+        return f"{first.document}, table{plural} {captions} (its paper: arXiv:{first.arxiv})"
+    return f"{first.title} (arXiv:{first.arxiv}), Table{plural} {', '.join(tables)}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +87,8 @@ def rows(source: str, backbone: str, task_set: str, columns: dict[str, str] | No
         for row in table["rows"]:
             out.append(PublishedRow(source, data["paper"]["title"], str(data["paper"]["arxiv"]), str(table["table"]),
                                     backbone, task_set, row["row"], recipe_of(row["method"], row["chain"]),
-                                    tasks, tuple(row["per_task"]), row["average"]))
+                                    tasks, tuple(row["per_task"]), row["average"], int(table.get("decimals", 1)),
+                                    data.get("document")))
     return out
 
 

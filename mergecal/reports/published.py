@@ -3,8 +3,9 @@ run's value with its 95 % interval, whether the printed number lies inside, and 
 
 Rows are matched by recipe label (``ties>svc`` is the paper's "TIES w/ SVC"), in the table's ``standard`` regime
 (the papers' setting) only. Columns: each task both report, and the average when the table's tasks are the paper's
-(a ``preset_tasks`` subset has no published average). A printed number is rounded to 0.1 point, so "inside" allows
-the interval that rounding: ``lo - 0.05 <= printed <= hi + 0.05`` (points).
+(a ``preset_tasks`` subset has no published average). A printed number is rounded to its table's precision (0.1
+point unless the table says otherwise), so "inside" allows the interval that rounding: ``lo - 0.05 <= printed <=
+hi + 0.05`` (points; 0.005 for a table printed to two decimals).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..published import PublishedRow, cite
-from .leaderboard import Table, points
+from .leaderboard import Table
 
-ROUNDING = 0.05  # points: half the printed precision
 STANDARD = "standard"
 
 
@@ -26,12 +26,14 @@ class Comparison:
     published: float  # points
     value: float | None  # points (None: the cell has no value)
     interval: tuple[float, float] | None  # points
+    decimals: int = 1  # the printed precision
 
     @property
     def inside(self) -> bool | None:
         if self.interval is None:
             return None
-        return self.interval[0] - ROUNDING <= self.published <= self.interval[1] + ROUNDING
+        rounding = 0.5 * 10.0 ** -self.decimals
+        return self.interval[0] - rounding <= self.published <= self.interval[1] + rounding
 
 
 @dataclass(frozen=True)
@@ -66,17 +68,24 @@ def compare(table: Table, published: list[PublishedRow]) -> Reproduction | None:
         for name, header, printed in columns:
             value, interval = row.values.get(name), row.intervals.get(name)
             comparisons.append(Comparison(row.recipe, paper.row, header, printed,
-                                          points(value) if value is not None else None,
-                                          (points(interval[0]), points(interval[1])) if interval else None))
+                                          _points(value, paper.decimals) if value is not None else None,
+                                          (_points(interval[0], paper.decimals), _points(interval[1], paper.decimals))
+                                          if interval else None, paper.decimals))
     return Reproduction(table, cite(published), tuple(comparisons),
                         tuple(p.row for p in published if p.recipe not in matched),
                         tuple(r.recipe for r in table.rows if r.recipe not in matched))
 
 
+def _points(fraction: float, decimals: int) -> float:
+    """A fraction as percentage points, to the printed number's precision."""
+    return round(100.0 * fraction, decimals) + 0.0
+
+
 def _fmt(c: Comparison) -> str:
     if c.value is None:
         return "—"
-    return f"{c.value:.1f}" + (f" [{c.interval[0]:.1f}, {c.interval[1]:.1f}]" if c.interval else "")
+    d = c.decimals
+    return f"{c.value:.{d}f}" + (f" [{c.interval[0]:.{d}f}, {c.interval[1]:.{d}f}]" if c.interval else "")
 
 
 def markdown(reproductions: list[Reproduction]) -> str:
@@ -91,7 +100,8 @@ def markdown(reproductions: list[Reproduction]) -> str:
                  "|---|---|---|---:|---:|---|"]
         for c in shown:
             verdict = {True: "yes", False: "**no**", None: "—"}[c.inside]
-            lines.append(f"| `{c.recipe}` | {c.paper_row} | {c.column} | {c.published:.1f} | {_fmt(c)} | {verdict} |")
+            printed = f"{c.published:.{c.decimals}f}"
+            lines.append(f"| `{c.recipe}` | {c.paper_row} | {c.column} | {printed} | {_fmt(c)} | {verdict} |")
         lines += ["", f"Reproduction over {len(rep.comparisons)} compared values: {counts['inside']} inside their "
                       f"interval, {counts['outside']} outside"
                       + (f", {counts['no_interval']} without an interval" if counts["no_interval"] else "") + "; "
@@ -107,6 +117,6 @@ def to_json(reproductions: list[Reproduction]) -> list[dict]:
              "seed": r.table.seed, "source": r.cite, "counts": r.counts(),
              "unmatched_published": list(r.unmatched_published), "unmatched_here": list(r.unmatched_here),
              "comparisons": [{"recipe": c.recipe, "paper_row": c.paper_row, "column": c.column,
-                              "published": c.published, "value": c.value,
+                              "published": c.published, "decimals": c.decimals, "value": c.value,
                               "interval": list(c.interval) if c.interval else None, "inside": c.inside}
                              for c in r.comparisons]} for r in reproductions]
