@@ -1,8 +1,9 @@
-"""Published rows (#42, step 4): the SVC paper's Tables 5-7 and the MAGIC paper's Tables I-III as transcribed are
-consistent with themselves (each printed average is the mean of its printed per-task numbers up to their rounding,
-each printed gain the difference of two printed averages; the papers' own slips named) and the SVC paper's with its
-Table 1 (one disagreement, named); a leaderboard table built from a preset is compared row by row with them (inside /
-outside a run's interval, allowing the printed rounding), and the report writes that section."""
+"""Published rows (#42, step 4): the SVC paper's Tables 5-10, the MAGIC paper's Tables I-III and FusionBench's
+documented numbers for its own pools as transcribed are consistent with themselves (each printed average is the
+mean of its printed per-task numbers up to their rounding, each printed gain the difference of two printed
+averages; the sources' own slips named) and the SVC paper's with its Table 1 (two disagreements, named); a
+leaderboard table built from a preset is compared row by row with them (inside / outside a run's interval,
+allowing the printed rounding: 0.05 point, 0.005 for a two-decimal table), and the report writes that section."""
 
 from __future__ import annotations
 
