@@ -23,6 +23,20 @@ def test_dvc_yaml_code_deps_equal_each_stages_import_closure():
     assert not found, "\n".join(stage_deps.describe(found) + ["run: python -m scripts.stage_deps --write"])
 
 
+def test_dvc_lock_holds_an_entry_for_each_stage_and_no_other():
+    """DVC does not prune a lock entry when a stage (or a foreach item) leaves dvc.yaml; 30 such entries had
+    accumulated by 2026-12-02. The stages as DVC itself expands them (``Repo.index``) are the lock's, one to one."""
+    import yaml
+    from dvc.repo import Repo
+
+    with Repo(str(REPO)) as repo:
+        stages = {stage.addressing for stage in repo.index.stages}
+    locked = set(yaml.safe_load((REPO / "dvc.lock").read_text())["stages"])
+    assert "finetune@0" in stages and "text_finetune@0-bbc_topics" in stages  # foreach and matrix items
+    assert not locked - stages, f"dvc.lock entries of stages dvc.yaml no longer has: {sorted(locked - stages)}"
+    assert not stages - locked, f"stages dvc.lock has no entry for (run them once): {sorted(stages - locked)}"
+
+
 def test_every_run_time_import_of_the_project_is_in_lazy_imports():
     """A module that imports by a computed name hides its deps from `ast`: LAZY_IMPORTS must say where the names
     are, and each of its rules must still find modules."""
