@@ -64,7 +64,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import MergecalError, ParameterError, UnknownNameError
-from .real_vision_metadata import CLASSNAMES, NATIVE_NAMES, REAL_TASKS, TASK_SETS, TEMPLATES, VISION_TASKS  # noqa: F401
+from .real_vision_metadata import CLASSNAMES, NATIVE_NAMES, REAL_TASKS, TEMPLATES, VISION_TASKS  # noqa: F401 (re-exported)
 from .vision import validation_indices
 
 

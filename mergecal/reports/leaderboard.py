@@ -93,9 +93,9 @@ class Table:
         return list(dict.fromkeys(r.ill_posed for r in self.rows if r.ill_posed))
 
 
-def points(fraction: float | None) -> float | None:
-    """A fraction as percentage points rounded to one decimal (None stays None)."""
-    return None if fraction is None else round(100.0 * fraction, 1) + 0.0
+def points(fraction: float | None, decimals: int = 1) -> float | None:
+    """A fraction as percentage points rounded to ``decimals`` (one unless asked; None stays None)."""
+    return None if fraction is None else round(100.0 * fraction, decimals) + 0.0
 
 
 def fmt_pct(fraction: float | None) -> str:

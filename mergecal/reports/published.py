@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..published import PublishedRow, cite
-from .leaderboard import Table
+from .leaderboard import Table, points
 
 STANDARD = "standard"
 
@@ -68,17 +68,12 @@ def compare(table: Table, published: list[PublishedRow]) -> Reproduction | None:
         for name, header, printed in columns:
             value, interval = row.values.get(name), row.intervals.get(name)
             comparisons.append(Comparison(row.recipe, paper.row, header, printed,
-                                          _points(value, paper.decimals) if value is not None else None,
-                                          (_points(interval[0], paper.decimals), _points(interval[1], paper.decimals))
+                                          points(value, paper.decimals),
+                                          (points(interval[0], paper.decimals), points(interval[1], paper.decimals))
                                           if interval else None, paper.decimals))
     return Reproduction(table, cite(published), tuple(comparisons),
                         tuple(p.row for p in published if p.recipe not in matched),
                         tuple(r.recipe for r in table.rows if r.recipe not in matched))
-
-
-def _points(fraction: float, decimals: int) -> float:
-    """A fraction as percentage points, to the printed number's precision."""
-    return round(100.0 * fraction, decimals) + 0.0
 
 
 def _fmt(c: Comparison) -> str:
