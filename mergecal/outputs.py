@@ -14,11 +14,16 @@ directory; ``commit()`` moves the staging directory into place, ``abort()`` remo
   left by a killed run (SIGKILL runs no cleanup) and are removed (an ``.old`` whose target is missing is the
   previous output of a run killed mid-commit: put back). ``remove_stale(target)`` does the same, lock file
   included, without writing: ``merge_checkpoints`` calls it first, so they go even when the merge then fails;
-* directories and files are created with the process umask (``mkdtemp`` would give 0700).
+* directories and files are created with the process umask (``mkdtemp`` would give 0700);
+* a signal never strands a staging directory: SIGINT/SIGTERM are deferred while the lock is taken and the staging
+  directory made (so ``__init__`` either fails clean or returns an open output), and an output is on this
+  process's list of open outputs from its lock to its commit or abort: whatever interrupts the caller before it
+  can call ``abort()`` (a signal between ``__init__`` and a ``with``), the interpreter's exit aborts it.
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -133,8 +138,11 @@ def _lock(path: Path, target: Path) -> int:
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+        return
+    try:
+        path.unlink()
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a file may stand where its parent should)
+        pass
 
 
 @contextmanager
@@ -154,6 +162,31 @@ def _signals_deferred():
             signal.signal(sig, handler)
         if received:
             signal.raise_signal(received[0])
+
+
+# The outputs this process has open (locked, not yet committed or aborted), aborted at the interpreter's exit: a
+# signal can reach a caller after OutputDir() returned and before it could abort it. Each with the PID that opened
+# it: a forked child's exit leaves its parent's outputs alone.
+_open_outputs: dict[int, tuple[int, OutputDir]] = {}
+_open_outputs_lock = threading.Lock()
+
+
+def _opened(output: OutputDir) -> None:
+    with _open_outputs_lock:
+        _open_outputs[id(output)] = (os.getpid(), output)
+
+
+def _closed(output: OutputDir) -> None:
+    with _open_outputs_lock:
+        _open_outputs.pop(id(output), None)
+
+
+@atexit.register
+def _abort_open_outputs() -> None:
+    with _open_outputs_lock:
+        mine = [output for pid, output in _open_outputs.values() if pid == os.getpid()]
+    for output in mine:
+        output.abort()
 
 
 def _lock_path(target: Path) -> Path:
@@ -227,25 +260,29 @@ class OutputDir:
         self.target = _located(Path(target))
         check_target(self.target, list(inputs))
         self._lock_path = _lock_path(self.target)
+        self.staging = self._sibling("staging")
         try:
-            self.target.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = _lock(self._lock_path, self.target)
+            with _signals_deferred():  # a signal lands before the lock or once staging exists and is listed
+                self._open(overwrite)
         except FileExistsError as err:  # mkdir met a file where a directory of the path should be
+            self.abort()
             raise OutputError(f"{self.target}: cannot write the output ({err.filename} is a file, not a "
                               "directory)") from None
         except OSError as err:
-            raise _os_error(self.target, "cannot write the output", err) from None
-        try:
-            _remove_leftovers(self.target)
-            check_replaceable(self.target, overwrite)
-            self.staging = self._sibling("staging")
-            os.mkdir(self.staging, 0o777)  # the umask applies
-        except OSError as err:
-            self._unlock()
+            self.abort()
             raise _os_error(self.target, "cannot write the output", err) from None
         except BaseException:
-            self._unlock()
+            self.abort()
             raise
+
+    def _open(self, overwrite: bool) -> None:
+        """Take the lock, list this output as open, clear what killed writers left, make the staging directory."""
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = _lock(self._lock_path, self.target)
+        _opened(self)
+        _remove_leftovers(self.target)
+        check_replaceable(self.target, overwrite)
+        os.mkdir(self.staging, 0o777)  # the umask applies
 
     def _sibling(self, kind: str) -> Path:
         return self.target.parent / f".{self.target.name}.{os.getpid()}-{secrets.token_hex(4)}.{kind}"
@@ -261,13 +298,14 @@ class OutputDir:
             (self.staging / MARKER).write_text(MARKER_TEXT)
             with _signals_deferred():
                 self._swap()
+                self._unlock()
+                _closed(self)
         except OSError as err:
             self.abort()
             raise _os_error(self.target, "cannot replace the output", err) from None
         except BaseException:
             self.abort()
             raise
-        self._unlock()
         return self.target
 
     def _swap(self) -> None:
@@ -284,8 +322,10 @@ class OutputDir:
         _remove(old)
 
     def abort(self) -> None:
+        """Remove the staging directory and release the lock; safe to call again, and at any point of __init__."""
         _remove(self.staging)
         self._unlock()
+        _closed(self)
 
     def __enter__(self) -> Path:
         return self.staging

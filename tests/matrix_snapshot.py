@@ -47,15 +47,19 @@ def matrix(params, root: Path, lab: Path) -> dict:
     return json.loads(json.dumps({"cells": cells, "skipped": skipped}))  # tuples as lists, as in the file
 
 
-def snapshot(lab: Path) -> dict:
-    """{profile: matrix} of the default params.yaml and the smoke profile, each with the lab's tracks."""
+def snapshot(folder: Path) -> dict:
+    """{profile: matrix} of the default params.yaml and the smoke profile, each with the lab's tracks (written in
+    ``folder``), against the checkout's committed models and data only (copied into ``folder``): what a run left in
+    the checkout (an expert directory, say, whose files a cell's inputs then list) moves no cell (#55)."""
+    from committed import committed_copy
     from mergecal.pipeline.config import parse_params
     from mergecal.pipeline.workspace import smoke_overrides
 
+    lab, root = folder / "lab", committed_copy(folder / "checkout", "models", "data")
     tracks = write_lab(lab)
     default = yaml.safe_load((REPO / "params.yaml").read_text())
-    return {"default": matrix(parse_params({**default, **tracks}), REPO, lab),
-            "smoke": matrix(parse_params({**smoke_overrides(), **tracks}), REPO, lab)}
+    return {"default": matrix(parse_params({**default, **tracks}), root, lab),
+            "smoke": matrix(parse_params({**smoke_overrides(), **tracks}), root, lab)}
 
 
 def dumps(data: dict) -> str:

@@ -304,6 +304,98 @@ def test_a_signal_removes_staging_and_is_one_line(inputs_dir, tmp_path, sig):
     assert not out.exists() and leftovers(tmp_path) == []
 
 
+# A merge that sends itself the signal at one stage of its output's life (argv: stage, signal name): the signal
+# arrives at that point every time, not when a timer happens to fire (#55).
+STAGED_CLI = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal (see SLOW_CLI)
+stage, sig = sys.argv[1], signal.Signals[sys.argv[2]]
+from mergecal import checkpoint, outputs
+
+def hook(owner, name, when="after", only=lambda *args: True):
+    original = getattr(owner, name)
+    def hooked(*args, **kwargs):
+        if when == "before" and only(*args):
+            signal.raise_signal(sig)
+        result = original(*args, **kwargs)
+        if when == "after" and only(*args):
+            signal.raise_signal(sig)
+        return result
+    setattr(owner, name, hooked)
+
+{"lock": lambda: hook(outputs, "_lock"),  # the lock taken, nothing else yet
+ "leftovers": lambda: hook(outputs, "_remove_leftovers"),
+ "staging": lambda: hook(os, "mkdir", only=lambda path, *rest: str(path).endswith(".staging")),
+ "opened": lambda: hook(outputs.OutputDir, "__init__"),  # OutputDir() returned, the writer not yet entered
+ "writing": lambda: hook(checkpoint.ShardedCheckpointWriter, "add"),
+ "finishing": lambda: hook(checkpoint.ShardedCheckpointWriter, "finish"),
+ "swapping": lambda: hook(outputs.OutputDir, "_swap", when="before"),
+ "committed": lambda: hook(outputs.OutputDir, "commit"),
+}[stage]()
+from mergecal.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+STAGES = ("lock", "leftovers", "staging", "opened", "writing", "finishing", "swapping", "committed")
+
+
+def test_a_signal_at_every_stage_of_an_output_leaves_nothing_behind(inputs_dir, tmp_path):
+    """SIGINT and SIGTERM at each stage of an output's life (lock, clean-up, staging made, writer opened, tensors
+    written, shards finished, the swap, after the commit): one line, exit 128 + signal, no staging or lock left,
+    and the output either absent or whole (a signal during the swap is delivered after it)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cases = [(stage, sig) for stage in STAGES for sig in (signal.SIGINT, signal.SIGTERM)]
+    failures = []
+    for batch in range(0, len(cases), 4):  # four at a time: each process spends its time importing torch
+        running = []
+        for stage, sig in cases[batch:batch + 4]:
+            work = tmp_path / f"{stage}-{sig.name}"
+            work.mkdir()
+            args = [sys.executable, "-c", STAGED_CLI, stage, sig.name, *merge_args(inputs_dir, work / "out")]
+            running.append((stage, sig, work, subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)))
+        for stage, sig, work, proc in running:
+            _, err = proc.communicate(timeout=120)
+            out = work / "out"
+            whole = stage in ("swapping", "committed")
+            last = err.strip().splitlines()[-1:]  # a progress bar may come before it
+            if (proc.returncode != 128 + sig or last != [f"mergecal: error: interrupted by {sig.name}"]
+                    or "Traceback" in err or leftovers(work) != [] or out.exists() != whole
+                    or whole and not SafetensorsSource(out).keys()):
+                failures.append(f"{stage} {sig.name}: rc {proc.returncode}, left {leftovers(work)}, "
+                                f"output {'present' if out.exists() else 'absent'}, stderr {err.strip()[-300:]!r}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_signals_at_random_moments_under_cpu_load_leave_nothing_behind(inputs_dir, tmp_path):
+    """The kill repeated at random moments of a slow merge's write (from its staging directory's creation to past
+    its commit) while two processes keep both cores busy: every run ends with no staging or lock left and the
+    output absent or whole."""
+    import random
+
+    rng = random.Random(55)
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    codes = []
+    try:
+        for run in range(8):
+            work = tmp_path / f"run{run}"
+            work.mkdir()
+            sig = (signal.SIGINT, signal.SIGTERM)[run % 2]
+            proc = start_slow_merge(merge_args(inputs_dir, work / "out"), work)
+            time.sleep(rng.uniform(0.0, 6.0))  # the writes take 0.5 s a tensor, nine tensors
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=300)
+            out = work / "out"
+            assert proc.returncode in (0, 128 + sig, -sig), err  # -sig: after main() gave the signal back
+            assert leftovers(work) == [], (run, sig.name, proc.returncode, err)
+            assert not out.exists() or SafetensorsSource(out).keys(), (run, sig.name)
+            codes.append(proc.returncode)
+    finally:
+        for process in load:
+            process.kill()
+            process.wait()
+    assert 128 + signal.SIGINT in codes and 128 + signal.SIGTERM in codes, codes  # some were interrupted
+
+
 def test_staging_left_by_a_killed_run_is_removed_by_the_next_run(inputs_dir, tmp_path, capsys):
     out = tmp_path / "out"
     proc = start_slow_merge(merge_args(inputs_dir, out), tmp_path)
