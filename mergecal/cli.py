@@ -174,6 +174,31 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     return subprocess.run(["dvc", "repro"], cwd=workspace).returncode
 
 
+def cmd_presets(args: argparse.Namespace) -> int:
+    from .config_types import ConfigValueError
+    from .presets import PRESETS, preset_path, summary
+
+    if args.name:  # one preset: what it holds, then its file (comments included)
+        try:
+            found = summary(args.name)
+        except ConfigValueError as err:
+            raise ParameterError(f"presets: {err}") from None
+        print(f"{found['name']}: {found['description']}")
+        print(f"family {found['family']}, pool {found['pool'] or '(none named)'}, task set {found['task_set']}: "
+              f"{', '.join(found['tasks'])}")
+        print(f"compared with: {'; '.join(found['compared_with']) or 'nothing published'}\n")
+        print(preset_path(args.name).read_text(), end="")
+        return 0
+    for name in PRESETS:
+        found = summary(name)
+        compared = ", ".join(found["compared_with"]) or "nothing published"
+        print(f"{name}\n    {found['family']}, pool {found['pool']}, {found['task_set']} "
+              f"({len(found['tasks'])} task{'s' if len(found['tasks']) != 1 else ''}); compared with {compared}")
+    print(f"\n{len(PRESETS)} presets; `mergecal presets NAME` shows one; a track uses one as `preset: NAME` "
+          "(docs/reproduce-a-paper.md)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mergecal", description="Merge fine-tuned models and calibrate the merge.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -258,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not log the reports as artifacts of the invocation's run on the tracking store")
     p.add_argument("--publish-dir", help="also copy the reports into this folder (a lab's shared board)")
     p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("presets", help="list the shipped presets (published model pools), or show one")
+    p.add_argument("name", nargs="?", help="a preset's name (or a preset file's path): show what it holds")
+    p.set_defaults(func=cmd_presets)
 
     p = sub.add_parser("smoke", help="copy a checkout's pipeline into DIR with the smoke-size params and run dvc repro")
     p.add_argument("dir")

@@ -23,6 +23,9 @@ SCHEME = "hf://"
 _ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+)(?:@(?P<revision>[A-Za-z0-9._-]+))?"
                  r"(?:/(?P<path>[^/].*))?$")
 REPO_TYPES = ("model", "dataset")
+# ids the hub now serves under another name, as older clients cached them (datasets once without an organisation):
+# a cache that FusionBench's configs filled holds `svhn` and `mnist` for ufldl-stanford/svhn and ylecun/mnist
+ALIASES = {("dataset", "ufldl-stanford/svhn"): ("svhn",), ("dataset", "ylecun/mnist"): ("mnist",)}
 
 
 @dataclass(frozen=True)
@@ -62,22 +65,72 @@ def fetch_command(hub_id: HubId, repo_type: str) -> str:
             + (f" --revision {hub_id.revision}" if hub_id.revision else ""))
 
 
-def snapshot(hub_id: HubId, repo_type: str = "model") -> Path:
-    """The cached snapshot folder of ``hub_id`` (its revision, else ``main``), found offline; a one-line
-    CheckpointError when the cache does not hold it. (``hub_id.path`` is not applied: see ``local_path``.)"""
+def _cached(repo_id: str, repo_type: str, revision: str | None) -> Path | None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    try:
+        return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+        return None
+
+
+def _find(hub_id: HubId, repo_type: str) -> Path | None:
+    """The cached snapshot under the id or one of its ``ALIASES``; None when the cache holds neither."""
+    for repo_id in (hub_id.repo_id, *ALIASES.get((repo_type, hub_id.repo_id), ())):
+        found = _cached(repo_id, repo_type, hub_id.revision)
+        if found is not None:
+            return found
+    return None
+
+
+def snapshot(hub_id: HubId, repo_type: str = "model") -> Path:
+    """The cached snapshot folder of ``hub_id`` (its revision, else ``main``), found offline, under its own id or
+    an older one the hub redirects from (``ALIASES``); a one-line CheckpointError when the cache does not hold it.
+    (``hub_id.path`` is not applied: see ``local_path``.)"""
     if repo_type not in REPO_TYPES:
         raise ValueError(f"repo_type: expected one of {REPO_TYPES}, got {repo_type!r}")
-    try:
-        return Path(snapshot_download(hub_id.repo_id, repo_type=repo_type, revision=hub_id.revision,
-                                      local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+    found = _find(hub_id, repo_type)
+    if found is not None:
+        return found
+    raise CheckpointError(
+        f"{hub_id} ({repo_type}): not in the local Hugging Face cache ({cache_dir()}); nothing is downloaded "
+        f"here: fetch it where a network exists ({fetch_command(hub_id, repo_type)}) and copy the cache, or set "
+        "HF_HUB_CACHE to where it is")
+
+
+def hub_ids_in(values, dataset_keys: tuple[str, ...] = ("datasets",)) -> list[tuple[HubId, str]]:
+    """Every explicit hub id (``hf://...``) in a track's settings, at any depth, with the repository kind it names
+    there: ``dataset`` under one of ``dataset_keys``, else ``model``; each once, in the order found."""
+    found: dict[tuple[HubId, str], None] = {}
+
+    def walk(value, repo_type: str) -> None:
+        if isinstance(value, str):
+            hub = parse_hub_id(value, explicit_only=True)
+            if hub is not None:
+                found[(HubId(hub.repo_id, hub.revision), repo_type)] = None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, "dataset" if key in dataset_keys else repo_type)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item, repo_type)
+
+    walk(values, "model")
+    return list(found)
+
+
+def check_cached(wanted: list[tuple[HubId, str]]) -> None:
+    """One CheckpointError naming every id of ``wanted`` the cache lacks, and one command that fetches them all
+    where a network exists, instead of the first one a run meets."""
+    missing = [(hub, kind) for hub, kind in wanted if _find(hub, kind) is None]
+    if missing:
+        names = ", ".join(f"{hub} ({kind})" for hub, kind in missing)
+        commands = " && ".join(fetch_command(hub, kind) for hub, kind in missing)
         raise CheckpointError(
-            f"{hub_id} ({repo_type}): not in the local Hugging Face cache ({cache_dir()}); nothing is downloaded "
-            f"here: fetch it where a network exists ({fetch_command(hub_id, repo_type)}) and copy the cache, or set "
-            "HF_HUB_CACHE to where it is") from None
+            f"{len(missing)} hub id{'s are' if len(missing) > 1 else ' is'} not in the local Hugging Face cache "
+            f"({cache_dir()}): {names}; nothing is downloaded here: fetch them where a network exists ({commands}) "
+            "and copy the cache, or set HF_HUB_CACHE to where it is")
 
 
 def local_path(hub_id: HubId, repo_type: str = "model") -> Path:

@@ -500,3 +500,63 @@ def test_every_shipped_preset_is_a_valid_track_of_its_task_set_and_a_tracks_own_
         with pytest.raises(ParameterError, match=message) as err:
             parse_params({"local_clip": [{"name": "p", **track}]})
         assert "\n" not in str(err.value)
+
+
+def test_a_run_missing_hub_ids_names_every_one_at_once_with_one_command(cache, tmp_path):
+    """A FusionBench preset's run on a cache that lacks its ids: `local_inputs` fails before reading anything, in
+    one line naming all seventeen (the pretrained model, eight experts, eight datasets) and the command that fetches
+    them; with some cached, only the others."""
+    from mergecal.pipeline.config import parse_params
+    from mergecal.pipeline.tracks.lab_files import record_inputs
+
+    params = parse_params({"local_clip": [{"name": "fb", "preset": "fusionbench-clip-vit-b32-ta8"}]})
+    with pytest.raises(CheckpointError) as err:
+        record_inputs(params, tmp_path)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"17 hub ids are not in the local Hugging Face cache ({cache}): ")
+    assert "openai/clip-vit-base-patch32 (model), tanganke/clip-vit-base-patch32_sun397 (model)" in message
+    assert "ylecun/mnist (dataset)" in message and message.count("(dataset)") == 8
+    assert ("fetch them where a network exists (hf download openai/clip-vit-base-patch32 && hf download "
+            "tanganke/clip-vit-base-patch32_sun397 && ") in message
+    assert "hf download ylecun/mnist --repo-type dataset" in message and message.count("hf download") == 17
+    assert not (tmp_path / "models").exists()  # nothing written
+    cache_repo(cache, "model", "openai/clip-vit-base-patch32", {"config.json": b"{}"})
+    cache_repo(cache, "dataset", "mnist", {"mnist/test.parquet": b"x"})  # FusionBench's name for ylecun/mnist
+    with pytest.raises(CheckpointError, match=r"^15 hub ids are not in") as err:
+        record_inputs(params, tmp_path)
+    assert "openai/clip-vit-base-patch32 (model)" not in str(err.value) and "ylecun/mnist" not in str(err.value)
+
+
+def test_fusionbenchs_old_dataset_ids_in_a_cache_stand_for_the_hubs_new_ones(cache):
+    """A cache filled through FusionBench's configs holds `svhn` and `mnist`; the presets name the hub's current
+    ids, ufldl-stanford/svhn and ylecun/mnist: each resolves to the old one's snapshot (datasets only)."""
+    svhn = cache_repo(cache, "dataset", "svhn", {"cropped_digits/test.parquet": b"s"})
+    mnist = cache_repo(cache, "dataset", "mnist", {"mnist/test.parquet": b"m"})
+    assert snapshot(HubId("ufldl-stanford/svhn"), "dataset") == svhn
+    assert snapshot(HubId("ylecun/mnist"), "dataset") == mnist
+    own = cache_repo(cache, "dataset", "ylecun/mnist", {"mnist/test.parquet": b"new"})
+    assert snapshot(HubId("ylecun/mnist"), "dataset") == own  # the id itself first
+    with pytest.raises(CheckpointError, match="not in the local Hugging Face cache"):
+        snapshot(HubId("ufldl-stanford/svhn"), "model")
+
+
+def test_mergecal_presets_lists_every_shipped_preset_and_shows_one(capsys):
+    from mergecal.cli import main
+    from mergecal.presets import PRESETS
+
+    assert main(["presets"]) == 0
+    listing = capsys.readouterr().out
+    assert [line for line in listing.splitlines() if line and not line.startswith(" ")][:-1] == list(PRESETS)
+    assert ("fusionbench-clip-vit-b32-tall14\n    local_clip, pool fusionbench, tall14 (14 tasks); compared with "
+            "fusionbench (ViT-B/32, tall20), svc (ViT-B/32, svc14)") in listing
+    assert "wizardmath-llama-2-chat-7b\n    local_llm, pool wizardmath-llama-2-chat, wizardmath-chat (1 task);" \
+        in listing
+    assert main(["presets", "task-vectors-clip-vit-b32-ta8"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.splitlines()[1] == ("family local_clip, pool task_vectors, task set ta8: SUN397, Cars, RESISC45, "
+                                     "EuroSAT, SVHN, GTSRB, MNIST, DTD")
+    assert "preset_roots" not in shown.splitlines()[0] and "\nroots:\n" in shown  # the file itself follows
+    assert main(["presets", "no-such-preset"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mergecal: error: presets: 'no-such-preset': not a preset (shipped: ")
+    assert err.count("\n") == 1

@@ -8,6 +8,7 @@ allowing the printed rounding: 0.05 point, 0.005 for a two-decimal table), and t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -43,17 +44,17 @@ def test_each_transcribed_table_adds_up(source, gains, slips, column_slips):
                 off.append((str(table["table"]), row["row"]))
             key = (table["backbone"], row["method"])
             if "gain" in row:  # against its base row: the same merge without a calibration, printed before it
-                assert row["chain"] != "{merge}" and round(row["average"] - base[key][0], 1) == row["gain"], row
+                assert ">" in row["chain"] and round(row["average"] - base[key][0], 1) == row["gain"], row
                 checked += 1
             elif "gains" in row:  # one a column
-                assert row["chain"] != "{merge}" and len(row["gains"]) == len(tasks), row
+                assert ">" in row["chain"] and len(row["gains"]) == len(tasks), row
                 for task, value, before, gain in zip(tasks, row["per_task"], base[key][1], row["gains"]):
                     difference = round(value - before, 1)
                     assert abs(difference - gain) <= 0.1 + 1e-9, (row, task)  # rounding, at most
                     if difference != gain:
                         off_columns.append((str(table["table"]), row["row"], task, difference, gain))
                     checked += 1
-            elif row["chain"] == "{merge}":
+            elif row["chain"] is not None and ">" not in row["chain"]:  # the merge alone, searched or fixed
                 base[key] = (row["average"], row["per_task"])
     assert checked == gains and off == slips and off_columns == column_slips
 
@@ -135,10 +136,11 @@ def test_the_llm_tables_name_their_own_columns():
     svc, magic = rows("svc", "Llama-2-7B", "wizardmath-chat"), rows("magic", "Llama-2-7B", "wizardmath-chat")
     assert {r.tasks for r in svc + magic} == {("AlpacaEval", "GSM8K")}
     assert all(r.average is None for r in svc) and [r.average for r in magic][:1] == [43.2]
-    assert [r.recipe for r in magic][-1] == "task_arithmetic>wsc"
-    # the two papers agree on GSM8K for three of six merges
-    gsm8k = {p.recipe: p.per_task[1] for p in svc}
-    assert [p.recipe for p in magic if p.recipe in gsm8k and p.per_task[1] == gsm8k[p.recipe]] == \
+    assert [r.recipe for r in magic][-1] == "task_arithmetic(scaling=0.3)>wsc"  # MAGIC's lambda 0.3
+    # the two papers agree on GSM8K for three of six merges (MAGIC's TA and TIES at lambda 0.3, SVC's searched)
+    merge = {p.row: p.recipe.partition("(")[0] for p in svc + magic if ">" not in p.recipe}
+    gsm8k = {merge[p.row]: p.per_task[1] for p in svc if p.row in merge}
+    assert [merge[p.row] for p in magic if p.row in merge and p.per_task[1] == gsm8k[merge[p.row]]] == \
         ["ties", "iso_c", "iso_cts"]
 
 
@@ -177,7 +179,9 @@ def test_published_rows_carry_mergecals_recipes_and_the_preset_names_its_table()
     assert recipe_of("ties", "{merge}>svc") == "ties>svc" and recipe_of("finetuned", None) == "finetuned"
     assert recipe_of(None, None) is None and recipe_of("tsv_m", "{merge}") == "tsv_m"
     b16 = rows("svc", "ViT-B/16", "ta8")
-    assert [r.recipe for r in b16][:5] == ["zeroshot", "finetuned", "task_arithmetic", "task_arithmetic>svc", "dare"]
+    # SVC's rows at lambda 1 with no search (its Implementation Detail), its merges' at their papers' settings
+    assert [r.recipe for r in b16][:5] == ["zeroshot", "finetuned", "task_arithmetic",
+                                           "task_arithmetic(scaling=1.0)>svc", "dare"]
     assert cite(b16) == ("When Shared Knowledge Hurts: Spectral Over-Accumulation in Model Merging "
                          "(arXiv:2602.05536), Table 6")
     magic = rows("magic", "ViT-B/32", "ta8")
@@ -189,9 +193,12 @@ def test_published_rows_carry_mergecals_recipes_and_the_preset_names_its_table()
         {"name": "fb16", "preset": "fusionbench-clip-vit-b16-ta8"},
         {"name": "mine", "model": {"pretrained": "/c"}, "finetuned": {"MNIST": "/a", "DTD": "/b"},
          "datasets": {"MNIST": "/d", "DTD": "/d"}}]})
-    # FusionBench's own numbers for its pool first, then the papers'
-    assert for_tracks(params) == {"fb16": [rows("fusionbench", "ViT-B/16", "ta8"), b16,
-                                           rows("magic", "ViT-B/16", "ta8")]}
+    # FusionBench's own numbers for its pool first, then the papers' (task_vectors' checkpoints: no verdict)
+    found = for_tracks(params)
+    assert list(found) == ["fb16"] and [[replace(r, unlike="") for r in paper] for paper in found["fb16"]] == \
+        [rows("fusionbench", "ViT-B/16", "ta8"), b16, rows("magic", "ViT-B/16", "ta8")]
+    assert [{r.unlike for r in paper} for paper in found["fb16"]] == \
+        [{""}, {"other checkpoints (task_vectors)"}, {"other checkpoints (task_vectors)"}]
     assert "preset" not in params.local_clip[0].model_dump(mode="json")  # not in the cell ids
 
 
@@ -221,14 +228,16 @@ def test_a_table_is_compared_row_by_row_with_the_printed_rounding_allowed():
     assert avg["task_arithmetic>svc"].inside is False  # 81.1 > 81.05
     assert avg["ties"].inside is None and avg["ties"].value == 65.0
     assert [c.column for c in rep.comparisons if c.recipe == "task_arithmetic"] == ["cars", "dtd", "avg"]
-    assert rep.unmatched_published == ("STAR",) and rep.unmatched_here == ("consensus",)
-    assert rep.counts() == {"inside": 2, "outside": 2, "no_interval": 5, "published_without_row": 1,
+    assert rep.unmatched_published == ("STAR (`star`)",) and rep.unmatched_here == ("consensus",)
+    assert rep.counts() == {"inside": 2, "outside": 2, "no_interval": 5, "not_comparable": 0,
+                            "published_without_row": 1,
                             "rows_without_published": 1}  # cars inside (70 in [68, 72]) x1, outside (60) x2 ...
     text = markdown([rep])
     assert "## Published: fb · ta8 · standard" in text and "Against A paper (arXiv:0000.00000), Table 5." in text
     assert "| `task_arithmetic>svc` | TASK_ARITHMETIC>SVC | avg | 81.1 | 80.0 [79.0, 81.0] | **no** |" in text
     assert ("Reproduction over 9 compared values: 2 inside their interval, 2 outside, 5 without an interval; "
-            "published rows with no row here: STAR; rows here with no published counterpart: `consensus`.") in text
+            "published rows with no row here: STAR (`star`); rows here with no published counterpart: "
+            "`consensus`.") in text
     subset = Table("fb", "ta8", "standard", "0", ("cars",), table.rows, ())
     assert "avg" not in {c.column for c in compare(subset, published).comparisons}  # no published average
     assert compare(Table("fb", "ta8", "norm_mismatch", "0", ("cars", "dtd"), table.rows, ()), published) is None
@@ -277,3 +286,180 @@ def test_every_published_recipe_is_one_mergecal_runs_or_says_it_has_none(source)
             Recipe.parse(row.recipe)  # raises on an unknown merge or calibration
     assert {r.recipe.partition(">")[2] for r in found if r.recipe and ">" in r.recipe} == (
         {"svc"} if source == "svc" else {"dsc", "wsc", "fsc"})
+
+
+REPO_PARAMS = __import__("pathlib").Path(__file__).resolve().parents[1] / "params.yaml"
+SVC_ROWS = ("TA w/ SVC", "DARE w/ SVC", "TIES w/ SVC", "TSV-M w/ SVC", "ISO-C w/ SVC", "ISO-CTS w/ SVC")
+
+
+@pytest.mark.parametrize("source, backbone, task_set, fixed", [
+    # MAGIC's Implementation Details: TA and TIES at lambda 0.3 (its other merges at their papers' settings)
+    ("magic", "ViT-B/32", "ta8", {"TA ICLR’23 [9]": 0.3, "TIES NeurIPS’23 [15]": 0.3, "TA w/ DSC": 0.3,
+                                  "TIES w/ DSC": 0.3}),
+    ("magic", "Llama-2-7B", "wizardmath-chat", {"TA": 0.3, "TIES": 0.3, "TA w/ WSC (Ours)": 0.3}),
+    # SVC's Implementation Detail: lambda = 1 throughout, no search, for every merge it calibrates
+    ("svc", "ViT-B/32", "ta8", dict.fromkeys(SVC_ROWS, 1.0)),
+    ("svc", "ViT-L/14", "svc14", dict.fromkeys(SVC_ROWS, 1.0)),
+    ("svc", "Llama-2-7B", "wizardmath-chat", dict.fromkeys(("TA w/ SVC", "TIES w/ SVC", "DARE w/ SVC", "TSV-M w/ SVC",
+                                                             "Iso-C w/ SVC", "Iso-CTS w/ SVC"), 1.0)),
+    # FusionBench: TA and TIES at a fixed lambda 0.3
+    ("fusionbench", "ViT-B/32", "ta8", {"Task Arithmetic (λ=0.3)": 0.3, "Ties-Merging (λ=0.3)": 0.3})])
+def test_each_sources_rows_point_at_the_default_matrixs_cells_of_its_protocol(source, backbone, task_set, fixed):
+    """Every published merge row names a cell of the default matrix, and the one that runs the source's protocol:
+    the fixed scaling it states (no search), the searched merge where it states none."""
+    from mergecal.pipeline.cells import matrix_chains
+    from mergecal.pipeline.config import load_params
+
+    cells = {chain.replace("{merge}", merge): (grid, recipe)
+             for merge, chain, _, grid, recipe in matrix_chains(load_params(REPO_PARAMS))}
+    merges = [r for r in rows(source, backbone, task_set) if r.recipe not in (None, "zeroshot", "finetuned")]
+    assert {r.row for r in merges} >= set(fixed)
+    # the default matrix has no searched `{merge}>fsc` chain: MAGIC's Table II FSC rows say which chain runs them
+    absent = [r.row for r in merges if r.recipe not in cells]
+    assert absent == (["TSV-M w/ FSC", "Iso-C w/ FSC", "Iso-CTS w/ FSC"] if (source, backbone) == ("magic", "ViT-B/32")
+                      else [])
+    for row in merges:
+        if row.row in absent:
+            continue
+        grid, recipe = cells[row.recipe]
+        scaling = next(s for s in recipe.steps if s.phase == "merge").params.scaling
+        if row.row in fixed:
+            assert grid == () and scaling == fixed[row.row], row.row
+        else:
+            assert "(scaling=" not in row.recipe, row.row  # searched on validation (or weight averaging's own)
+
+
+def test_a_row_is_compared_only_with_a_cell_running_its_stated_settings():
+    """FusionBench's Ties-Merging merges with disjoint sum: the default ties(scaling=0.3) cell (disjoint mean) gets
+    no verdict, and says what differs; a cell that sums gets one. MAGIC's TIES states top-k 20 % only."""
+    from mergecal.recipe import Recipe
+    from mergecal.reports.published import other_protocol
+
+    fb = next(r for r in rows("fusionbench", "ViT-B/32", "ta8") if r.recipe == "ties(scaling=0.3)")
+    assert dict(fb.params) == {"top_k": 0.2, "disjoint": "sum"}
+    mean, summed = Recipe.parse("ties(scaling=0.3)").id, Recipe.parse("ties(scaling=0.3,disjoint='sum')").id
+    assert other_protocol(fb, mean) == "another protocol (disjoint 'mean' here, 'sum' printed)"
+    assert other_protocol(fb, summed) == ""
+    magic = next(r for r in rows("magic", "ViT-B/32", "ta8") if r.recipe == "ties(scaling=0.3)")
+    assert other_protocol(magic, mean) == "" and other_protocol(magic, Recipe.parse("ties(top_k=0.1)").id) == \
+        "another protocol (top_k 0.1 here, 0.2 printed)"
+    table = Table("fb", "ta8", "standard", "0", ("cars", "dtd"), (
+        replace(_row("ties(scaling=0.3)", 0.7, (0.6, 0.8)), recipe_id=mean),), ())
+    printed = replace(_published("ties(scaling=0.3)", 70.0), params=fb.params)
+    rep = compare(table, [printed])
+    assert {c.inside for c in rep.comparisons} == {None} and rep.counts()["not_comparable"] == 3
+    assert "| 70.0 | 70.0 [60.0, 80.0] | — another protocol (disjoint 'mean' here, 'sum' printed) |" in markdown([rep])
+    table = replace(table, rows=(replace(table.rows[0], recipe_id=summed),))
+    assert [c.inside for c in compare(table, [printed]).comparisons] == [True, None, True]  # dtd: no interval
+
+
+def test_rows_of_other_checkpoints_or_of_another_task_set_get_no_verdict():
+    """A run on FusionBench's pool beside the SVC and MAGIC papers' rows (task_vectors' checkpoints), and a TALL14 run
+    beside the SVC paper's 14-task tables (another 14 tasks merged): values shown, no inside/outside; on its own
+    pool a reference row is per task (any task set), a merge row needs the same task set."""
+    from mergecal.published import unlike
+
+    svc = rows("svc", "ViT-B/32", "ta8")
+    assert {unlike(r, "fusionbench", "ta8") for r in svc} == {"other checkpoints (task_vectors)"}
+    assert {unlike(r, "task_vectors", "ta8") for r in svc} == {""}
+    assert {unlike(r, None, "ta8") for r in svc} == {"other checkpoints (task_vectors; the preset names no pool)"}
+    svc14 = rows("svc", "ViT-B/32", "svc14")
+    assert {unlike(r, "svc-authors-14", "tall14") for r in svc14 if r.recipe in ("zeroshot", "finetuned")} == {""}
+    assert {unlike(r, "svc-authors-14", "tall14") for r in svc14 if r.recipe not in ("zeroshot", "finetuned")} == \
+        {"a merge of another task set (svc14)"}
+    params = parse_params({"local_clip": [{"name": "tall", "preset": "fusionbench-clip-vit-b32-tall14"},
+                                          {"name": "tv", "preset": "task-vectors-clip-vit-b32-ta8",
+                                           "preset_roots": {"checkpoints": "/c", "data": "/d"}}]})
+    found = for_tracks(params)
+    assert [{r.unlike for r in paper} for paper in found["tall"]] == [{""}, {"other checkpoints (svc-authors-14)"}]
+    assert [{r.unlike for r in paper} for paper in found["tv"]] == [{""}, {""}]
+    table = Table("tall", "tall14", "standard", "0", ("cars", "dtd"), (_row("task_arithmetic", 0.7, (0.6, 0.8)),), ())
+    other = replace(_published("task_arithmetic", 70.0), unlike="other checkpoints (task_vectors)")
+    rep = compare(table, [other])
+    assert {c.inside for c in rep.comparisons} == {None} and rep.counts()["inside"] == 0
+    assert "— other checkpoints (task_vectors) |" in markdown([rep])
+    assert to_json([rep])[0]["comparisons"][0]["unlike"] == "other checkpoints (task_vectors)"
+
+
+def test_every_transcribed_table_matches_its_stored_fingerprint():
+    """A changed number, row name, column order or precision in any table fails here, naming the table; the stored
+    digests were written from the transcriptions checked against each source (tests/published_fingerprints.py)."""
+    from published_fingerprints import STORED, current
+
+    stored, now = json.loads(STORED.read_text()), current()
+    assert set(now) == set(stored)
+    changed = [f"{source}: {name}" for source in now
+               for name in set(now[source]["tables"]) | set(stored[source]["tables"])
+               if now[source]["tables"].get(name) != stored[source]["tables"].get(name)]
+    assert not changed, ("changed since checked against the source (python tests/published_fingerprints.py --write "
+                         "once checked again): " + "; ".join(sorted(changed)))
+
+
+def test_the_fingerprint_sees_a_swapped_pair_of_columns_and_a_one_digit_typo():
+    import copy
+
+    from published_fingerprints import fingerprints
+
+    data = load("fusionbench")
+    before = fingerprints(data)
+    name = "Performance of the fine-tuned CLIP-ViT-B/32 models (20 tasks) · ViT-B/32 · tall20"
+    typo = copy.deepcopy(data)
+    table = next(t for t in typo["tables"] if t["table"].startswith("Performance of the fine-tuned CLIP-ViT-B/32"))
+    row = table["rows"][1]
+    assert row["per_task"][9] == 87.96
+    row["per_task"][9] = 78.96
+    swapped = copy.deepcopy(data)
+    first = swapped["tables"][0]["rows"][4]  # the B/32 merging table's Simple Averaging row: SUN397 and Cars swapped
+    first["per_task"][0], first["per_task"][1] = first["per_task"][1], first["per_task"][0]
+    for edited, table in ((typo, name), (swapped, "Multi-task model merging methods using CLIP-ViT-B/32 models · "
+                                                   "ViT-B/32 · ta8")):
+        after = fingerprints(edited)
+        assert [n for n in before if before[n] != after[n]] == [table]
+
+
+def test_a_preset_turns_on_the_variant_its_own_pools_rows_run_beside_the_matrixs_merge():
+    """FusionBench's preset adds ties(scaling=0.3,disjoint='sum') (base none@λ=0.3,disjoint=sum) to its own track
+    only, beside the matrix's mean TIES at 0.3, and its Ties-Merging row is compared with it; the SVC and MAGIC rows
+    (other checkpoints) add nothing, nor does a lab that already merges TIES with sum."""
+    from mergecal.pipeline.cells import enumerate_cells
+
+    benchmark = {"merges": {"task_arithmetic": {"scaling": [0.1, 0.3]}, "ties": {"scaling": [0.1, 0.3]}},
+                 "chains": ["{merge}", "{merge}>svc"],
+                 "fixed_scaling": [{"scaling": 0.3, "merges": ["task_arithmetic", "ties"], "chains": ["{merge}"]}]}
+    own = {"name": "own", "model": {"pretrained": "/c"}, "finetuned": {"MNIST": "/a", "DTD": "/b"},
+           "datasets": {"MNIST": "/d", "DTD": "/d"}}
+    params = parse_params({"benchmark": benchmark,
+                           "local_clip": [{"name": "fb", "preset": "fusionbench-clip-vit-b32-ta8"}, own]})
+    labels = {track: [(c.label, c.calibration) for c in enumerate_cells(params) if c.track == f"local_clip:{track}"]
+              for track in ("fb", "own")}
+    variant = ("ties(scaling=0.3,disjoint='sum')", "none@λ=0.3,disjoint=sum")
+    assert labels["fb"] == labels["own"] + [variant]
+    summed = {"ties": {"disjoint": "sum", "scaling": [0.1, 0.3]}}
+    same = parse_params({"benchmark": {**benchmark, "merges": {**benchmark["merges"], **summed}},
+                         "local_clip": [{"name": "fb", "preset": "fusionbench-clip-vit-b32-ta8"}]})
+    assert variant[0] not in {c.label for c in enumerate_cells(same)}
+    # the report: the sum row matches by its settings, the mean row is a row with no published counterpart
+    from mergecal.recipe import Recipe
+
+    fb = [r for r in for_tracks(params)["fb"][0] if r.recipe in ("ties(scaling=0.3)", "finetuned")]
+    rows_here = (replace(_row("ties(scaling=0.3)", 0.6, (0.5, 0.7)), recipe_id=Recipe.parse("ties(scaling=0.3)").id),
+                 replace(_row(variant[0], 0.7, (0.6, 0.8)), recipe_id=Recipe.parse(variant[0]).id))
+    rep = compare(Table("fb", "ta8", "standard", "0", ("SUN397", "Cars"), rows_here, ()), fb)
+    assert {c.recipe for c in rep.comparisons} == {variant[0]} and not [c for c in rep.comparisons if c.unlike]
+    assert rep.unmatched_here == ("ties(scaling=0.3)",)
+    assert rep.unmatched_published == ("Fine-tuned (STL) (`finetuned`)",)
+
+
+def test_a_fixed_scaling_row_listed_twice_is_refused_in_one_line():
+    from mergecal.errors import ParameterError
+
+    twice = {"merges": {"ties": {"scaling": [0.1, 0.3]}}, "chains": ["{merge}"],
+             "fixed_scaling": [{"scaling": 0.3, "chains": ["{merge}", "{merge}>svc"]},
+                               {"scaling": 0.3, "merges": ["ties"], "chains": ["{merge}"]}]}
+    with pytest.raises(ParameterError) as err:
+        parse_params({"benchmark": twice})
+    assert str(err.value) == ("params.yaml: benchmark.fixed_scaling[1]: the row ties(scaling=0.3) is listed by "
+                              "fixed_scaling[0] already: list each chain at a scaling once")
+    with pytest.raises(ParameterError, match=r"fixed_scaling\[0\].settings"):
+        parse_params({"benchmark": {"merges": {"ties": {}}, "fixed_scaling": [
+            {"scaling": 0.3, "chains": ["{merge}"], "settings": {"disjoint": "median"}}]}})

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,7 +31,9 @@ from ..errors import MergecalError
 from ..perf.memory import peak_memory
 from ..recipe import Recipe
 from .chains import calibration_name, fixed_chain, scaling_source
-from .config import Params
+from ..methods import MERGE_METHODS
+from ..methods.base import build_params
+from .config import FixedScaling, Params
 from .code_digest import cell_code_digest
 from .hashing import HASH_CACHE, file_digest
 from .tracks.registry import enabled_tracks, track_of
@@ -82,20 +85,56 @@ def merge_values(values: dict[str, Any] | None) -> tuple[dict[str, Any], tuple[f
     return values, grid
 
 
-def matrix_chains(params: Params):
+def matrix_chains(params: Params, protocols: Sequence[FixedScaling] = ()):
     """``(merge, chain, merge values, grid, recipe)`` of every calibrated or plain merge of a track's matrix: each
-    chain around each merge with the merge's grid, then the fixed-scaling protocols (``benchmark.fixed_scaling``) at
-    their scaling, without a search (grid ``()``); ``recipe``: the chain's steps around the merge as written (each
-    track fills in the merge's values and its own DisTaC step: ``recipe_cell``). The one loop over the matrix."""
+    chain around each merge with the merge's grid, then the fixed-scaling protocols (``benchmark.fixed_scaling``,
+    then a track's own ``protocols``: those its preset's published rows run, ``published_protocols``) at their
+    scaling and settings, without a search (grid ``()``); ``recipe``: the chain's steps around the merge as written
+    (each track fills in the merge's values and its own DisTaC step: ``recipe_cell``). The one loop over the
+    matrix."""
     for merge, values in params.benchmark.merges.items():
         values, grid = merge_values(values)
         chains = [(chain, values, grid) for chain in params.benchmark.chains]
-        for protocol in params.benchmark.fixed_scaling:
+        for protocol in [*params.benchmark.fixed_scaling, *protocols]:
             if not protocol.merges or merge in protocol.merges:
-                chains += [(fixed_chain(chain, protocol.scaling), {**values, "scaling": protocol.scaling}, ())
+                chains += [(fixed_chain(chain, protocol.scaling, protocol.settings),
+                            {**values, **protocol.settings, "scaling": protocol.scaling}, ())
                            for chain in protocol.chains]
         for chain, chain_values, chain_grid in chains:
             yield merge, chain, chain_values, chain_grid, Recipe.parse(chain.replace("{merge}", merge))
+
+
+def published_protocols(params: Params, track) -> list[FixedScaling]:
+    """The fixed-scaling protocols that the published rows of a track's preset run (those of its own pool and task
+    set: ``mergecal.published.of_track``) and the matrix does not: a row at a fixed scaling whose stated settings
+    differ from the matrix's merge (FusionBench's TIES at 0.3 with disjoint sum, beside the matrix's mean) or whose
+    chain the matrix leaves out. Each comes with its merge alone (the calibrated rows' base)."""
+    from ..published import of_track
+    from .chains import chain_scaling
+
+    have = {chain.replace("{merge}", merge) for merge, chain, *_ in matrix_chains(params)}
+    found: dict[tuple, FixedScaling] = {}
+    for row in (row for paper in of_track(track) for row in paper):
+        if row.recipe in (None, *REFERENCES) or row.unlike:
+            continue
+        method = row.recipe.partition(">")[0].partition("(")[0]
+        chain = "{merge}" + row.recipe[len(method):]
+        scaling = chain_scaling(chain)
+        if scaling is None or method not in params.benchmark.merges:
+            continue
+        own = merge_values(params.benchmark.merges[method])[0]
+        built = build_params(MERGE_METHODS[method].Params, method, {**own, "scaling": scaling}).model_dump()
+        settings = {k: v for k, v in row.params if built.get(k) != v}
+        plain = "{merge}" + "".join(">" + p for p in chain.split(">")[1:])
+        label = fixed_chain(plain, scaling, settings).replace("{merge}", method)
+        if label in have:
+            continue
+        key = (scaling, method, tuple(sorted(settings.items())))
+        protocol = found.setdefault(key, FixedScaling(scaling=scaling, merges=[method], chains=["{merge}"],
+                                                      settings=settings))
+        if plain not in protocol.chains:
+            protocol.chains.append(plain)
+    return list(found.values())
 
 
 def per_seed(cells: list[Cell], seeds) -> list[Cell]:

@@ -4,33 +4,50 @@ that the params schema (config.py) and the cells (cells.py) both use it without 
 
 from __future__ import annotations
 
+import ast
+
 from ..recipe import Recipe
 
 MERGE = "{merge}"
 
 
-def fixed_chain(chain: str, scaling: float) -> str:
-    """A chain of a fixed-scaling protocol: its merge at ``scaling``, no search (``{merge}(scaling=0.3)>dsc``)."""
-    return chain.replace(MERGE, f"{MERGE}(scaling={float(scaling)!r})")
+def fixed_chain(chain: str, scaling: float, settings: dict | None = None) -> str:
+    """A chain of a fixed-scaling protocol: its merge at ``scaling``, no search (``{merge}(scaling=0.3)>dsc``), with
+    the protocol's own merge ``settings`` where it has any (``{merge}(scaling=0.3,disjoint='sum')``)."""
+    named = "".join(f",{k}={v!r}" for k, v in sorted((settings or {}).items()))
+    return chain.replace(MERGE, f"{MERGE}(scaling={float(scaling)!r}{named})")
 
 
 def _parts(chain: str) -> list[str]:
     return [p.strip() for p in chain.replace("->", ">").replace("→", ">").split(">")]
 
 
+def chain_settings(chain: str) -> dict:
+    """The merge's settings a chain from ``fixed_chain`` fixes, its scaling included ({}: the merge's grid)."""
+    merge = next(p for p in _parts(chain) if p.startswith(MERGE))
+    if merge == MERGE:
+        return {}
+    call = ast.parse(f"f{merge[len(MERGE):]}", mode="eval").body
+    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+
+
 def chain_scaling(chain: str) -> float | None:
     """The fixed scaling of a chain from ``fixed_chain`` (None: the merge's grid)."""
-    merge = next(p for p in _parts(chain) if p.startswith(MERGE))
-    return float(merge[len(MERGE) + len("(scaling="):-1]) if merge != MERGE else None
+    scaling = chain_settings(chain).get("scaling")
+    return None if scaling is None else float(scaling)
 
 
 def calibration_name(chain: str) -> str:
     """The chain without its merge: ``distac>{merge}>svc`` -> ``distac>svc``; ``none`` for the merge alone. A
     fixed-scaling chain says its protocol after ``@``: ``{merge}(scaling=0.3)>dsc`` -> ``dsc@λ=0.3`` (its base
-    row is ``none@λ=0.3``, the merge at that scaling)."""
+    row is ``none@λ=0.3``, the merge at that scaling), and the protocol's own settings after it
+    (``none@λ=0.3,disjoint=sum``: another base than the matrix's own merge at 0.3)."""
     name = ">".join(p for p in _parts(chain) if not p.startswith(MERGE)) or "none"
-    scaling = chain_scaling(chain)
-    return name if scaling is None else f"{name}@λ={scaling:g}"
+    settings = chain_settings(chain)
+    if not settings:
+        return name
+    others = "".join(f",{k}={v}" for k, v in sorted(settings.items()) if k != "scaling")
+    return f"{name}@λ={float(settings['scaling']):g}{others}"
 
 
 def _chain_steps(chain: str) -> list:

@@ -82,11 +82,22 @@ def _check_chain(chain: str) -> None:
 class FixedScaling(Strict):
     """A paper's protocol that fixes the merge's scaling instead of searching it on validation: ``chains`` at
     ``scaling`` for ``merges`` (empty: every merge of the matrix). Its rows are named ``<calibration>@λ=<scaling>``
-    and compared with ``none@λ=<scaling>``, the merge at that scaling (list ``{merge}`` among the chains)."""
+    and compared with ``none@λ=<scaling>``, the merge at that scaling (list ``{merge}`` among the chains).
+    ``settings``: the protocol's own merge settings beside the matrix's (FusionBench's TIES: ``{disjoint: sum}``);
+    its rows are then a variant of their own, ``ties(scaling=0.3,disjoint='sum')`` with base
+    ``none@λ=0.3,disjoint=sum``, beside the matrix's merge at that scaling."""
 
     scaling: PositiveReal
     chains: list[str] = Field(min_length=1)
     merges: list[str] = Field(default_factory=list)
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("settings")
+    @classmethod
+    def _settings(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        if "scaling" in settings:
+            raise ValueError("the protocol's scaling is its own key (scaling), not a setting")
+        return settings
 
     @field_validator("chains")
     @classmethod
@@ -158,11 +169,30 @@ class Benchmark(Strict):
 
     @model_validator(mode="after")
     def _fixed_scaling_merges_are_in_the_matrix(self) -> "Benchmark":
+        from ..methods import MERGE_METHODS
+        from ..methods.base import build_params
+        from .chains import fixed_chain
+
+        listed: dict[str, int] = {}  # each fixed-scaling row's label -> the protocol that lists it
         for i, protocol in enumerate(self.fixed_scaling):
             unknown = [m for m in protocol.merges if m not in self.merges]
             if unknown:
                 raise ConfigValueError(f"fixed_scaling[{i}].merges", f"{unknown[0]!r} is not among benchmark.merges "
                                                                      f"({', '.join(self.merges)})")
+            for merge in protocol.merges or list(self.merges):
+                own = {k: v for k, v in self.merges[merge].items() if k != "scaling"}
+                try:
+                    build_params(MERGE_METHODS[merge].Params, merge,
+                                 {**own, **protocol.settings, "scaling": protocol.scaling})
+                except MergecalError as err:
+                    raise ConfigValueError(f"fixed_scaling[{i}].settings", str(err)) from None
+                for chain in protocol.chains:
+                    label = fixed_chain(chain, protocol.scaling, protocol.settings).replace("{merge}", merge)
+                    if label in listed:
+                        raise ConfigValueError(f"fixed_scaling[{i}]", f"the row {label} is listed by "
+                                                                      f"fixed_scaling[{listed[label]}] already: list "
+                                                                      "each chain at a scaling once")
+                    listed[label] = i
         return self
 
     @model_validator(mode="after")

@@ -8,7 +8,9 @@ YAML file: one shipped in this folder, named without ``.yaml`` (``PRESETS``), or
 (``*.yaml``; relative to the directory the command runs in, the repository root for the stages). Its top level:
 ``family`` (the params section it belongs to), ``description``, ``source`` (where its ids come from), ``track``,
 and optionally ``published`` (a list of ``{source, backbone, task_set}``: the papers' tables of
-``mergecal.published`` it reproduces, shown beside the leaderboard) and ``roots`` (``{name: what it is}``): a pool
+``mergecal.published`` it reproduces, shown beside the leaderboard), ``pool`` (the checkpoints it names, as those
+tables name theirs: only a table of the same pool gets an inside/outside verdict) and ``roots``
+(``{name: what it is}``): a pool
 that is not on the hub (task_vectors' checkpoints) names its files under folders only the lab knows, as
 ``{name}/...`` in its track values, and the track gives each folder as ``preset_roots: {name: path}``.
 """
@@ -90,6 +92,25 @@ def published_of(name: str) -> list[dict]:
     """The published tables a preset reproduces (``published: [{source, backbone, task_set}, ...]``)."""
     data = yaml.safe_load(preset_path(name).read_text())
     return list(data.get("published") or []) if isinstance(data, dict) else []
+
+
+def summary(name: str) -> dict[str, Any]:
+    """What a shipped (or a lab's) preset holds, for ``mergecal presets``: its family, pool, task set and tasks,
+    the published sources it is compared with, and its description."""
+    data = yaml.safe_load(preset_path(name).read_text())
+    track = data.get("track") or {}
+    tasks = track.get(TASK_KEYS.get(data.get("family"), ("finetuned",))[0]) or {}
+    return {"name": name, "family": data.get("family"), "pool": data.get("pool"), "task_set": track.get("task_set"),
+            "tasks": list(tasks), "compared_with": [f"{p['source']} ({p['backbone']}, {p['task_set']})"
+                                                    for p in data.get("published") or []],
+            "description": data.get("description", "")}
+
+
+def pool_of(name: str) -> str | None:
+    """The pool of checkpoints a preset names (``pool:``, as the published tables name theirs); None without one."""
+    data = yaml.safe_load(preset_path(name).read_text())
+    pool = data.get("pool") if isinstance(data, dict) else None
+    return str(pool) if pool else None
 
 
 def expand(values: Any, family: str) -> Any:

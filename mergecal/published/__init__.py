@@ -7,15 +7,22 @@ percent), and the printed gain of a calibrated row over its base (``gains``: one
 so). A table may name tasks of its own (``tasks``: the LLM tables' AlpacaEval and GSM8K columns) and its printed
 precision (``decimals``, 1 unless given: FusionBench's 20-task tables print 2); its average may be null (not
 printed). A source that is not a paper's table names the document it comes from (``document``: FusionBench's
-documentation page, at a commit) and its tables by caption. tests/test_published.py checks each table's arithmetic.
-A preset names the tables its pool reproduces (``published:`` in ``mergecal/presets/*.yaml``), and the leaderboard
-of a track built from it shows the published number beside the run's (``mergecal.reports.published``).
+documentation page, at a commit) and its tables by caption. tests/test_published.py checks each table's arithmetic,
+and a stored fingerprint of every table's numbers (tests/data/published_fingerprints.json) that none changes unseen.
+
+A row carries its protocol: the chain says whether its merge's scaling was searched (``{merge}``) or fixed
+(``{merge}(scaling=0.3)``), and ``params`` the merge's settings the source states (TIES's ``disjoint: sum`` in
+FusionBench); it is compared only with the cell that runs exactly that (``mergecal.reports.published``). Each source
+(or table) names the pool of checkpoints its numbers were computed on (``pool``). A preset names the tables its pool
+reproduces (``published:`` in ``mergecal/presets/*.yaml``) and its own ``pool``; the leaderboard of a track built
+from it shows the published numbers beside the run's, with an inside/outside verdict only for a table of the same
+pool and, for a merge row, the same task set merged (``unlike`` says why not).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -43,6 +50,9 @@ class PublishedRow:
     average: float | None  # percent, as printed (None: the table prints none, e.g. the SVC paper's LLM columns)
     decimals: int = 1  # the printed precision
     document: str | None = None  # the document, where the source is not the paper itself
+    pool: str = ""  # the checkpoints the numbers were computed on
+    params: tuple[tuple[str, object], ...] = ()  # the merge's settings the source states: (name, value)
+    unlike: str = ""  # why a track's run is not a reproduction of this row ("" when it is: same pool, same tasks)
 
     @property
     def cite(self) -> str:
@@ -88,19 +98,39 @@ def rows(source: str, backbone: str, task_set: str, columns: dict[str, str] | No
             out.append(PublishedRow(source, data["paper"]["title"], str(data["paper"]["arxiv"]), str(table["table"]),
                                     backbone, task_set, row["row"], recipe_of(row["method"], row["chain"]),
                                     tasks, tuple(row["per_task"]), row["average"], int(table.get("decimals", 1)),
-                                    data.get("document")))
+                                    data.get("document"), str(table.get("pool", data["pool"])),
+                                    tuple(sorted((row.get("params") or {}).items()))))
     return out
 
 
-def for_tracks(params) -> dict[str, list[list[PublishedRow]]]:
-    """{track name (its leaderboard backbone): for each paper its preset names, that paper's rows for the pool},
-    for every ``local_clip`` and ``local_llm`` track built from a preset that names any."""
-    from ..presets import published_of
+def unlike(row: PublishedRow, pool: str | None, task_set: str) -> str:
+    """Why a run on ``pool`` (None: the preset names none) and ``task_set`` reproduces no ``row``: other checkpoints,
+    or a merge of another task set (a reference row is per task: its task set does not matter); "" when it does."""
+    if pool != row.pool:
+        return f"other checkpoints ({row.pool}{'' if pool else '; the preset names no pool'})"
+    if row.recipe not in REFERENCE_METHODS and row.task_set != task_set:
+        return f"a merge of another task set ({row.task_set})"
+    return ""
 
+
+def of_track(track) -> list[list[PublishedRow]]:
+    """For each paper a track's preset names (none without a preset), that paper's rows for the pool, each saying
+    whether the track can reproduce it (``unlike``)."""
+    from ..presets import pool_of, published_of
+
+    if not getattr(track, "preset", None):
+        return []
+    return [[replace(row, unlike=unlike(row, pool_of(track.preset), track.task_set))
+             for row in rows(r["source"], r["backbone"], r["task_set"], r.get("columns"))]
+            for r in published_of(track.preset)]
+
+
+def for_tracks(params) -> dict[str, list[list[PublishedRow]]]:
+    """{track name (its leaderboard backbone): ``of_track``}, for every ``local_clip`` and ``local_llm`` track built
+    from a preset that names any published rows."""
     out = {}
     for track in [*params.local_clip, *params.local_llm]:
-        found = [rows(r["source"], r["backbone"], r["task_set"], r.get("columns"))
-                 for r in published_of(track.preset)] if track.preset else []
+        found = of_track(track)
         if any(found):
             out[track.name] = [f for f in found if f]
     return out

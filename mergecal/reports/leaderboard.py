@@ -48,6 +48,7 @@ class Row:
     intervals: dict[str, Interval] = field(default_factory=dict)  # column -> 95 % interval (fractions)
     delta_intervals: dict[str, Interval] = field(default_factory=dict)  # column -> paired 95 % interval (points)
     ill_posed: str = ""  # why the row is shown but never ranked ("" when it is well-posed)
+    recipe_id: str = ""  # the cell's canonical recipe (every parameter of every step; "" for a reference)
 
     def significance(self, name: str) -> str:
         """``gain`` / ``loss`` when the delta's paired interval excludes 0, else ``none`` (always for an
@@ -265,7 +266,8 @@ def build_tables(cells: pd.DataFrame, examples: dict[str, Examples | None] | Non
                 delta_intervals = {n: i for n in names if (i := paired_points(mine[n], theirs[n])) is not None}
             rows.append(Row(r["recipe"], r["merge"], r["calibration"], role, r["cell_id"], r["run_id"],
                             bool(r["cached"]), values, deltas, intervals, delta_intervals,
-                            ill_posed(r["merge"], r["calibration"]) if role != "reference" else ""))
+                            ill_posed(r["merge"], r["calibration"]) if role != "reference" else "",
+                            r.get("recipe_id") if isinstance(r.get("recipe_id"), str) else ""))
         tables.append(Table(*key, tasks, tuple(rows), tuple(failures), significant_best(rows, names, samples),
                             several_seeds=len(seeds) > 1))
     return tables

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from ...checkpoint import atomic_write_text
+from ...hub_cache import check_cached, hub_ids_in
 from ..config import Params
 from ..hashing import HASH_CACHE
 from ..own_models import inputs_path, tracks_dir
@@ -27,7 +28,10 @@ SOURCES = (causal_lm_files, clip_files)
 
 
 def record_inputs(params: Params, root: str | Path = ".") -> dict:
-    """``inputs.json``: each source's records of its tracks' files (written atomically)."""
+    """``inputs.json``: each source's records of its tracks' files (written atomically), once every hub id the
+    tracks name is in the local cache (else one error naming them all: ``hub_cache.check_cached``)."""
+    check_cached([found for source in SOURCES for track in source.configured(params)
+                  for found in hub_ids_in(track.model_dump(mode="json"))])
     out = {}
     for source in SOURCES:
         out.update(source.input_records(params, root, Path(root) / HASH_CACHE))

@@ -42,11 +42,11 @@ SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (F
                "adapter yet; the LLM track runs weight-space chains (merge, svc, wsc)")
 
 
-def cells(params: Params, track: str, backbone: str, task_set: str, tasks) -> list[Cell]:
+def cells(params: Params, track: str, backbone: str, task_set: str, tasks, protocols=()) -> list[Cell]:
     """The cells of an LLM family (a base and one expert per task): references, then every weight-space
-    chain of the matrix."""
+    chain of the matrix (and of the track's own fixed-scaling ``protocols``)."""
     out = [Cell(track, backbone, task_set, tuple(tasks), "standard", ref, "") for ref in REFERENCES]
-    for merge, chain, values, grid, recipe in matrix_chains(params):
+    for merge, chain, values, grid, recipe in matrix_chains(params, protocols):
         if any(s.needs_data for s in recipe.steps):
             continue
         steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]

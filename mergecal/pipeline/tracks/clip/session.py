@@ -25,11 +25,12 @@ from ..protocol import Session
 
 
 def recipe_cells(params: Params, name: str, backbone: str, task_set: str, tasks: Sequence[str], regime: str,
-                 distac_step: dict) -> list[Cell]:
-    """One regime's cells of a CLIP track: the references, then every merge in every chain of the matrix (a
-    DisTaC step takes the source's ``distac_step``: its parameters, as a dict)."""
+                 distac_step: dict, protocols=()) -> list[Cell]:
+    """One regime's cells of a CLIP track: the references, then every merge in every chain of the matrix and of the
+    track's own fixed-scaling ``protocols`` (a DisTaC step takes the source's ``distac_step``: its parameters, as a
+    dict)."""
     out = [Cell(name, backbone, task_set, tuple(tasks), regime, ref, "") for ref in REFERENCES]
-    for merge, chain, values, grid, recipe in matrix_chains(params):
+    for merge, chain, values, grid, recipe in matrix_chains(params, protocols):
         steps = [(s.name, values if s.phase == "merge" else distac_step if s.name == "distac" else
                   s.params.model_dump()) for s in recipe.steps]
         out.append(recipe_cell(params, name, backbone, task_set, tasks, regime, merge, chain, steps, grid))

@@ -16,7 +16,7 @@ from pathlib import Path
 from .....backbones.hf_causal_lm import model_dir_files
 from .....errors import MergecalError
 from .....recipe import Recipe
-from ....cells import REFERENCES, Cell, CellResult, per_seed, per_seed_skipped
+from ....cells import REFERENCES, Cell, CellResult, per_seed, per_seed_skipped, published_protocols
 from ....config import Params
 from .params import LocalLlmTrack
 from .stages import (base_path, check_expert, check_model_dir, expert_path, merged_paths, references_path, scorer,
@@ -35,7 +35,8 @@ def enabled(params: Params) -> bool:
 def cells(params: Params) -> list[Cell]:
     # a lab's own checkpoints are not fine-tuned here: their cells run once, under the first seed
     return per_seed([cell for t in configured_tracks(params, NAME)
-                     for cell in family.cells(params, cell_track(NAME, t), t.name, t.task_set, t.task_names)],
+                     for cell in family.cells(params, cell_track(NAME, t), t.name, t.task_set, t.task_names,
+                                              published_protocols(params, t))],
                     params.seeds[:1])
 
 

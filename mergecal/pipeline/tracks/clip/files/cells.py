@@ -25,8 +25,8 @@ from .....calibrations.probing import SensitivityRanking
 from .....checkpoint import SafetensorsSource, load_state_dict
 from .....errors import CheckpointError, MergecalError
 from .....recipe import Recipe
-from ....cells import (Cell, CellResult, base_params, finetuned_reference, per_example_results, per_seed, summaries,
-                     uses_sensitivity)
+from ....cells import (Cell, CellResult, base_params, finetuned_reference, per_example_results, per_seed,
+                       published_protocols, summaries, uses_sensitivity)
 from ....config import Params
 from .params import LocalClipTrack
 from .....backbones.clip_checkpoints import (VisualView, build_model, checkpoint_files, finetuned_visual,
@@ -51,7 +51,7 @@ def cells(params: Params) -> list[Cell]:
     """References, then every chain around every merge method (a DisTaC step is the track's, ``distac_step``)."""
     out = [cell for t in configured_tracks(params, NAME)
            for cell in recipe_cells(params, cell_track(NAME, t), t.name, t.task_set, t.task_names, "standard",
-                                    t.distac_step().model_dump())]
+                                    t.distac_step().model_dump(), published_protocols(params, t))]
     return per_seed(out, params.seeds[:1])  # a lab's own checkpoints are not fine-tuned here: the first seed's
 
 
