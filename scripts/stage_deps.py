@@ -28,12 +28,12 @@ from mergecal.pipeline.imports import PROJECT_PACKAGES, import_graph, source_pat
 RUNS_EVERY_MEMBER = {"stages.benchmark"}
 #: the stage that measures every track's stability through the registry's DIAGNOSTICS
 RUNS_DIAGNOSTICS = {"stages.stability"}
-#: data files a module reads at run time, deps of every stage that imports it: the published tables (a transcription
-#: fix reruns the report), and the presets' ``published:`` lists, which the report's published section reads (a
-#: preset edit reruns the report alone). The presets' tracks are no stage's file deps: their values reach the cells
-#: through the tracks' params, hashed by local_inputs into its output.
-PACKAGE_DATA = {"mergecal.published": "mergecal/published/*.yaml",
-                "mergecal.reports.published": "mergecal/presets/*.yaml"}
+#: data files a module reads at run time, deps of every stage that imports it: the published tables and the presets'
+#: ``published:`` and ``pool:``, which the report's published section reads and which give a preset's track the
+#: fixed-scaling protocols its own pool's rows run (``cells.published_protocols``: the matrix of the benchmark and
+#: stability stages). The presets' tracks are no stage's file deps: their values reach the cells through the tracks'
+#: params, hashed by local_inputs into its output.
+PACKAGE_DATA = {"mergecal.published": ("mergecal/published/*.yaml", "mergecal/presets/*.yaml")}
 COMMAND_MODULE = re.compile(r"\bpython3?\s+-m\s+((?:" + "|".join(PROJECT_PACKAGES) + r")(?:\.\w+)*)")
 
 
@@ -59,8 +59,8 @@ def expected_code_deps(stages: dict, root: Path) -> dict[str, list[str]]:
                                 "project's sources")
         closure = stage_closure(graph, match.group(1), runs_every_member=match.group(1) in RUNS_EVERY_MEMBER,
                                 runs_diagnostics=match.group(1) in RUNS_DIAGNOSTICS)
-        data = [p.relative_to(root).as_posix() for module, pattern in PACKAGE_DATA.items() if module in closure
-                for p in root.glob(pattern)]
+        data = [p.relative_to(root).as_posix() for module, patterns in PACKAGE_DATA.items() if module in closure
+                for pattern in patterns for p in root.glob(pattern)]
         out[name] = sorted(source_paths(closure, root) + data)
     return out
 

@@ -29,8 +29,9 @@ from .. import __version__
 from ..calibrations.registry import get_calibration
 from ..errors import MergecalError
 from ..perf.memory import peak_memory
+from ..published import of_track
 from ..recipe import Recipe
-from .chains import calibration_name, fixed_chain, scaling_source
+from .chains import calibration_name, chain_scaling, fixed_chain, scaling_source
 from ..methods import MERGE_METHODS
 from ..methods.base import build_params
 from .config import FixedScaling, Params
@@ -109,9 +110,6 @@ def published_protocols(params: Params, track) -> list[FixedScaling]:
     set: ``mergecal.published.of_track``) and the matrix does not: a row at a fixed scaling whose stated settings
     differ from the matrix's merge (FusionBench's TIES at 0.3 with disjoint sum, beside the matrix's mean) or whose
     chain the matrix leaves out. Each comes with its merge alone (the calibrated rows' base)."""
-    from ..published import of_track
-    from .chains import chain_scaling
-
     have = {chain.replace("{merge}", merge) for merge, chain, *_ in matrix_chains(params)}
     found: dict[tuple, FixedScaling] = {}
     for row in (row for paper in of_track(track) for row in paper):
