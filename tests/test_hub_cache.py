@@ -560,3 +560,30 @@ def test_mergecal_presets_lists_every_shipped_preset_and_shows_one(capsys):
     err = capsys.readouterr().err
     assert err.startswith("mergecal: error: presets: 'no-such-preset': not a preset (shipped: ")
     assert err.count("\n") == 1
+
+
+def test_every_params_block_of_the_reproduce_a_paper_page_works_as_the_page_says(cache, tmp_path):
+    """docs/reproduce-a-paper.md as a newcomer follows it: each of its YAML blocks replaces its section of the
+    committed params.yaml (`local_clip: []`, `local_llm: []`) and loads; its track gets the matrix's cells and its
+    preset's published tables; on an empty cache `local_inputs` names every hub id it needs in one line."""
+    import re
+
+    from mergecal.pipeline.cells import enumerate_cells
+    from mergecal.pipeline.config import parse_params
+    from mergecal.pipeline.tracks.lab_files import record_inputs
+    from mergecal.published import for_tracks
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reproduce-a-paper.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", page, flags=re.M | re.S)
+    committed = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    assert committed["local_clip"] == [] and committed["local_llm"] == [] and len(blocks) == 3
+    for block in blocks:
+        section = yaml.safe_load(block)
+        params = parse_params({**committed, **section})
+        (name,) = [t["name"] for tracks in section.values() for t in tracks]
+        family = next(iter(section))
+        assert [c for c in enumerate_cells(params) if c.track == f"{family}:{name}"], name
+        assert for_tracks(params)[name], name
+        if "preset_roots" not in block:  # hub ids: all named at once (the task_vectors pool is a lab's folders)
+            with pytest.raises(CheckpointError, match=r"^\d+ hub ids are not in the local Hugging Face cache"):
+                record_inputs(params, tmp_path)
