@@ -138,10 +138,14 @@ def test_the_pair_preset_runs_through_the_flow_to_the_published_gsm8k_column(poo
     assert summary["failed"] == 0, [r.get("error") for r in summary["rows"]]
     sections = json.loads((repo / "reports" / "leaderboard.json").read_text())["published"]
     assert len(sections) == 2 and {s["backbone"] for s in sections} == {"wm"}
+    # each paper's rows at its own protocol (#56): the preset adds the fixed-scaling cells the matrix lacks, MAGIC's
+    # TA and TA w/ WSC at lambda 0.3, SVC's TA w/ SVC at lambda 1; SVC's TA row is the searched merge
+    compared = {}
     for section in sections:  # GSM8K only: AlpacaEval has no column here, so no average either
         assert {c["column"] for c in section["comparisons"]} == {"gsm8k"}
-        compared = {c["recipe"] for c in section["comparisons"] if c["interval"]}
-        assert "task_arithmetic" in compared, section
-    svc = next(s for s in sections if "2602.05536" in s["source"])
-    assert {c["recipe"] for c in svc["comparisons"]} == {"task_arithmetic", "task_arithmetic>svc"}
+        assert all(c["interval"] and c["inside"] is not None for c in section["comparisons"]), section
+        paper = "svc" if "2602.05536" in section["source"] else "magic"
+        compared[paper] = {c["recipe"] for c in section["comparisons"]}
+    assert compared == {"svc": {"task_arithmetic", "task_arithmetic(scaling=1.0)>svc"},
+                        "magic": {"task_arithmetic(scaling=0.3)", "task_arithmetic(scaling=0.3)>wsc"}}
     assert "## Published: wm · wizardmath-chat · standard" in (repo / "reports" / "leaderboard.md").read_text()
