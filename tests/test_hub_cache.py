@@ -357,6 +357,7 @@ def _write_preset_params(root: Path, track: dict, chains: list[str]) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump({
         "vision": {"enabled": False}, "text": {"enabled": False}, "llm": {"enabled": False},
         "benchmark": {"merges": {"task_arithmetic": {"scaling": [0.3, 1.0]}}, "chains": chains},
+        "probing": {"max_samples": 20, "top": 3},  # micro data: 20 training images a task
         "local_clip": [track]}))
 
 
@@ -404,7 +405,7 @@ def test_a_preset_track_runs_through_the_flow_to_the_boards_published_section(ca
     from prefect.testing.utilities import prefect_test_harness
 
     import mergecal.pipeline.flow as flow_module
-    from stages import local_inputs, local_tracks, report
+    from stages import local_inputs, local_sensitivity, local_tracks, report
 
     torch.set_num_threads(1)
     track, _ = _task_vectors_pool(cache, tmp_path)
@@ -412,7 +413,8 @@ def test_a_preset_track_runs_through_the_flow_to_the_boards_published_section(ca
     _write_preset_params(root, track, ["{merge}", "{merge}>svc"])
     out = io.StringIO()  # not capsys: Prefect's console handler would keep its stream after the test
     with pytest.warns(UserWarning, match="finetuned.pt: unpickling"), contextlib.redirect_stdout(out):
-        for stage in (local_inputs, local_tracks):
+        # the probe too: the preset adds MAGIC's `task_arithmetic(scaling=0.3)>dsc` (its protocol, #56)
+        for stage in (local_inputs, local_tracks, local_sensitivity):
             assert stage.run(stage.stage, ["--root", str(root)]) == 0
         with prefect_test_harness(server_startup_timeout=120):
             summary = flow_module.run_benchmark(params_path="params.yaml", root=str(root))
@@ -427,7 +429,12 @@ def test_a_preset_track_runs_through_the_flow_to_the_boards_published_section(ca
     # two of the eight tasks: their columns are compared, the paper's eight-task average is not
     assert {c["column"] for c in svc["comparisons"]} == {"MNIST", "EuroSAT"}
     compared = {(c["recipe"], c["column"]): c for c in svc["comparisons"] if c["interval"]}
-    assert {(r, t) for r in ("task_arithmetic", "task_arithmetic>svc") for t in ("MNIST", "EuroSAT")} <= set(compared)
+    # SVC's TA row is the searched merge, its TA w/ SVC the merge at lambda 1 with SVC, no search (#56)
+    assert {(r, t) for r in ("task_arithmetic", "task_arithmetic(scaling=1.0)>svc")
+            for t in ("MNIST", "EuroSAT")} <= set(compared)
+    magic = next(s for s in sections if "2512.19320" in s["source"])
+    assert {"task_arithmetic(scaling=0.3)", "task_arithmetic(scaling=0.3)>dsc"} <= {c["recipe"] for c in
+                                                                                   magic["comparisons"]}
     for c in compared.values():  # this run's value inside its own interval, in percent as the paper prints
         low, high = c["interval"]
         assert 0 <= low <= c["value"] <= high <= 100 and isinstance(c["inside"], bool), c
