@@ -13,7 +13,7 @@ import time
 import numpy as np
 from scipy.stats import bootstrap
 
-from mergecal.reports import intervals
+from mergecal import intervals
 
 
 def scipy_interval(samples, weights):

@@ -22,18 +22,26 @@ from pathlib import Path
 import yaml
 
 from mergecal.errors import MergecalError
-from mergecal.pipeline.imports import PROJECT_PACKAGES, import_graph, source_paths, stage_closure
+from mergecal.pipeline.imports import PROJECT_PACKAGES, TRACK_PACKAGES, import_graph, source_paths, stage_closure
+from mergecal.pipeline.track_registry import registered
 
 #: the stage that runs the benchmark matrix: every merge method, calibration and track, through the registries
 RUNS_EVERY_MEMBER = {"stages.benchmark"}
 #: the stage that measures every track's stability through the registry's DIAGNOSTICS
 RUNS_DIAGNOSTICS = {"stages.stability"}
+#: the stages that record and check a lab's files through the registry's LAB_FILES
+RUNS_LAB_FILES = {"stages.local_inputs", "stages.local_tracks"}
 #: data files a module reads at run time, deps of every stage that imports it: the published tables and the presets'
 #: ``published:`` and ``pool:``, which the report's published section reads and which give a preset's track the
 #: fixed-scaling protocols its own pool's rows run (``cells.published_protocols``: the matrix of the benchmark and
 #: stability stages). The presets' tracks are no stage's file deps: their values reach the cells through the tracks'
 #: params, hashed by local_inputs into its output.
 PACKAGE_DATA = {"mergecal.published": ("mergecal/published/*.yaml", "mergecal/presets/*.yaml")}
+#: stages whose params name tracks, and which of the registry's tracks: their entries are written from the track
+#: registry (``registered``), so a new track is no edit of dvc.yaml: the lab's tracks (each a list of configured
+#: tracks), every track's switch (``<track>.enabled``, or a lab's list), the tracks with stability diagnostics
+TRACK_PARAMS = {"local_inputs": "lab_files", "local_tracks": "lab_files", "benchmark": "switches",
+                "stability": "diagnostics"}
 COMMAND_MODULE = re.compile(r"\bpython3?\s+-m\s+((?:" + "|".join(PROJECT_PACKAGES) + r")(?:\.\w+)*)")
 
 
@@ -58,7 +66,8 @@ def expected_code_deps(stages: dict, root: Path) -> dict[str, list[str]]:
             raise MergecalError(f"dvc.yaml: stage {name!r}: its cmd runs {match.group(1)!r}, not a module of the "
                                 "project's sources")
         closure = stage_closure(graph, match.group(1), runs_every_member=match.group(1) in RUNS_EVERY_MEMBER,
-                                runs_diagnostics=match.group(1) in RUNS_DIAGNOSTICS)
+                                runs_diagnostics=match.group(1) in RUNS_DIAGNOSTICS,
+                                runs_lab_files=match.group(1) in RUNS_LAB_FILES)
         data = [p.relative_to(root).as_posix() for module, patterns in PACKAGE_DATA.items() if module in closure
                 for pattern in patterns for p in root.glob(pattern)]
         out[name] = sorted(source_paths(closure, root) + data)
@@ -75,6 +84,17 @@ def load_stages(text: str) -> dict:
     return stages
 
 
+def expected_track_params(root: Path) -> dict[str, list[str]]:
+    """Stage name -> the params entries it has for tracks (``TRACK_PARAMS``), in matrix order."""
+    tracks = registered(Path(root, *TRACK_PACKAGES.split(".")))
+    switches = [name if name in tracks["lab_files"] else f"{name}.enabled" for name in tracks["modules"]]
+    return {stage: switches if kind == "switches" else list(tracks[kind]) for stage, kind in TRACK_PARAMS.items()}
+
+
+def _track_entry(value: str, tracks: set[str]) -> bool:
+    return value.split(".", 1)[0] in tracks
+
+
 def drift(stages: dict, expected: dict[str, list[str]]) -> dict[str, tuple[list[str], list[str]]]:
     """Stage name -> (missing, extra) code deps, for each stage whose code deps differ from ``expected``."""
     bodies = stage_bodies(stages)
@@ -87,9 +107,24 @@ def drift(stages: dict, expected: dict[str, list[str]]) -> dict[str, tuple[list[
     return out
 
 
-def describe(found: dict[str, tuple[list[str], list[str]]]) -> list[str]:
+def params_drift(stages: dict, expected: dict[str, list[str]], tracks: set[str]) -> dict[str, tuple[list, list]]:
+    """Stage name -> (missing, extra) params entries for tracks, for each stage whose entries differ (in content or
+    order) from ``expected``."""
+    bodies = stage_bodies(stages)
+    out = {}
+    for name, entries in expected.items():
+        if name not in bodies:  # a checkout without that stage
+            continue
+        listed = [p for p in bodies[name].get("params") or [] if isinstance(p, str) and _track_entry(p, tracks)]
+        if listed != entries:
+            missing = [e for e in entries if e not in listed] or ["(their order)"]
+            out[name] = (missing, [e for e in listed if e not in entries])
+    return out
+
+
+def describe(found: dict[str, tuple[list[str], list[str]]], what: str = "") -> list[str]:
     return [f"dvc.yaml: stage {name!r}: " + "; ".join(
-        f"{what} {', '.join(paths)}" for what, paths in (("missing", missing), ("extra", extra)) if paths)
+        f"{which}{what} {', '.join(paths)}" for which, paths in (("missing", missing), ("extra", extra)) if paths)
         for name, (missing, extra) in found.items()]
 
 
@@ -111,8 +146,10 @@ def _in_deps_list(line: str, deps_indent: int) -> bool:
         (content.startswith("- ") and _indent(line) == deps_indent)
 
 
-def rewrite_deps(text: str, expected: dict[str, list[str]]) -> str:
-    """``text`` with each named stage's code deps replaced by ``expected[stage]``; every other line as it was.
+def rewrite_deps(text: str, expected: dict[str, list[str]], params: dict[str, list[str]] | None = None,
+                 tracks: frozenset[str] = frozenset()) -> str:
+    """``text`` with each named stage's code deps replaced by ``expected[stage]`` and its params entries for
+    ``tracks`` by ``params[stage]``; every other line as it was.
     Relies on dvc.yaml's block layout (``stages:`` at the left margin, a stage's name alone on its line, ``deps:``
     followed by ``- path`` lines) and checks the result: the same YAML but for those lists, else a
     MergecalError and nothing written."""
@@ -139,15 +176,25 @@ def rewrite_deps(text: str, expected: dict[str, list[str]]) -> str:
                 block.pop()
                 i -= 1
             out += _new_block(block, expected[stage], stage)
+        elif stage in (params or {}) and content == "params:":
+            block = []
+            while i < len(lines) and _in_deps_list(lines[i], _indent(line)):
+                block.append(lines[i])
+                i += 1
+            while block and not block[-1].strip():
+                block.pop()
+                i -= 1
+            out += _new_block(block, params[stage], stage, lambda value: _track_entry(value, tracks))
     new = "".join(out)
-    if _normalized(load_stages(text), expected) != _normalized(load_stages(new)):
+    if _normalized(load_stages(text), expected, params, tracks) != _normalized(load_stages(new), tracks=tracks):
         raise MergecalError("dvc.yaml: its layout is not the one this tool rewrites (`stages:` at the left margin, "
                             "a stage's name alone on its line, `deps:` then `- path` lines); nothing written")
     return new
 
 
-def _new_block(block: list[str], code: list[str], stage: str) -> list[str]:
-    """A deps list's lines with its code deps replaced by ``code``, where the first of them stood."""
+def _new_block(block: list[str], code: list[str], stage: str, replaced=is_code_dep) -> list[str]:
+    """A list's lines with its ``replaced`` items (code deps) replaced by ``code``, where the first of them
+    stood."""
     items = [line for line in block if line.lstrip().startswith("- ")]
     if not items:
         raise MergecalError(f"dvc.yaml: stage {stage!r}: expected its deps as `- path` lines")
@@ -155,7 +202,7 @@ def _new_block(block: list[str], code: list[str], stage: str) -> list[str]:
     replacement = [f"{prefix}- {path}\n" for path in code]
     new, placed = [], False
     for line in block:
-        if line.lstrip().startswith("- ") and is_code_dep(_item_value(line)):
+        if line.lstrip().startswith("- ") and replaced(_item_value(line)):
             new += [] if placed else replacement
             placed = True
         else:
@@ -166,13 +213,19 @@ def _new_block(block: list[str], code: list[str], stage: str) -> list[str]:
     return new
 
 
-def _normalized(stages: dict, replaced: dict[str, list[str]] | None = None) -> dict:
-    """``stages`` with each deps list as (its code deps sorted, or ``replaced[stage]``) + the others in order."""
+def _normalized(stages: dict, replaced: dict[str, list[str]] | None = None,
+                params: dict[str, list[str]] | None = None, tracks: frozenset[str] = frozenset()) -> dict:
+    """``stages`` with each deps list as (its code deps sorted, or ``replaced[stage]``) + the others in order, and
+    each ``TRACK_PARAMS`` stage's params as its entries for ``tracks`` (or ``params[stage]``) + the others."""
     for name, body in stage_bodies(stages).items():
         deps = body.get("deps") or []
         code = sorted(d for d in deps if isinstance(d, str) and is_code_dep(d))
         others = [d for d in deps if not (isinstance(d, str) and is_code_dep(d))]
         body["deps"] = sorted((replaced or {}).get(name, code)) + others
+        if name in TRACK_PARAMS:
+            listed = body.get("params") or []
+            mine = [p for p in listed if isinstance(p, str) and _track_entry(p, tracks)]
+            body["params"] = (params or {}).get(name, mine) + [p for p in listed if p not in mine]
     return stages
 
 
@@ -192,15 +245,19 @@ def main(argv: list[str] | None = None) -> int:
         stages = load_stages(text)
         expected = expected_code_deps(stages, args.root)
         found = drift(stages, expected)
+        params = expected_track_params(args.root)
+        tracks = frozenset(registered(Path(args.root, *TRACK_PACKAGES.split(".")))["modules"])
+        found_params = params_drift(stages, params, tracks)
         if args.check:
-            for line in describe(found):
+            for line in describe(found) + describe(found_params, " params"):
                 print(line)
-            return 1 if found else 0
-        if found:
+            return 1 if found or found_params else 0
+        if found or found_params:
             from mergecal.checkpoint import atomic_write_text
 
-            atomic_write_text(path, rewrite_deps(text, expected))
-        print(f"{path}: code deps of {len(found)} stage(s) rewritten" + (f": {', '.join(found)}" if found else ""))
+            atomic_write_text(path, rewrite_deps(text, expected, params, tracks))
+        print(f"{path}: code deps of {len(found)} stage(s) rewritten" + (f": {', '.join(found)}" if found else "")
+              + (f"; tracks' params of {len(found_params)}: {', '.join(found_params)}" if found_params else ""))
         return 0
     except MergecalError as err:
         print(f"stage_deps: error: {err}", file=sys.stderr)

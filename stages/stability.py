@@ -9,7 +9,8 @@ from stages._common import device, run
 def stage(params, root, args):
     from mergecal.checkpoint import atomic_write_text
     from mergecal.pipeline.refit_stability import measure_refits
-    from mergecal.pipeline.stability import measure, read_results, stability_markdown
+    from mergecal.pipeline.stability import measure, read_results
+    from mergecal.reports.stability import stability_markdown
     from mergecal.pipeline.stability_inputs import PATH
 
     results = read_results(root / PATH)  # the benchmark's task-arithmetic rows: all that both diagnostics read

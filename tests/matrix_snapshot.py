@@ -32,7 +32,7 @@ def write_lab(folder: Path) -> dict:
 
 def matrix(params, root: Path, lab: Path) -> dict:
     from mergecal.pipeline.cells import cell_inputs, enumerate_cells
-    from mergecal.pipeline.tracks.registry import skipped_cells
+    from mergecal.pipeline.track_registry import skipped_cells
 
     def relative(path: str) -> str:
         path = Path(path)

@@ -451,7 +451,7 @@ def test_random_and_truncated_pt_files_are_not_called_pickles(tmp_path):
 
 
 def test_merge_causal_lms_does_not_recommend_an_opt_in_it_lacks(tmp_path):
-    from mergecal.backbones.hf_causal_lm_merge import merge_causal_lms
+    from mergecal.merge_causal_lm import merge_causal_lms
 
     pickled = tmp_path / "pickled"
     pickled.mkdir()

@@ -1,4 +1,4 @@
-"""Confidence measures (mergecal.calibrations.confidence)."""
+"""Confidence measures (mergecal.confidence)."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergecal.calibrations.confidence import (
+from mergecal.confidence import (
     expected_calibration_error,
     prediction_entropy,
 )

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mergecal.calibrations.confidence import prediction_entropy
+from mergecal.confidence import prediction_entropy
 from mergecal.calibrations.distac import (
     PRESETS,
     DistacParams,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mergecal.reports.intervals import paired_interval, significance, stratified_interval, weighted_means
+from mergecal.intervals import paired_interval, significance, stratified_interval, weighted_means
 
 
 def _tasks(rates, n=300):
@@ -59,7 +59,7 @@ def test_equal_to_scipy_bootstrap_with_the_same_draws():
     order of a resample's mean differs."""
     from scipy.stats import bootstrap
 
-    from mergecal.reports import intervals
+    from mergecal import intervals
 
     rng = np.random.default_rng(7)
     samples = [rng.normal(size=120), (rng.random(75) < 0.6).astype(float), rng.normal(2.0, 3.0, size=33)]
@@ -81,7 +81,7 @@ def test_bit_equal_to_scipy_on_outcomes_so_a_zero_end_stays_zero():
     interval end that is exactly 0 is 0 (not 1e-17 > 0, which flipped a verdict from none to gain)."""
     from scipy.stats import bootstrap
 
-    from mergecal.reports import intervals
+    from mergecal import intervals
 
     rng = np.random.default_rng(3)
     base = [(rng.random(n) < 0.6).astype(float) for n in (300, 300, 150)]

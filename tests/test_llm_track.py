@@ -9,7 +9,7 @@ import torch
 from mergecal import merge_models
 from mergecal.backbones.hf_causal_lm import (causal_lm_state_dict, load_causal_lm, save_causal_lm,
                                              save_causal_lm_weights, stored_state_dict, weights_digest)
-from mergecal.backbones.hf_causal_lm_merge import merge_causal_lms
+from mergecal.merge_causal_lm import merge_causal_lms
 from mergecal.data.llm import (CATEGORIES, LlmSuiteConfig, build_llm_suite, knowledge_words, load_records,
                                number_pairs)
 from mergecal.errors import CheckpointError, OutputError

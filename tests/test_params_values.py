@@ -10,6 +10,7 @@ import yaml
 from mergecal.data.vision import SuiteConfig
 from mergecal.config_types import ConfigValueError, check_config
 from mergecal.errors import ParameterError
+from mergecal.pipeline import track_registry
 from mergecal.pipeline.config import load_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,7 +172,7 @@ def test_magic_fixed_scaling_rows_hold_fscs_network_task_feature_where_fsc_runs(
     """#29: `fsc(task_feature=network)` beside `fsc` at MAGIC's lambda = 0.3 for TA and TIES: a vision cell per
     regime whose recipe id names the option; the text and LLM tracks skip it as they skip `fsc`, with its reason."""
     from mergecal.pipeline.cells import enumerate_cells
-    from mergecal.pipeline.tracks.registry import skipped_cells
+    from mergecal.pipeline.track_registry import skipped_cells
 
     params = load_params(REPO / "params.yaml")
     cells = [c for c in enumerate_cells(params) if c.calibration in ("fsc@λ=0.3", "fsc(task_feature=network)@λ=0.3")]
@@ -225,7 +226,7 @@ def test_schema_defaults_are_the_librarys_and_enabled_means_what_it_says():
     assert defaults.llm.tasks == list(LLM_TASKS)
     assert LmTrainConfig(**defaults.llm.finetune_config("maximum", 0)) == LmTrainConfig()
     merges = {"benchmark": {"merges": {"ties": {}}}}
-    tracks = {"vision", "text", "llm"}
+    tracks = set(track_registry.BUILT)
     assert {c.track for c in enumerate_cells(parse_params(merges))} == tracks
     for track in tracks:
         disabled = parse_params({**merges, track: {"enabled": False}})

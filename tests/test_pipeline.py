@@ -19,6 +19,7 @@ from mergecal.pipeline import code_digest
 from mergecal.pipeline.tracks.causal_lm.built import stages as llm
 from mergecal.pipeline.tracks.text.built import stages as text
 from mergecal.pipeline.tracks.clip.built import stages as vision
+from mergecal.pipeline import track_registry
 from mergecal.pipeline.config import load_params, parse_params
 from mergecal.pipeline.workspace import PIPELINE_FILES, SMOKE_PARAMS, create_workspace
 
@@ -161,7 +162,7 @@ def test_cells_cover_the_matrix_with_distinct_ids(built):
     llm_cells = [c for c in cells if c.track == "llm"]
     assert sorted(c.chain for c in llm_cells if c.merge == "ties") == ["{merge}", "{merge}>svc"]
     assert len(llm_cells) == 2 + n_merges * 2 + n_fixed
-    from mergecal.pipeline.tracks.registry import skipped_cells
+    from mergecal.pipeline.track_registry import skipped_cells
 
     skipped = skipped_cells(params)
     assert sorted({(c.track, c.chain) for c, _ in skipped}) == [
@@ -283,7 +284,8 @@ def test_same_params_give_identical_results(built):
 def test_stability_reevaluates_each_tracks_task_arithmetic_row_as_the_benchmark_scored_it(built):
     """The stability stage (issue #30) evaluates the benchmark's own row: unperturbed, its per-example outcomes
     are the cell's, on every track (vision through evaluate_tasks, text through TextModels, LLM through lm-eval)."""
-    from mergecal.pipeline.stability import measure, stability_markdown
+    from mergecal.pipeline.stability import measure
+    from mergecal.reports.stability import stability_markdown
 
     root, params = built
     rows, examples = [], {}
@@ -294,7 +296,7 @@ def test_stability_reevaluates_each_tracks_task_arithmetic_row_as_the_benchmark_
                          "selected_scaling": 0.3})
             examples[cell.track] = result.examples
     document = measure(params, root, {"rows": rows})
-    assert [e["track"] for e in document["tracks"]] == ["vision", "text", "llm"]
+    assert [e["track"] for e in document["tracks"]] == list(track_registry.DIAGNOSTICS)
     for entry in document["tracks"]:
         cell = examples[entry["track"]]
         expected = 100 * sum(sum(v) / len(v) for v in cell.values()) / len(cell)
@@ -802,7 +804,7 @@ def test_every_registered_track_implements_the_track_protocol():
     """#33: the interface is written down (``tracks.Track``) and every registered track provides all of it, so the
     cells call it without probing for optional parts."""
     from mergecal.pipeline.tracks.protocol import Track
-    from mergecal.pipeline.tracks.registry import MODULES, get_track
+    from mergecal.pipeline.track_registry import MODULES, get_track
 
     for name in MODULES:
         track = get_track(name)

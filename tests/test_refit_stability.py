@@ -10,9 +10,8 @@ import torch
 
 from mergecal.errors import MergecalError
 from mergecal.pipeline.refit_stability import (largest_task_vector, other_threads, recorded, regime_stability,
-                                               task_arithmetic_rows)
-from mergecal.pipeline.stability import stability_markdown
-from mergecal.reports.stability import section_markdown, table_warning
+                                               regime_rows)
+from mergecal.reports.stability import section_markdown, stability_markdown, table_warning
 
 
 def test_the_refit_trains_at_another_thread_count():
@@ -64,11 +63,11 @@ def test_the_rows_are_the_regimes_uncalibrated_task_arithmetic_rows_of_the_seed(
                         row("task_arithmetic", regime="standard"), row("task_arithmetic", seed=1),
                         row("ties", merge="ties"), row("task_arithmetic", track="text"),
                         {**row("task_arithmetic(scaling=0.5)"), "selected_scaling": None}]}
-    assert task_arithmetic_rows(results, "vision", "norm_mismatch", 0) == [
+    assert regime_rows(results, "vision", "norm_mismatch", 0) == [
         ("task_arithmetic", 0.05), ("task_arithmetic(scaling=0.3)", 0.3),
         ("task_arithmetic(scaling=1.0)", 1.0)]
-    assert task_arithmetic_rows(results, "vision", "low_confidence", 0) == []
-    assert task_arithmetic_rows(results, "text", "norm_mismatch", 0) == [("task_arithmetic", 0.3)]
+    assert regime_rows(results, "vision", "low_confidence", 0) == []
+    assert regime_rows(results, "text", "norm_mismatch", 0) == [("task_arithmetic", 0.3)]
 
 
 def _scorer(flips_per_point: int):

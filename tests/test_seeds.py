@@ -10,7 +10,8 @@ import yaml
 
 from mergecal.pipeline.cells import cell_inputs, enumerate_cells, source_index
 from mergecal.pipeline.config import parse_params
-from mergecal.pipeline.tracks.registry import skipped_cells
+from mergecal.pipeline import track_registry
+from mergecal.pipeline.track_registry import skipped_cells
 from mergecal.pipeline.workspace import full_params, smoke_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,7 @@ def test_a_stage_refuses_a_seed_that_params_yaml_does_not_list(tmp_path, capsys)
     assert ran == [1]
 
 
-@pytest.mark.parametrize("track", ["vision", "text", "llm"])
+@pytest.mark.parametrize("track", track_registry.BUILT)
 def test_a_seeds_paths_lie_under_its_own_directory(track, tmp_path):
     from mergecal.pipeline.tracks.causal_lm.built import stages as llm
     from mergecal.pipeline.tracks.text.built import stages as text
@@ -91,13 +92,13 @@ class _Loaded(Exception):
     """Raised by a recording loader: what a track's reference or session asked for is all this test needs."""
 
 
-@pytest.mark.parametrize("track_name", ["vision", "text", "llm"])
+@pytest.mark.parametrize("track_name", track_registry.BUILT)
 @pytest.mark.parametrize("merge", ["zeroshot", "finetuned", "task_arithmetic"])
 def test_a_cells_reference_and_session_load_its_own_seeds_models(track_name, merge, tmp_path, monkeypatch):
     """Every path from a cell to the models it scores carries the cell's seed (a reference row or a session that
     loaded the first seed's models would score seed 0 under every seed's label)."""
     from mergecal.pipeline.cells import run_cell
-    from mergecal.pipeline.tracks.registry import get_track
+    from mergecal.pipeline.track_registry import get_track
 
     module = get_track(track_name)
     params = _params([0, 3])

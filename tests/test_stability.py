@@ -9,8 +9,9 @@ import torch
 
 from mergecal.errors import MergecalError
 from mergecal.pipeline.stability import (RELATIVE_SIZE, chosen_scaling, move_summary, perturbed, read_results,
-                                         stability_markdown, track_stability)
-from mergecal.reports.stability import read_document, section_markdown, table_warning
+                                         track_stability)
+from mergecal.pipeline import track_registry
+from mergecal.reports.stability import read_document, section_markdown, stability_markdown, table_warning
 
 
 def _state():
@@ -171,7 +172,7 @@ def test_a_perturbed_model_directory_is_a_copy_with_only_its_weights_perturbed(t
 def test_the_stability_stage_input_keeps_what_both_diagnostics_read():
     """results/task_arithmetic_rows.json (written by the benchmark stage): the same scalings and rows as the whole
     summary for both diagnostics, and the same bytes whatever the other rows hold."""
-    from mergecal.pipeline.refit_stability import task_arithmetic_rows as refit_rows
+    from mergecal.pipeline.refit_stability import regime_rows as refit_rows
     from mergecal.pipeline.stability_inputs import task_arithmetic_rows
 
     def row(label, merge, scaling, track="vision", regime="standard", **extra):
@@ -184,7 +185,7 @@ def test_the_stability_stage_input_keeps_what_both_diagnostics_read():
                         row("task_arithmetic", "task_arithmetic", 0.7, track="text")]}
     reduced = task_arithmetic_rows(results)
     assert len(reduced["rows"]) == 3 and all("avg_norm_acc" not in r for r in reduced["rows"])
-    for track in ("vision", "text", "llm"):
+    for track in track_registry.DIAGNOSTICS:
         assert chosen_scaling(reduced, track) == chosen_scaling(results, track)
         for regime in ("standard", "norm_mismatch"):
             assert refit_rows(reduced, track, regime, 0) == refit_rows(results, track, regime, 0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mergecal.pipeline import imports
+from mergecal.pipeline import imports, track_registry
 from scripts import stage_deps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,10 @@ def test_every_run_time_import_of_the_project_is_in_lazy_imports():
                in ("import_module", "__import__")}
     assert callers == set(imports.LAZY_IMPORTS)
     for module, rule in imports.LAZY_IMPORTS.items():
-        found = imports.lazy_names(ast.parse(files[module].read_bytes()), rule)
+        found = imports.lazy_targets(REPO, module, files[module].read_bytes()) if rule[0] != "exports" else {
+            f"{rule[2]}.{m}" for m in ast.literal_eval(next(
+                node.value for node in ast.parse(files[module].read_bytes()).body if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == rule[1] for t in node.targets))).values()}
         assert found and found <= files.keys(), (module, found)
 
 
@@ -57,7 +60,7 @@ def test_benchmark_stage_reruns_when_any_built_in_track_is_switched_on_or_off():
 
     sections = [name for name, field in Params.model_fields.items()
                 if "enabled" in getattr(field.annotation, "model_fields", {})]
-    assert sections == ["vision", "text", "llm"]
+    assert sections == track_registry.BUILT
     params = stage_deps.load_stages((REPO / "dvc.yaml").read_text())["benchmark"]["params"]
     missing = [f"{name}.enabled" for name in sections if f"{name}.enabled" not in params and name not in params]
     assert not missing, f"dvc.yaml: benchmark's params lack {missing}"
@@ -219,7 +222,7 @@ def test_a_report_edit_reruns_the_report_stage_only_and_a_cell_edit_no_stage_tha
     expected = stage_deps.expected_code_deps(stages, REPO)
     for module in ("leaderboard", "plots", "write", "history", "seeds"):
         assert [s for s, deps in expected.items() if f"mergecal/reports/{module}.py" in deps] == ["report"], module
-    assert "mergecal/reports/intervals.py" in expected["stability"]
+    assert "mergecal/intervals.py" in expected["stability"]
     # the published tables and the presets' `published:` and `pool:` are data the report reads, and the matrix too
     # (a preset's track runs the protocols its own pool's rows need: #56): a transcription fix reruns those three
     # stages (the benchmark's cells are found in the cell cache), and no stage that trains (the presets' tracks
@@ -336,3 +339,21 @@ def test_pipeline_modules_import_the_library_at_module_level():
                     if target not in LAZY_FOR_START_UP:
                         inside.append(f"{module}.{function.name}: {ast.unparse(node)}")
     assert inside == []
+
+
+def test_the_tracks_params_of_dvc_yaml_are_written_from_the_track_registry():
+    """#57: the params lists that name tracks (local_inputs, local_tracks, benchmark, stability) follow the
+    registry: a list missing a track is found by --check and restored by --write, every other line as it was."""
+    text = (REPO / "dvc.yaml").read_text()
+    tracks = frozenset(track_registry.MODULES)
+    expected = stage_deps.expected_track_params(REPO)
+    assert expected["benchmark"] == [f"{n}.enabled" for n in track_registry.BUILT] + list(track_registry.LAB_FILES)
+    assert expected["stability"] == list(track_registry.DIAGNOSTICS)
+    assert not stage_deps.params_drift(stage_deps.load_stages(text), expected, tracks)
+    start = text.index("\n  benchmark:\n")
+    cut = text.index("      - local_clip\n", start)
+    broken = text[:cut] + text[cut + len("      - local_clip\n"):]
+    stages = stage_deps.load_stages(broken)
+    assert stage_deps.params_drift(stages, expected, tracks) == {"benchmark": (["local_clip"], [])}
+    code = stage_deps.expected_code_deps(stages, REPO)
+    assert stage_deps.rewrite_deps(broken, code, expected, tracks) == text

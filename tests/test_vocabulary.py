@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from mergecal.backbones.hf_causal_lm_merge import merge_causal_lms
+from mergecal.merge_causal_lm import merge_causal_lms
 from mergecal.backbones.vocabulary import PaddedVocabularySource, aligned_vocabulary
 from mergecal.checkpoint import SafetensorsSource, load_state_dict
 from mergecal.errors import CheckpointError

@@ -1,8 +1,9 @@
 """The calibration registry: what a recipe step named like a calibration is, like ``MERGE_METHODS`` for merges.
 
 Each calibration registers itself in its own module with ``@register_calibration(name, phase=..., needs_data=...)``
-on its class (or, for DisTaC, its step parameters). The registry knows which module registers which name and
-imports that module on first use: FSC and DisTaC pull in model-level code (families, outputs, tqdm, training
+on its class (or, for DisTaC, its step parameters): a new calibration is one file in this package. The registry
+reads which module registers which name from the package's sources (``mergecal.plugins``) and imports that module
+on first use: FSC and DisTaC pull in model-level code (families, outputs, tqdm, training
 helpers) that ``import mergecal`` should not pay for, so nothing here imports a calibration module eagerly.
 
 Phases, in recipe order: ``pre`` (before the merge: conditions the fine-tuned models), ``weight`` (data-free,
@@ -15,13 +16,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from ..plugins import registering_modules
 
 CALIBRATION_PHASES = ("pre", "weight", "feature", "composite")
 
-#: name -> module of mergecal.calibrations that registers it (kept here so lookups can import lazily; a test
-#: checks it against what the modules register)
-MODULES = {"distac": "distac", "svc": "svc", "wsc": "wsc", "fsc": "fsc", "dsc": "dsc", "dsc_a": "dsc"}
+#: name -> module of mergecal.calibrations that registers it, read from the sources (so lookups can import lazily)
+MODULES = {name: module for module, names in registering_modules(Path(__file__).parent, "register_calibration").items()
+           for name in names}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Accuracy, mean prediction entropy and ECE of a CLIP model with a zero-shot (or any linear) head on a split.
 
 Logits follow the evaluation protocol (docs/references.md): logit_scale * normalize(encode_image(x)) @ W, with
-W from ``zero_shot_head``. Entropy and ECE are ``mergecal.calibrations.confidence``'s (float64, 15 bins).
+W from ``zero_shot_head``. Entropy and ECE are ``mergecal.confidence``'s (float64, 15 bins).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..backbones.open_clip_vit import image_size, logits, preprocess
-from ..calibrations.confidence import expected_calibration_error, prediction_entropy
+from ..confidence import expected_calibration_error, prediction_entropy
 from ..device import resolve_device
 from ..errors import ParameterError
 

@@ -37,7 +37,7 @@ from ..methods.base import build_params
 from .config import FixedScaling, Params
 from .code_digest import cell_code_digest
 from .hashing import HASH_CACHE, file_digest
-from .tracks.registry import enabled_tracks, track_of
+from .track_registry import enabled_tracks, track_of
 
 REFERENCES = ("zeroshot", "finetuned")
 

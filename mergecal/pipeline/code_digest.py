@@ -14,7 +14,7 @@ from ..methods import MERGE_METHODS
 from ..recipe import Recipe
 from .hashing import file_digest_at
 from .imports import import_closure, import_graph, module_files
-from .tracks import registry as track_registry
+from . import track_registry
 
 #: the module that runs every cell (its closure is every cell's)
 CELLS_MODULE = f"{__package__}.cells"

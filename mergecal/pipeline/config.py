@@ -26,7 +26,7 @@ from ..errors import MergecalError, ParameterError
 
 
 from .params_base import Strict, _distinct
-from .tracks.registry import param_sections
+from .track_registry import param_sections
 
 
 class Probing(Strict):

@@ -48,7 +48,7 @@ from mergecal.pipeline.prefect_api import check_server, configured_api_url
 from mergecal.pipeline.results import one_line, skipped_id, summary_row, write_results
 from mergecal.pipeline.threads import pin_threads, worker_threads
 from mergecal.pipeline.tracking import Tracker, cell_tags, provenance, tag
-from mergecal.pipeline.tracks.registry import skipped_cells
+from mergecal.pipeline.track_registry import skipped_cells
 from mergecal.pipeline.workers import (WorkerSetupError, cell_tracker, check_cell, preflight, worker_name,
                                       worker_root)
 

@@ -15,19 +15,23 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import MergecalError
+from ..plugins import registering_modules
+from .track_registry import registered
 
 #: the project's top-level packages (the roots under a checkout)
 PROJECT_PACKAGES = ("mergecal", "flows", "stages")
 
 #: modules that import others by a name computed at run time (``importlib.import_module``), and where those
-#: names are written: ("dict", <module-level dict whose values are module names>, <their package>) or
-#: ("calls", <function whose first argument is a module name>, <its package>); a "dict" rule may name several dicts.
-#: A test checks that every
-#: ``import_module`` call of the project is in this table.
+#: names are found: ("exports", <module-level dict of name -> module>, <their package>: PEP 562 exports), ("calls",
+#: <function whose first argument is a module name>, <its package>), ("registering", <decorator>, <package>: the
+#: package's modules that apply it, ``plugins.registering_modules``) or ("tracks", "TRACK", <package>: every
+#: module the track registry names, ``track_registry.registered``). A test checks that every ``import_module``
+#: call of the project is in this table.
 LAZY_IMPORTS = {
     "mergecal": ("exports", "_EXPORTS", "mergecal"),
-    "mergecal.calibrations.registry": ("dict", "MODULES", "mergecal.calibrations"),
-    "mergecal.pipeline.tracks.registry": ("dict", ("MODULES", "SECTIONS", "DIAGNOSTICS"), "mergecal.pipeline.tracks"),
+    "mergecal.methods": ("registering", "register", "mergecal.methods"),
+    "mergecal.calibrations.registry": ("registering", "register_calibration", "mergecal.calibrations"),
+    "mergecal.pipeline.track_registry": ("tracks", "TRACK", "mergecal.pipeline.tracks"),
     "mergecal.pipeline.tracks.clip.built.params": ("calls", "_library_default", "mergecal"),
 }
 
@@ -72,32 +76,37 @@ def imported_names(tree: ast.Module, module: str, is_package: bool, *, annotatio
 
 
 def lazy_names(tree: ast.Module, rule: tuple[str, str, str]) -> set[str]:
-    """The module names a ``LAZY_IMPORTS`` rule reads from a module's source."""
+    """The module names a "calls" rule reads from a module's source."""
     kind, name, package = rule
-    values: list = []
-    if kind in ("dict", "exports"):
-        names = (name,) if isinstance(name, str) else name
-        for node in tree.body:
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
-            if any(isinstance(t, ast.Name) and t.id in names for t in targets):
-                values += list(ast.literal_eval(node.value).values())
-    else:
-        values = [node.args[0].value for node in ast.walk(tree)
-                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
-                  and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)]
+    values = [node.args[0].value for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)]
     return {f"{package}.{value}" for value in values}
+
+
+def scanned_names(root: Path, rule: tuple[str, str, str]) -> set[str]:
+    """The module names a "registering" or "tracks" rule finds in the sources under ``root``."""
+    kind, name, package = rule
+    folder = Path(root, *package.split("."))
+    if kind == "registering":
+        return {f"{package}.{module}" for module in registering_modules(folder, name)}
+    return {f"{package}.{module}" for modules in registered(folder).values() for module in modules.values()}
+
+
+def lazy_targets(root: Path, module: str, source: bytes) -> set[str]:
+    """The module names ``module``'s ``LAZY_IMPORTS`` rule gives (none for "exports": see ``_exported``)."""
+    rule = LAZY_IMPORTS.get(module)
+    if rule is None or rule[0] == "exports":  # exports load when a name is used
+        return set()
+    if rule[0] == "calls":
+        return lazy_names(ast.parse(source), rule)
+    return scanned_names(root, rule)
 
 
 @lru_cache(maxsize=1024)
 def _source_imports(source: bytes, module: str, is_package: bool) -> frozenset[str]:
-    """``imported_names`` and ``lazy_names`` of a module's source (parsed once a process for the same bytes)."""
-    tree = ast.parse(source)
-    names = imported_names(tree, module, is_package)
-    rule = LAZY_IMPORTS.get(module)
-    if rule is None or rule[0] == "exports":  # exports load when a name is used: see ``_exported``
-        return frozenset(names)
-    return frozenset(names | lazy_names(tree, rule))
+    """``imported_names`` of a module's source (parsed once a process for the same bytes)."""
+    return frozenset(imported_names(ast.parse(source), module, is_package))
 
 
 def _exported(root: Path, modules: Mapping[str, Path]) -> dict[str, str]:
@@ -135,7 +144,8 @@ def import_graph(root: Path, packages: Iterable[str] = PROJECT_PACKAGES) -> dict
     graph = {}
     for module, path in modules.items():
         try:
-            names = _source_imports(path.read_bytes(), module, path.name == "__init__.py")
+            source = path.read_bytes()
+            names = _source_imports(source, module, path.name == "__init__.py") | lazy_targets(root, module, source)
         except SyntaxError as err:
             raise MergecalError(f"{path}:{err.lineno}: not valid Python ({err.msg})") from None
         targets = {_resolve(exported.get(name, name), modules) for name in names} | set(_parents(module))
@@ -175,13 +185,12 @@ def import_closure(graph: Graph, roots: Iterable[str], plugins: Iterable[frozens
 
 
 #: registry -> the package of its members: a registry imports every member so that its name resolves
-REGISTRIES = {"mergecal.methods": "mergecal.methods", "mergecal.calibrations.registry": "mergecal.calibrations",
-              "mergecal.pipeline.tracks.registry": "mergecal.pipeline.tracks"}
+REGISTRIES = {module: rule[2] for module, rule in LAZY_IMPORTS.items() if rule[0] in ("registering", "tracks")}
 #: the params.yaml validation (and each track's section, ``tracks/<name>/params.py``), and the packages it
 #: imports only to check settings (a merge's or calibration's parameters, a chain's recipe), never to compute
 PARAMS_VALIDATION = ("mergecal.pipeline.config", ("mergecal.methods", "mergecal.calibrations", "mergecal.recipe",
                                                    "mergecal.pipeline.chains"))
-TRACK_PACKAGES = REGISTRIES["mergecal.pipeline.tracks.registry"]
+TRACK_PACKAGES = REGISTRIES["mergecal.pipeline.track_registry"]
 
 
 def _within(module: str, package: str) -> bool:
@@ -196,28 +205,40 @@ def is_track_section(module: str) -> bool:
 
 def registry_members(graph: Graph) -> set[str]:
     """The merge methods, calibrations and tracks: what the registries import, less their own infrastructure
-    (``base``, the registry itself) and the tracks' stability diagnostics (``diagnostics_members``)."""
+    (``base``, the registry itself), the tracks' stability diagnostics (``diagnostics_members``) and the stages of
+    a lab's files (``lab_files_members``)."""
     return {target for registry, package in REGISTRIES.items() if registry in graph for target in graph[registry]
             if _within(target, package) and target != package and target != registry
-            and target.rpartition(".")[2] != "base"} - diagnostics_members(graph)
+            and target.rpartition(".")[2] != "base"} - diagnostics_members(graph) - lab_files_members(graph)
+
+
+def _track_members(graph: Graph, name: str) -> set[str]:
+    registry = next(r for r, package in REGISTRIES.items() if package == TRACK_PACKAGES)
+    return {target for target in graph.get(registry, ()) if _within(target, TRACK_PACKAGES)
+            and target.rpartition(".")[2] == name}
 
 
 def diagnostics_members(graph: Graph) -> set[str]:
-    """The tracks' stability diagnostics (``tracks/<name>/diagnostics.py``, the registry's ``DIAGNOSTICS``)."""
-    registry = next(r for r, package in REGISTRIES.items() if package == TRACK_PACKAGES)
-    return {target for target in graph.get(registry, ()) if _within(target, TRACK_PACKAGES)
-            and target.rpartition(".")[2] == "diagnostics"}
+    """The tracks' stability diagnostics (``tracks/<family>/<source>/diagnostics.py``, the registry's
+    ``DIAGNOSTICS``)."""
+    return _track_members(graph, "diagnostics")
+
+
+def lab_files_members(graph: Graph) -> set[str]:
+    """What the stages of a lab's files run (``tracks/<family>/files/stages.py``, the registry's ``LAB_FILES``)."""
+    return _track_members(graph, "stages")
 
 
 def stage_closure(graph: Graph, module: str, *, runs_every_member: bool = False,
-                  runs_diagnostics: bool = False) -> set[str]:
+                  runs_diagnostics: bool = False, runs_lab_files: bool = False) -> set[str]:
     """The modules a DVC stage whose command runs ``module`` depends on: its import closure, less two kinds of
     import that compute nothing the stage writes: a registry importing its members (so that names resolve) and
     the params validation (``config`` and the tracks' sections) importing a method's or calibration's parameter
     classes. A member comes in when a
     module the stage runs imports it directly (the DisTaC stage and ``calibrations/distac.py``), or, with
     ``runs_every_member`` (the benchmark stage, which dispatches every cell through the registries), always; the
-    tracks' diagnostics with ``runs_diagnostics`` (the stability stage, which reaches them through the registry)."""
+    tracks' diagnostics with ``runs_diagnostics`` (the stability stage, which reaches them through the registry),
+    the sources of a lab's files with ``runs_lab_files`` (the stages ``local_inputs`` and ``local_tracks``)."""
     validator, validated = PARAMS_VALIDATION
 
     def skip(source: str, target: str) -> bool:
@@ -227,7 +248,8 @@ def stage_closure(graph: Graph, module: str, *, runs_every_member: bool = False,
         return (source == validator or is_track_section(source)) and any(_within(target, p) for p in validated)
 
     roots = {module} | (registry_members(graph) if runs_every_member else set()) \
-        | (diagnostics_members(graph) if runs_diagnostics else set())
+        | (diagnostics_members(graph) if runs_diagnostics else set()) \
+        | (lab_files_members(graph) if runs_lab_files else set())
     return import_closure(graph, roots, skip_edge=skip)
 
 

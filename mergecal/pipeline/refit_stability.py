@@ -33,9 +33,10 @@ import torch
 
 from ..errors import MergecalError
 from .config import Params
-from .stability import MERGE, Examples, move_summary
+from .stability import Examples, move_summary
+from .stability_inputs import MERGE
 from .threads import pin_threads
-from .tracks.registry import diagnosed_tracks
+from .track_registry import diagnosed_tracks
 
 States = dict[str, torch.Tensor]
 
@@ -83,7 +84,7 @@ def recorded(path: Path, key: str) -> dict:
     return value
 
 
-def task_arithmetic_rows(results: dict, track: str, regime: str, seed: int) -> list[tuple[str, float]]:
+def regime_rows(results: dict, track: str, regime: str, seed: int) -> list[tuple[str, float]]:
     """(label, scaling) of every uncalibrated task-arithmetic row of ``track`` x ``regime`` the benchmark scored
     with fine-tuning seed ``seed``: the chosen scaling's row and each fixed-scaling one."""
     rows = [(row["label"], float(row["selected_scaling"])) for row in results.get("rows", [])
@@ -127,7 +128,7 @@ def measure_refits(params: Params, root, results: dict, *, device: str = "cpu") 
             base["fine_tuning_seed"] = seed
 
         def rows_of(regime: str, track: str = track) -> list[tuple[str, float]]:
-            return task_arithmetic_rows(results, track, regime, seed)
+            return regime_rows(results, track, regime, seed)
 
         with diagnostics.refit_regimes(params, root, rows_of, threads=threads, device=device, seed=seed) as regimes:
             for regime, measured in regimes:

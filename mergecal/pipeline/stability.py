@@ -4,7 +4,7 @@ For each track (vision: the standard regime) the task-arithmetic merge at the sc
 evaluated on its test split as is, then with every float tensor of the merged weights perturbed,
 w -> w + ``RELATIVE_SIZE`` * rms(w) * N(0, 1), once per seed of ``SEEDS``. The track is stable when the largest
 move of the average accuracy is at most the half-width of the unperturbed row's 95 % interval
-(``mergecal.reports.intervals``): a row that round-off moves by more than its own sampling uncertainty says more
+(``mergecal.intervals``): a row that round-off moves by more than its own sampling uncertainty says more
 about the machine than about the method (issue #30: the same commit moved LLM rows by 19 points across CPUs).
 
 Each track is evaluated by its own code (``vision.evaluate_tasks``, ``TextModels.evaluate``, ``LmEval.score``);
@@ -23,14 +23,13 @@ import torch
 
 from ..errors import MergecalError
 from ..methods.task_arithmetic import TaskArithmetic
-from ..reports.intervals import stratified_interval, weighted_means
-from ..reports.stability import section_markdown
+from ..intervals import stratified_interval, weighted_means
 from .config import Params
-from .tracks.registry import diagnosed_tracks
+from .stability_inputs import MERGE
+from .track_registry import diagnosed_tracks
 
 RELATIVE_SIZE = 1e-6  # float32 round-off is ~6e-8 relative: a few ulps, what another CPU or thread count changes
 SEEDS = (0, 1, 2)
-MERGE = "task_arithmetic"
 REGIME = "standard"
 
 Examples = dict[str, list]  # {task: each test example's outcome (0/1 or the metric's per-document score)}
@@ -156,34 +155,3 @@ def read_results(path: Path) -> dict:
     if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
         raise MergecalError(f"{path}: expected a JSON object with a `rows` list (the benchmark's summary)")
     return results
-
-
-def stability_markdown(document: dict) -> str:
-    """reports/stability.md: the leaderboard's section, then every figure per track."""
-    lines = [section_markdown(document),
-             "| track | recipe | scaling | avg acc % | 95 % half-width | largest avg move | per seed | "
-             "largest task move | outcomes changed % | verdict |", "|---|---|---|---:|---:|---:|---|---|---:|---|"]
-    if "fine_tuning_seed" in document:
-        lines[:0] = [f"Measured on the models of fine-tuning seed {document['fine_tuning_seed']} (the first of "
-                     "`seeds`); the other seeds' models are not measured.", ""]
-    for e in document["tracks"]:
-        if e.get("stable") is None:
-            continue
-        seeds = ", ".join(f"{v:.1f}" for v in e["avg_acc_per_seed"])
-        task = e["largest_task_move"]
-        lines.append(f"| {e['track']} | {e['recipe']} | {e['scaling']:g} | {e['avg_acc']:.1f} | "
-                     f"{e['half_width']:.2f} | {e['largest_avg_move']:.2f} | {seeds} | {task['points']:.2f} "
-                     f"({task['task']}) | {100 * e['changed_fraction']:.2f} | "
-                     f"{'stable' if e['stable'] else 'UNSTABLE'} |")
-    refits = [e for e in document.get("refits") or [] if e.get("stable") is not None]
-    if refits:
-        lines += ["", "| track | regime | refit (task, variant) | bit-identical | row | scaling | avg acc % | "
-                  "95 % half-width | move | outcomes changed % | verdict |",
-                  "|---|---|---|---|---|---|---:|---:|---:|---:|---|"]
-        for e in refits:
-            for r in e["rows"]:
-                lines.append(f"| {e['track']} | {e['regime']} | {e['refit']['task']} ({e['refit']['variant']}) | "
-                             f"{'yes' if e['refit']['identical'] else 'no'} | {r['label']} | {r['scaling']:g} | "
-                             f"{r['avg_acc']:.1f} | {r['half_width']:.2f} | {r['largest_avg_move']:.2f} | "
-                             f"{100 * r['changed_fraction']:.2f} | {'stable' if r['stable'] else 'UNSTABLE'} |")
-    return "\n".join(lines) + "\n"

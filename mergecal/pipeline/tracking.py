@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
 # a cell's per-example test scores, {task: [score per example, in the split's order]} (0/1 for accuracy): the
-# leaderboard's confidence intervals resample them (mergecal.reports.intervals)
+# leaderboard's confidence intervals resample them (mergecal.intervals)
 EXAMPLES_DIR, EXAMPLES_SPLIT = "examples", "test"
 EXAMPLES = f"{EXAMPLES_DIR}/{EXAMPLES_SPLIT}.json"
 

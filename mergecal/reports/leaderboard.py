@@ -5,7 +5,7 @@ Accuracies are logged as fractions and shown as percentages with one decimal; de
 against the calibrated row's own base merge, because that is the question a calibration answers. A calibration
 name may carry a protocol after ``@`` (``dsc@λ=0.3``): the row's base is then ``none@λ=0.3`` of the same merge.
 
-Uncertainty (``mergecal.reports.intervals``): from each cell's per-example test results, every value gets a 95 %
+Uncertainty (``mergecal.intervals``): from each cell's per-example test results, every value gets a 95 %
 stratified bootstrap interval, every delta a paired one; a delta counts as a gain or a loss only when its
 interval excludes 0, and a column's best row is marked only when it beats the runner-up significantly.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from ..regimes import REGIMES
-from .intervals import Interval, paired_interval, significance, stratified_interval
+from ..intervals import Interval, paired_interval, significance, stratified_interval
 from .runs import GROUP, SEED, metric, seeds_of
 
 REFERENCES = ("zeroshot", "finetuned")

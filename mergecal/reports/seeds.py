@@ -1,6 +1,6 @@
 """Across seeds: each leaderboard row's value and each calibration's change, from one run per seed.
 
-A row's test-example interval (``mergecal.reports.intervals``) says how much another draw of test examples would
+A row's test-example interval (``mergecal.intervals``) says how much another draw of test examples would
 move it; another seed (other fine-tunes, other training noise) can move it more (docs/calibration-evidence.md,
 "Across seeds"), so a claim about a calibration should hold on every seed.
 

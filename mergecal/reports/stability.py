@@ -106,3 +106,35 @@ def table_warning(document: dict | None, backbone: str, task_set: str, regime: s
                             f"{_figure(worst['half_width'])}): another CPU trains other models here, so differences "
                             "in this table may not replicate; read them as unreliable.")
     return " ".join(warnings)
+
+
+def stability_markdown(document: dict) -> str:
+    """reports/stability.md (the stability stage's document, ``mergecal.pipeline.stability``): the leaderboard's
+    section, then every figure per track."""
+    lines = [section_markdown(document),
+             "| track | recipe | scaling | avg acc % | 95 % half-width | largest avg move | per seed | "
+             "largest task move | outcomes changed % | verdict |", "|---|---|---|---:|---:|---:|---|---|---:|---|"]
+    if "fine_tuning_seed" in document:
+        lines[:0] = [f"Measured on the models of fine-tuning seed {document['fine_tuning_seed']} (the first of "
+                     "`seeds`); the other seeds' models are not measured.", ""]
+    for e in document["tracks"]:
+        if e.get("stable") is None:
+            continue
+        seeds = ", ".join(f"{v:.1f}" for v in e["avg_acc_per_seed"])
+        task = e["largest_task_move"]
+        lines.append(f"| {e['track']} | {e['recipe']} | {e['scaling']:g} | {e['avg_acc']:.1f} | "
+                     f"{e['half_width']:.2f} | {e['largest_avg_move']:.2f} | {seeds} | {task['points']:.2f} "
+                     f"({task['task']}) | {100 * e['changed_fraction']:.2f} | "
+                     f"{'stable' if e['stable'] else 'UNSTABLE'} |")
+    refits = [e for e in document.get("refits") or [] if e.get("stable") is not None]
+    if refits:
+        lines += ["", "| track | regime | refit (task, variant) | bit-identical | row | scaling | avg acc % | "
+                  "95 % half-width | move | outcomes changed % | verdict |",
+                  "|---|---|---|---|---|---|---:|---:|---:|---:|---|"]
+        for e in refits:
+            for r in e["rows"]:
+                lines.append(f"| {e['track']} | {e['regime']} | {e['refit']['task']} ({e['refit']['variant']}) | "
+                             f"{'yes' if e['refit']['identical'] else 'no'} | {r['label']} | {r['scaling']:g} | "
+                             f"{r['avg_acc']:.1f} | {r['half_width']:.2f} | {r['largest_avg_move']:.2f} | "
+                             f"{100 * r['changed_fraction']:.2f} | {'stable' if r['stable'] else 'UNSTABLE'} |")
+    return "\n".join(lines) + "\n"

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ..config_types import Count, Flag, NonNegativeInt, NonNegativeReal, PositiveReal, Probability, Steps
 from ..backbones.hf_text import build_classifier, load_encoder, tokenize
-from ..calibrations.confidence import expected_calibration_error, prediction_entropy
+from ..confidence import expected_calibration_error, prediction_entropy
 from ..errors import ParameterError
 from .lr_schedule import warmup_cosine
 

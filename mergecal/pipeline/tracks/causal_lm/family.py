@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ....backbones.hf_causal_lm_merge import merge_causal_lms
+from ....merge_causal_lm import merge_causal_lms
 from ....recipe import Recipe
 from ...cells import (REFERENCES, Cell, CellResult, base_params, jsonable_diagnostics, matrix_chains,
                        per_example_results, recipe_cell, recipe_params)

@@ -2,3 +2,5 @@
 (``stages``)."""
 
 from .params import SECTION, LlmTrack  # noqa: F401  (its params.yaml section)
+
+TRACK = "llm"  # its name in params.yaml and the leaderboard (``mergecal.pipeline.track_registry``)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .....backbones.hf_causal_lm_merge import merge_causal_lms
+from .....merge_causal_lm import merge_causal_lms
 from .....checkpoint import load_state_dict, save_state_dict
 from .....data.llm import load_records
 from .....train.lm import LmTrainConfig, finetune_lm

@@ -22,7 +22,7 @@ from .params import LocalLlmTrack
 from .stages import (base_path, check_expert, check_model_dir, expert_path, merged_paths, references_path, scorer,
                      task_files, work_dir)
 from ....own_models import checked_reference, role_files
-from ...registry import cell_track, configured_track, configured_tracks
+from ....track_registry import cell_track, configured_track, configured_tracks
 from .. import family
 
 NAME = "local_llm"

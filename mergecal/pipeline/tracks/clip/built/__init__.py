@@ -2,3 +2,5 @@
 by its DVC stages (``stages``)."""
 
 from .params import SECTION, VisionTrack  # noqa: F401  (its params.yaml section)
+
+TRACK = "vision"  # its name in params.yaml and the leaderboard (``mergecal.pipeline.track_registry``)

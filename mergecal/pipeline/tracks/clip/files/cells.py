@@ -38,7 +38,7 @@ from ..family import check_distac_file
 from ..session import CellModels, recipe_cells
 from ..session import session as family_session
 from ...protocol import Session
-from ...registry import cell_track, configured_track, configured_tracks
+from ....track_registry import cell_track, configured_track, configured_tracks
 
 NAME = "local_clip"
 

@@ -2,3 +2,5 @@
 (``stages``)."""
 
 from .params import SECTION, TextTrack  # noqa: F401  (its params.yaml section)
+
+TRACK = "text"  # its name in params.yaml and the leaderboard (``mergecal.pipeline.track_registry``)

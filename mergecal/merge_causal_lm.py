@@ -1,6 +1,8 @@
-"""Merging causal-LM checkpoint directories key by key (``merge_causal_lms``): apart from the loading and saving
-of ``hf_causal_lm`` so that what loads and trains a model (the LLM stages) does not import the merge methods and
-calibrations a merge runs (each DVC stage depends on the modules it imports: ``scripts/stage_deps.py``)."""
+"""Merging Hugging Face causal-LM checkpoint directories key by key (``merge_causal_lms``), beside ``merge``'s
+``merge_checkpoints`` for safetensors files: the directories are read and written by
+``mergecal.backbones.hf_causal_lm``, which itself imports no merge method, so that what loads and trains a model
+(the LLM stages) does not depend on the merges and calibrations (each DVC stage depends on the modules it imports:
+``scripts/stage_deps.py``)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,14 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, ParameterError
-from .hf_causal_lm import check_same_family, save_causal_lm_weights, weight_format
+from .backbones.hf_causal_lm import check_same_family, save_causal_lm_weights, weight_format
+from .checkpoint import SafetensorsSource
+from .errors import CheckpointError, ParameterError
+from .merge import _iter_merged_model, _iter_model, iter_weight_space, require_data_free
+from .methods import get_merge_method
+from .outputs import remove_stale
+from .recipe import Recipe
+from .task_vectors import TaskVectorSet
 
 
 def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[str | os.PathLike], method,
@@ -28,13 +36,6 @@ def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[st
     aligns them (``mergecal.backbones.vocabulary``: mean rows for a model's missing tokens; the output takes the
     config and tokenizer of the model holding every added token). ``out_dir`` may not hold an input; see
     ``save_causal_lm_weights``."""
-    from ..merge import _iter_merged_model, _iter_model, require_data_free
-    from ..methods import get_merge_method
-    from ..outputs import remove_stale
-    from ..merge import iter_weight_space
-    from ..recipe import Recipe
-    from ..task_vectors import TaskVectorSet
-
     remove_stale(out_dir)  # what a killed merge left beside out_dir, even if this one fails on its inputs
     if isinstance(expert_dirs, (str, os.PathLike)):
         raise ParameterError(f"expert_dirs: expected a list of model directories, got a single path "
@@ -48,8 +49,7 @@ def merge_causal_lms(pretrained_dir: str | os.PathLike, expert_dirs: Sequence[st
                 "directory you trust")
     like = pretrained_dir
     if align_vocabulary:
-        from ..checkpoint import SafetensorsSource
-        from .vocabulary import PaddedVocabularySource, aligned_vocabulary, check_aligned_family
+        from .backbones.vocabulary import PaddedVocabularySource, aligned_vocabulary, check_aligned_family
 
         check_aligned_family(pretrained_dir, expert_dirs)
         size, like, own = aligned_vocabulary(pretrained_dir, expert_dirs)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..errors import ParameterError
+from .errors import ParameterError
 
 
 def _logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
