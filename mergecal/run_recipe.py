@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .calibrations.registry import get_calibration, step_params
 from .errors import ParameterError
 from .merge import iter_weight_space, rescaled_model
 from .recipe import Recipe
@@ -103,22 +104,16 @@ def run_recipe(recipe: Recipe | str, pretrained: StateDict, finetuned: Sequence[
 
     model = None
     for step in recipe.phase("feature"):
-        from .calibrations.fsc import calibrate_fsc
-
-        build = _require(inputs.build_model, "build_model", "fsc")
-        params = step.params
-        if params.sensitive is None and inputs.sensitive is not None:
-            params = params.model_copy(update={"sensitive": list(inputs.sensitive)})
-        if params.data == "task_agnostic":
-            data = [_require(inputs.fsc_agnostic_data, "fsc_agnostic_data", "fsc (task-agnostic data)")]
+        build = _require(inputs.build_model, "build_model", step.name)
+        params = step_params(step, inputs.sensitive)
+        if getattr(params, "data", None) == "task_agnostic":
+            data = [_require(inputs.fsc_agnostic_data, "fsc_agnostic_data", f"{step.name} (task-agnostic data)")]
         else:
-            data = _require(inputs.fsc_data, "fsc_data", "fsc")
+            data = _require(inputs.fsc_data, "fsc_data", step.name)
         device = torch.device(inputs.device)
-        model = calibrate_fsc(build(state).to(device), build(pretrained).to(device),
-                              [build(m).to(device) for m in models],
-                              data, family=inputs.family, params=params, progress=inputs.progress, copy_model=False)
-        diagnostics["fsc"] = {"ratios": model.ratios, "folded": model.folded, "hooked": model.hooked,
-                              "identity": model.identity}
+        model, diagnostics[step.name] = get_calibration(step.name).run(
+            params, build(state).to(device), build(pretrained).to(device), [build(m).to(device) for m in models],
+            data, family=inputs.family, progress=inputs.progress, copy_model=False)
     return RecipeResult(recipe=recipe, state_dict=state, model=model, diagnostics=diagnostics)
 
 

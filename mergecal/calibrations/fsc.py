@@ -649,6 +649,15 @@ class Fsc:
         return self.measure(merged, pretrained, finetuned, task_inputs, **kwargs).apply(
             merged, pretrained, fold=fold, copy_model=copy_model)
 
+    @staticmethod
+    def run_step(params: FscParams, merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn.Module],
+                 task_inputs: Sequence[Any], **kwargs: Any) -> tuple[FeatureCalibratedModel, dict[str, Any]]:
+        """A recipe's FSC step (the registry's ``run``: ``mergecal.run_recipe``, the CLIP cells' session): the
+        calibrated model (``calibrate_fsc``; ``kwargs`` its options) and the step's diagnostics."""
+        model = calibrate_fsc(merged, pretrained, finetuned, task_inputs, params=params, **kwargs)
+        return model, {"ratios": model.ratios, "folded": model.folded, "hooked": model.hooked,
+                       "identity": model.identity}
+
 
 def calibrate_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn.Module],
                   task_inputs: Sequence[Any], *,

@@ -38,6 +38,8 @@ class CalibrationSpec:
     build: Callable[..., Any] | None = None
     #: composite: ``expand(values)`` -> [(part name, part values), ...]
     expand: Callable[[Mapping[str, Any]], Iterable[tuple[str, dict[str, Any]]]] | None = None
+    #: feature phase: ``run(params, merged, pretrained, finetuned, data, **options)`` -> (model, diagnostics)
+    run: Callable[..., Any] | None = None
 
     @property
     def uses_sensitivity(self) -> bool:
@@ -63,7 +65,8 @@ def register_calibration(name: str, *, phase: str, needs_data: bool):
             spec = CalibrationSpec(name, phase, needs_data, None, expand=obj.expand)
         else:
             params = obj if not hasattr(obj, "Params") else obj.Params
-            spec = CalibrationSpec(name, phase, needs_data, params, build=obj.from_step if phase == "weight" else None)
+            spec = CalibrationSpec(name, phase, needs_data, params, build=obj.from_step if phase == "weight" else None,
+                                   run=obj.run_step if phase == "feature" else None)
         CALIBRATIONS[name] = spec
         return obj
 
@@ -80,6 +83,15 @@ def get_calibration(name: str) -> CalibrationSpec | None:
     if name not in CALIBRATIONS and name in MODULES:
         importlib.import_module(f"{__package__}.{MODULES[name]}")
     return CALIBRATIONS.get(name)
+
+
+def step_params(step, sensitive: Iterable[str] | None):
+    """A recipe step's parameters, with the probed magnitude-sensitive keys ``sensitive`` where the step uses a
+    ranking (``uses_sensitivity``) and lists none of its own."""
+    spec = get_calibration(step.name)
+    if spec is None or not spec.uses_sensitivity or step.params.sensitive is not None or sensitive is None:
+        return step.params
+    return step.params.model_copy(update={"sensitive": list(sensitive)})
 
 
 def all_calibrations() -> dict[str, CalibrationSpec]:

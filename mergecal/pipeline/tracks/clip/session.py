@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ....backbones.clip_checkpoints import load_visual
-from ....calibrations.fsc import calibrate_fsc
+from ....calibrations.registry import get_calibration, step_params
 from ....merge import weight_space_trials
 from ....recipe import Recipe
 from ....task_vectors import TaskVectorSet
@@ -86,9 +86,7 @@ def session(models: CellModels, cell: Cell, recipe: Recipe, grid: tuple[float, .
 
     feature = recipe.phase("feature")
     if feature:  # FSC's pretrained and (reloaded) fine-tuned models, and its samples
-        fsc_params = feature[0].params
-        if fsc_params.sensitive is None and models.sensitive is not None:
-            fsc_params = fsc_params.model_copy(update={"sensitive": list(models.sensitive)})
+        fsc_params = step_params(feature[0], models.sensitive)
         model = model.to(device)
         pre_model = models.new_model().to(device)
         task_models = _ReloadedModels(models.new_model().to(device), models.finetuned)
@@ -101,9 +99,9 @@ def session(models: CellModels, cell: Cell, recipe: Recipe, grid: tuple[float, .
         load_visual(model, ((k, tvs.load_pretrained(k) + u) for k, u in updates))
         loaded[:] = [value, model]
         if feature:  # MAGIC: FSC measured on the weight-space result, applied to a copy (the model is reloaded)
-            calibrated = calibrate_fsc(model, pre_model, task_models, fsc_data, params=fsc_params, progress=False)
-            diagnostics = {**diagnostics, "fsc": {"ratios": calibrated.ratios, "folded": calibrated.folded,
-                                                  "hooked": calibrated.hooked, "identity": calibrated.identity}}
+            calibrated, measured = get_calibration(feature[0].name).run(fsc_params, model, pre_model, task_models,
+                                                                        fsc_data, progress=False)
+            diagnostics = {**diagnostics, feature[0].name: measured}
             loaded[1] = calibrated
         return value, diagnostics
 
