@@ -114,11 +114,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     elif given:
         raise ParameterError(f"{given[0]}: a filter of the lab board; add --lab")
     else:
+        from .pipeline.track_registry import lab_tracks
         from .published import for_tracks
         from .reports.write import write_reports
 
         written = write_reports(uri, params.tracking.experiment, args.out or root / "reports", args.invocation,
-                                threshold=args.threshold, published=for_tracks(params))
+                                threshold=args.threshold, published=for_tracks(lab_tracks(params)))
     for name, path in written.items():
         print(f"{name}: {path}")
     return 0

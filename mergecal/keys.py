@@ -12,20 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .family_specs import FAMILY_SPECS, ROLES
+from .architecture_specs import ARCHITECTURE_SPECS, ROLES
 from .errors import UnknownNameError
 
-# The roles the authors' substring rules single out by open_clip name, for every family (``family_specs``: each
-# declares its patterns and how a key of its other layouts reads in its own, HF CLIP's by its open_clip
-# counterpart). The families' names do not collide, so the first match is the role. The patch embedding (conv1) is
-# a conv layer, role "other"; LayerNorm/RMSNorm parameters are 1-D and no rule below takes them.
+# The roles the authors' substring rules single out by open_clip name, for every architecture
+# (``architecture_specs``: each declares its patterns and how a key of its other layouts reads in its own, HF CLIP's
+# by its open_clip counterpart). The architectures' names do not collide, so the first match is the role. The patch
+# embedding (conv1) is a conv layer, role "other"; LayerNorm/RMSNorm parameters are 1-D and no rule below takes them.
 _ROLES = [(role, spec.canonical_name or (lambda key: key), pattern)
-          for role in ROLES for spec in FAMILY_SPECS.values()
+          for role in ROLES for spec in ARCHITECTURE_SPECS.values()
           for name, pattern in spec.role_patterns().items() if name == role]
 
 
 def key_role(key: str) -> str:
-    """``"embedding"``, ``"projection"`` or ``"other"`` for a parameter name of any family in ``family_specs``."""
+    """``"embedding"``, ``"projection"`` or ``"other"`` for a parameter name of any architecture in
+    ``architecture_specs``."""
     return next((role for role, canonical, pattern in _ROLES if pattern.search(canonical(key))), "other")
 
 

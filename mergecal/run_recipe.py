@@ -33,7 +33,7 @@ class RecipeInputs:
     the model with task t's frozen head, returning logits (DisTaC). ``distac_data[t]``: unlabeled inputs of
     task t. ``fsc_data[t]``: task t's samples for FSC; for ``data='task_agnostic'`` (DSC-A) give
     ``fsc_agnostic_data`` (one shared batch). ``sensitive``: the probed magnitude-sensitive keys, used by
-    WSC and FSC steps that do not list their own. ``family``: the FSC backbone family (None: detect).
+    WSC and FSC steps that do not list their own. ``architecture``: the FSC architecture (None: detect).
     ``trainable``: DisTaC's parameter filter (None: every float parameter).
     """
 
@@ -43,7 +43,7 @@ class RecipeInputs:
     fsc_data: Sequence[Any] | None = None
     fsc_agnostic_data: Any | None = None
     sensitive: Sequence[str] | None = None
-    family: Any = None
+    architecture: Any = None
     trainable: Callable[[str], bool] | None = None
     device: str = "cpu"
     progress: bool = True
@@ -113,7 +113,7 @@ def run_recipe(recipe: Recipe | str, pretrained: StateDict, finetuned: Sequence[
         device = torch.device(inputs.device)
         model, diagnostics[step.name] = get_calibration(step.name).run(
             params, build(state).to(device), build(pretrained).to(device), [build(m).to(device) for m in models],
-            data, family=inputs.family, progress=inputs.progress, copy_model=False)
+            data, architecture=inputs.architecture, progress=inputs.progress, copy_model=False)
     return RecipeResult(recipe=recipe, state_dict=state, model=model, diagnostics=diagnostics)
 
 

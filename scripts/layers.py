@@ -24,7 +24,7 @@ LAYERS = (
                     "mergecal.hub_cache", "mergecal.outputs", "mergecal.checkpoint", "mergecal.intervals",
                     "mergecal.confidence", "mergecal.published", "mergecal.presets", "mergecal.task_vectors")),
     ("models", ("mergecal.backbones", "mergecal.data", "mergecal.train", "mergecal.evaluation",
-                "mergecal.family_specs", "mergecal.families", "mergecal.keys")),
+                "mergecal.architecture_specs", "mergecal.feature_hooks", "mergecal.keys")),
     ("library", ("mergecal.methods", "mergecal.calibrations", "mergecal.recipe", "mergecal.merge",
                  "mergecal.merge_causal_lm", "mergecal.run_recipe", "mergecal.perf")),
     ("pipeline", ("mergecal.pipeline",)),

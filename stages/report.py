@@ -8,6 +8,7 @@ from stages._common import run
 def stage(params, root, args):
     from mergecal.pipeline.results import INVOCATION_FILE
     from mergecal.pipeline.tracking import resolve_uri
+    from mergecal.pipeline.track_registry import lab_tracks
     from mergecal.published import for_tracks
     from mergecal.reports.write import write_reports
     from mergecal.reports.stability import read_document
@@ -19,7 +20,7 @@ def stage(params, root, args):
     written = write_reports(resolve_uri(root, params.tracking), params.tracking.experiment, root / "reports",
                             invocation, testbed=testbed.read_text() if testbed.exists() else None,
                             stability=read_document(root / "reports" / "stability.json"),  # stages/stability.py
-                            published=for_tracks(params))  # a preset track's published table (mergecal.published)
+                            published=for_tracks(lab_tracks(params)))  # a preset track's published rows
     print(f"{len(written)} report files for invocation {invocation}; leaderboard: "
           f"{root / 'reports' / 'leaderboard.html'}, history: {root / 'reports' / 'history.html'}")
 

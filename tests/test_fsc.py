@@ -1,4 +1,4 @@
-"""MAGIC FSC (feature space calibration) and the backbone families it hooks.
+"""MAGIC FSC (feature space calibration) and the architectures it hooks.
 
 Expected values are computed independently of mergecal.calibrations.fsc: by hand from the weights and
 inputs of small layers, or with the original pretrained / merged modules called directly.
@@ -28,7 +28,7 @@ from mergecal.calibrations.fsc import (
 )
 from mergecal.checkpoint import MARKER, SafetensorsSource
 from mergecal.errors import CheckpointError, IncompatibleModelsError, ParameterError, UnknownNameError
-from mergecal.families import HF_BERT, OPEN_CLIP_VIT, explicit_family, family_for, get_family
+from mergecal.feature_hooks import HF_BERT, OPEN_CLIP_VIT, explicit_architecture, architecture_for, get_architecture
 
 pytest.importorskip("open_clip")
 
@@ -58,12 +58,12 @@ def calibrated(clip):
     return clip["m"].apply(clip["merged"], clip["pre"])
 
 
-# --- families --------------------------------------------------------------------------------------
+# --- architectures --------------------------------------------------------------------------------------
 
 
 def test_open_clip_family_names_and_layout(clip):
     pre = clip["pre"]
-    assert family_for(pre) is OPEN_CLIP_VIT
+    assert architecture_for(pre) is OPEN_CLIP_VIT
     assert OPEN_CLIP_VIT.fsc_module_names(pre) == VIT_NAMES
     assert OPEN_CLIP_VIT.fsc_module_names(pre.visual) == [n[len("visual."):] for n in VIT_NAMES]
     assert isinstance(pre.get_submodule("visual.transformer.resblocks.1.attn"), nn.MultiheadAttention)
@@ -102,19 +102,19 @@ def test_bert_family_names():
              "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
     expected = ["embeddings.LayerNorm"] + [f"encoder.layer.{i}.{s}" for i in range(2) for s in layer]
     bert = tiny_bert(0)
-    assert family_for(bert) is HF_BERT
+    assert architecture_for(bert) is HF_BERT
     assert HF_BERT.fsc_module_names(bert) == expected
     wrapped = tiny_bert(0, classification=True)
     assert HF_BERT.fsc_module_names(wrapped) == [f"bert.{n}" for n in expected]
 
 
 def test_unknown_family_lists_the_known_ones():
-    with pytest.raises(UnknownNameError, match="known families: hf_bert, open_clip_vit"):
-        family_for(nn.Linear(2, 2))
+    with pytest.raises(UnknownNameError, match="known architectures: hf_bert, open_clip_vit"):
+        architecture_for(nn.Linear(2, 2))
     with pytest.raises(UnknownNameError, match="choose one of: hf_bert, open_clip_vit"):
-        get_family("resnet")
+        get_architecture("resnet")
     with pytest.raises(ParameterError, match="not in the model"):
-        explicit_family(["nope"]).fsc_modules(nn.Sequential(nn.Linear(2, 2)))
+        explicit_architecture(["nope"]).fsc_modules(nn.Sequential(nn.Linear(2, 2)))
 
 
 # --- one-layer models: ratios by hand --------------------------------------------------------------
@@ -149,8 +149,8 @@ def test_one_layer_ratio_by_hand(norm):
     g = torch.Generator().manual_seed(1)
     inputs = [torch.randn(2, 5, 4, generator=g) for _ in range(2)]  # N = 2 samples, L = 5 tokens
     merged.train()
-    m = measure_fsc(merged, pre, finetuned, inputs, family=explicit_family(["1"], batch_dim=1), n_samples_per_task=2,
-                    norm=norm, progress=False)
+    m = measure_fsc(merged, pre, finetuned, inputs, architecture=explicit_architecture(["1"], batch_dim=1),
+                    n_samples_per_task=2, norm=norm, progress=False)
     assert merged.training and merged[1].training  # training flags restored
 
     p = 1 if norm == "l1" else 2
@@ -178,7 +178,7 @@ def test_scalar_ratio_of_a_linear_is_folded_exactly():
     finetuned = [perturbed(pre, 20 + t, scale=0.3) for t in range(3)]
     merged = averaged(finetuned)
     inputs = [torch.randn(1, 4, generator=torch.Generator().manual_seed(t)) for t in range(3)]  # [N, D]: one ratio
-    m = measure_fsc(merged, pre, finetuned, inputs, family=["0"], progress=False)
+    m = measure_fsc(merged, pre, finetuned, inputs, architecture=["0"], progress=False)
     W0, b0, Wm, bm = (t.double() for t in (pre[0].weight, pre[0].bias, merged[0].weight, merged[0].bias))
     ratios = []
     for ft, x in zip(finetuned, inputs):
@@ -227,12 +227,12 @@ def test_conservative_rule_per_module(clip):
     straddle = torch.linspace(0.5, 1.5, N_TOKENS)
     raw = {**clip["m"].raw_ratios, attn0: straddle, cfc0: straddle}
     flags = {s.name: s.name == attn0 for s in clip["m"].specs}
-    m = FscMeasurement(family="open_clip_vit", specs=clip["m"].specs, raw_ratios=raw, per_task=[], sensitive=flags,
-                       params=params)
+    m = FscMeasurement(architecture="open_clip_vit", specs=clip["m"].specs, raw_ratios=raw, per_task=[],
+                       sensitive=flags, params=params)
     applied = m.applied_ratios()
     assert torch.equal(applied[attn0], torch.where(straddle < 1, straddle, torch.ones_like(straddle)))
     assert torch.equal(applied[cfc0], torch.where(straddle > 1, straddle, torch.ones_like(straddle)))
-    m_none = FscMeasurement(family="open_clip_vit", specs=clip["m"].specs, raw_ratios=raw, per_task=[],
+    m_none = FscMeasurement(architecture="open_clip_vit", specs=clip["m"].specs, raw_ratios=raw, per_task=[],
                             sensitive={s.name: None for s in clip["m"].specs}, params=clip["m"].params)
     assert torch.equal(m_none.applied_ratios()[attn0], straddle)
 
@@ -345,7 +345,7 @@ def test_save_load_round_trip(clip, calibrated, tmp_path):
     for name in files[1:]:
         assert SafetensorsSource(out / name).keys()  # real safetensors files
     config = json.loads((out / "fsc.json").read_text())
-    assert config["family"] == "open_clip_vit" and config["exact"] is True
+    assert config["architecture"] == "open_clip_vit" and config["exact"] is True
     status = {e["name"]: e["status"] for e in config["modules"]}
     assert status == {n: r.status for n, r in calibrated.records.items()}
     assert {e["name"]: e["ratio_shape"] for e in config["modules"]}["visual.transformer.resblocks.0.attn"] == [N_TOKENS]
@@ -376,7 +376,7 @@ def test_bert_end_to_end(tmp_path):
     batch = lambda n, length=8: {"input_ids": torch.randint(0, 50, (n, length), generator=g),  # noqa: E731
                                  "attention_mask": torch.ones(n, length, dtype=torch.long)}
     w = calibrate_fsc(merged, pre, finetuned, [batch(1), batch(1)], progress=False)
-    assert w.family == "hf_bert" and set(w.records) == set(HF_BERT.fsc_module_names(pre))
+    assert w.architecture == "hf_bert" and set(w.records) == set(HF_BERT.fsc_module_names(pre))
     for name, record in w.records.items():
         assert torch.isfinite(record.raw_ratio).all(), name
         assert record.ratio.shape == (() if "LayerNorm" in name else (8,)), name
@@ -498,31 +498,31 @@ def test_params_validation_and_recipe():
 
 def test_task_agnostic_shared_batch_is_split_per_task():
     pre, finetuned, merged = _one_layer_models(k=3, seed=4)
-    family = explicit_family(["1"], batch_dim=1)
+    architecture = explicit_architecture(["1"], batch_dim=1)
     shared = torch.randn(6, 5, 4, generator=torch.Generator().manual_seed(2))
-    a = measure_fsc(merged, pre, finetuned, [shared], family=family, data="task_agnostic", n_samples_per_task=2,
-                    progress=False)
-    b = measure_fsc(merged, pre, finetuned, [shared[0:2], shared[2:4], shared[4:6]], family=family,
+    a = measure_fsc(merged, pre, finetuned, [shared], architecture=architecture, data="task_agnostic",
+                    n_samples_per_task=2, progress=False)
+    b = measure_fsc(merged, pre, finetuned, [shared[0:2], shared[2:4], shared[4:6]], architecture=architecture,
                     n_samples_per_task=2, progress=False)
     assert torch.equal(a.raw_ratios["1"], b.raw_ratios["1"])
     with pytest.raises(ParameterError, match="need 9"):
-        measure_fsc(merged, pre, finetuned, [shared], family=family, data="task_agnostic", n_samples_per_task=3,
-                    progress=False)
+        measure_fsc(merged, pre, finetuned, [shared], architecture=architecture, data="task_agnostic",
+                    n_samples_per_task=3, progress=False)
     with pytest.raises(ParameterError, match="got 1 task inputs for 3 fine-tuned models"):
-        measure_fsc(merged, pre, finetuned, [shared], family=family, progress=False)
+        measure_fsc(merged, pre, finetuned, [shared], architecture=architecture, progress=False)
 
 
 def test_input_checks():
     lin = nn.Linear(3, 3)
     twice = nn.Sequential(lin, lin)  # one module called twice per forward
     with pytest.raises(ParameterError, match="ran 2 times"):
-        measure_fsc(twice, copy.deepcopy(twice), [copy.deepcopy(twice)], [torch.zeros(1, 3)], family=["0"],
+        measure_fsc(twice, copy.deepcopy(twice), [copy.deepcopy(twice)], [torch.zeros(1, 3)], architecture=["0"],
                     progress=False)
     seq = nn.Sequential(nn.Sequential(nn.Linear(3, 3)))
     with pytest.raises(ParameterError, match="must not be nested"):
-        measure_fsc(seq, seq, [seq], [torch.zeros(1, 3)], family=["0", "0.0"], progress=False)
+        measure_fsc(seq, seq, [seq], [torch.zeros(1, 3)], architecture=["0", "0.0"], progress=False)
     other = nn.Sequential(nn.Sequential(nn.Linear(3, 4)))
     with pytest.raises(IncompatibleModelsError, match=r"fsc: 0\.0\.bias has shape \(4,\) in the pretrained model"):
-        measure_fsc(seq, other, [seq], [torch.zeros(1, 3)], family=["0.0"], progress=False)
+        measure_fsc(seq, other, [seq], [torch.zeros(1, 3)], architecture=["0.0"], progress=False)
     with pytest.raises(ParameterError, match="task 0 input holds 1 samples"):
-        measure_fsc(seq, seq, [seq], [torch.zeros(1, 3)], family=["0.0"], n_samples_per_task=2, progress=False)
+        measure_fsc(seq, seq, [seq], [torch.zeros(1, 3)], architecture=["0.0"], n_samples_per_task=2, progress=False)

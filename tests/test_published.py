@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 
 from mergecal.pipeline.config import parse_params
+from mergecal.pipeline.track_registry import lab_tracks
 from mergecal.published import PublishedRow, cite, for_tracks, load, recipe_of, rows
 from mergecal.reports.leaderboard import Row, Table
 from mergecal.reports.published import compare, markdown, to_json
@@ -194,7 +195,7 @@ def test_published_rows_carry_mergecals_recipes_and_the_preset_names_its_table()
         {"name": "mine", "model": {"pretrained": "/c"}, "finetuned": {"MNIST": "/a", "DTD": "/b"},
          "datasets": {"MNIST": "/d", "DTD": "/d"}}]})
     # FusionBench's own numbers for its pool first, then the papers' (task_vectors' checkpoints: no verdict)
-    found = for_tracks(params)
+    found = for_tracks(lab_tracks(params))
     assert list(found) == ["fb16"] and [[replace(r, unlike="") for r in paper] for paper in found["fb16"]] == \
         [rows("fusionbench", "ViT-B/16", "ta8"), b16, rows("magic", "ViT-B/16", "ta8")]
     assert [{r.unlike for r in paper} for paper in found["fb16"]] == \
@@ -370,7 +371,7 @@ def test_rows_of_other_checkpoints_or_of_another_task_set_get_no_verdict():
     params = parse_params({"local_clip": [{"name": "tall", "preset": "fusionbench-clip-vit-b32-tall14"},
                                           {"name": "tv", "preset": "task-vectors-clip-vit-b32-ta8",
                                            "preset_roots": {"checkpoints": "/c", "data": "/d"}}]})
-    found = for_tracks(params)
+    found = for_tracks(lab_tracks(params))
     assert [{r.unlike for r in paper} for paper in found["tall"]] == [{""}, {"other checkpoints (svc-authors-14)"}]
     assert [{r.unlike for r in paper} for paper in found["tv"]] == [{""}, {""}]
     table = Table("tall", "tall14", "standard", "0", ("cars", "dtd"), (_row("task_arithmetic", 0.7, (0.6, 0.8)),), ())

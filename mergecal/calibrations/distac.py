@@ -383,6 +383,15 @@ def distac_plan(step: DistacStepParams, norms: Sequence[float]) -> tuple[list[fl
     return kappas, list(range(len(norms)))
 
 
+def condition_model(step: DistacStepParams, kappa: float, build_model: Callable[[StateDict], nn.Module],
+                    pretrained: StateDict, finetuned: StateDict, data: Any, **options: Any) -> tuple[StateDict, list]:
+    """One model's DisTaC step at the kappa ``distac_plan`` gave it: ``distill_task_vector`` with the step's
+    distillation parameters (``options``: its keywords). What ``condition_models`` runs per model, and a caller that
+    holds one model at a time (a lab's CLIP track) too."""
+    return distill_task_vector(build_model, pretrained, finetuned, data,
+                               step.distillation_params().model_copy(update={"kappa": kappa}), **options)
+
+
 def condition_models(step: DistacStepParams, pretrained: StateDict, finetuned: Sequence[StateDict],
                      build_task_model: Callable[[int, StateDict], nn.Module], data: Sequence[Any], *,
                      trainable: Callable[[str], bool] | None = None, progress: bool = False,
@@ -399,9 +408,8 @@ def condition_models(step: DistacStepParams, pretrained: StateDict, finetuned: S
     kappas, targets = distac_plan(step, [task_vector_norm(task_vector(m, pretrained)) for m in finetuned])
     models, report = list(finetuned), {"kappas": kappas, "conditioned": [], "history": {}}
     for t in targets:
-        models[t], report["history"][t] = distill_task_vector(
-            lambda sd, t=t: build_task_model(t, sd), pretrained, models[t], data[t],
-            step.distillation_params().model_copy(update={"kappa": kappas[t]}), trainable=trainable,
-            progress=progress, device=device)
+        models[t], report["history"][t] = condition_model(
+            step, kappas[t], lambda sd, t=t: build_task_model(t, sd), pretrained, models[t], data[t],
+            trainable=trainable, progress=progress, device=device)
         report["conditioned"].append(t)
     return models, report

@@ -1,7 +1,7 @@
 """MAGIC's FSC, Feature Space Calibration, after MAGIC, Li et al., arXiv:2512.19320 (Sec. II-D,
 III-B, Algorithm 1, Eq. 18-19) and the authors' code (docs/references.md, MAGIC, **FSC**; authoritative).
 
-Measurement, for each hooked module m (see ``mergecal.families``) and each task t with its own unlabeled
+Measurement, for each hooked module m (see ``mergecal.feature_hooks``) and each task t with its own unlabeled
 batch x_t (``n_samples_per_task`` samples, default 1):
   1. run the MERGED model on x_t; at m capture its input (args and kwargs: open_clip calls
      ``attn(x, x, x, need_weights=False, attn_mask=...)``) and its output f_m^merged(x);
@@ -27,7 +27,7 @@ only clips sensitive modules to r <= 1: ``conservative="clip_sensitive"``.)
 Inference: each calibrated module outputs f_m^0(x) + r * (f_m^merged(x) - f_m^0(x)). A per-token r cannot
 in general be folded into weights, so those modules keep a forward hook and a pretrained copy of the module
 (``FeatureCalibratedModel``). Where r is one scalar (or one value per output channel of a convolution) and
-the module is affine in its parameters (nn.Linear, nn.Conv*, nn.LayerNorm; ``families.is_affine_in_parameters``)
+the module is affine in its parameters (nn.Linear, nn.Conv*, nn.LayerNorm; ``feature_hooks.is_affine_in_parameters``)
 the same output is obtained EXACTLY (up to floating-point rounding) by folding r into the weights:
 p = p0 + r (pm - p0). Modules whose applied ratio is 1 everywhere are left untouched ("identity").
 Nothing here approximates: every calibrated module computes the formula above.
@@ -57,7 +57,7 @@ from tqdm.auto import tqdm
 from ..checkpoint import load_state_dict, save_state_dict
 from ..config_types import Count
 from ..errors import CheckpointError, IncompatibleModelsError, ParameterError, UnknownNameError
-from ..families import BackboneFamily, ModuleSpec, is_affine_in_parameters, resolve_family
+from ..feature_hooks import HookedArchitecture, ModuleSpec, is_affine_in_parameters, resolve_architecture
 from ..methods.base import build_params, format_params
 from ..outputs import OutputDir
 from .base import CalibrationParams
@@ -167,7 +167,7 @@ def _check_called_once(calls: Mapping[str, int]) -> None:
     for name, count in calls.items():
         if count != 1:
             raise ParameterError(f"fsc: module {name!r} ran {count} times in one forward pass, "
-                                 "expected once (check the family or the run function)")
+                                 "expected once (check the architecture or the run function)")
 
 
 class _Capture:
@@ -367,7 +367,7 @@ class FscMeasurement:
     """Measured FSC ratios. ``raw_ratios``: Eq. 18 (mean over the K tasks, non-finite -> 1), before the
     conservative rule; ``per_task``: each task's batch-averaged ratios as measured (may hold NaN/inf)."""
 
-    family: str
+    architecture: str
     specs: list[ModuleSpec]
     raw_ratios: dict[str, torch.Tensor]
     per_task: list[dict[str, torch.Tensor]]
@@ -383,8 +383,8 @@ class FscMeasurement:
               ) -> "FeatureCalibratedModel":
         """The calibrated model (see ``build_calibrated_model``)."""
         return build_calibrated_model(merged, pretrained, self.applied_ratios(), self.specs, raw_ratios=self.raw_ratios,
-                                      sensitive=self.sensitive, fold=fold, copy_model=copy_model, family=self.family,
-                                      params=self.params)
+                                      sensitive=self.sensitive, fold=fold, copy_model=copy_model,
+                                      architecture=self.architecture, params=self.params)
 
 
 def _resolve_params(params: FscParams | None, values: dict[str, Any]) -> FscParams:
@@ -395,7 +395,7 @@ def _resolve_params(params: FscParams | None, values: dict[str, Any]) -> FscPara
 
 @torch.no_grad()
 def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn.Module], task_inputs: Sequence[Any], *,
-                family: BackboneFamily | str | Sequence[str] | None = None, params: FscParams | None = None,
+                architecture: HookedArchitecture | str | Sequence[str] | None = None, params: FscParams | None = None,
                 run: Callable[[nn.Module, Any], Any] | None = None, progress: bool = True,
                 **values: Any) -> FscMeasurement:
     """Measure the FSC ratios of every hooked module (module docstring, steps 1-4).
@@ -403,12 +403,12 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
     ``merged``, ``pretrained`` and each of ``finetuned`` are nn.Modules of the same architecture on the same
     device (``finetuned`` may be a lazy Sequence: item t is read once, while task t is measured);
     ``task_inputs[t]`` is task t's batch (a tensor, a mapping of tensors or a tuple, as ``run`` takes
-    it; its first ``n_samples_per_task`` samples are used). ``family``: a registered name, a family, a list
-    of module names, or None to detect. ``run(model, batch)`` defaults to the family's (open_clip:
+    it; its first ``n_samples_per_task`` samples are used). ``architecture``: a registered name, an architecture, a list
+    of module names, or None to detect. ``run(model, batch)`` defaults to the architecture's (open_clip:
     ``encode_image``). All models run in eval mode; their training flags are restored afterwards.
     """
     params = _resolve_params(params, values)
-    fam = resolve_family(family, merged)
+    fam = resolve_architecture(architecture, merged)
     specs = fam.fsc_modules(merged)
     _check_specs(specs)
     if len(finetuned) == 0:  # a Sequence: finetuned[t] is read once, in task order (it may build the model lazily)
@@ -448,7 +448,7 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
                                  "(pad them) or token_ratios='mean'")
         mean = torch.stack(ratios).mean(dim=0)
         raw[spec.name] = torch.where(torch.isfinite(mean), mean, torch.ones_like(mean)).float()
-    return FscMeasurement(family=fam.name, specs=list(specs), raw_ratios=raw, per_task=per_task, sensitive=flags,
+    return FscMeasurement(architecture=fam.name, specs=list(specs), raw_ratios=raw, per_task=per_task, sensitive=flags,
                           params=params)
 
 
@@ -504,11 +504,11 @@ class FeatureCalibratedModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, records: Sequence[ModuleRecord], pretrained_modules: Mapping[str, nn.Module],
-                 *, family: str = "", params: FscParams | None = None):
+                 *, architecture: str = "", params: FscParams | None = None):
         super().__init__()
         self.model = model
         self.records: dict[str, ModuleRecord] = {r.spec.name: r for r in records}
-        self.family = family
+        self.architecture = architecture
         self.params = params
         self.sites = nn.ModuleDict()
         for i, record in enumerate(r for r in records if r.status == "hooked"):
@@ -590,7 +590,7 @@ def fold_ratio(module: nn.Module, pretrained_module: nn.Module, ratio: torch.Ten
 def build_calibrated_model(merged: nn.Module, pretrained: nn.Module, ratios: Mapping[str, torch.Tensor],
                            specs: Sequence[ModuleSpec], *, raw_ratios: Mapping[str, torch.Tensor] | None = None,
                            sensitive: Mapping[str, bool | None] | None = None, fold: bool = True,
-                           skip_identity: bool = True, copy_model: bool = True, family: str = "",
+                           skip_identity: bool = True, copy_model: bool = True, architecture: str = "",
                            params: FscParams | None = None) -> FeatureCalibratedModel:
     """Apply given (already conservative-ruled) ``ratios`` to ``merged``.
 
@@ -624,7 +624,7 @@ def build_calibrated_model(merged: nn.Module, pretrained: nn.Module, ratios: Map
         raw = raw_ratios[spec.name] if raw_ratios is not None else ratio
         records.append(ModuleRecord(spec=spec, status=status, ratio=ratio, raw_ratio=torch.as_tensor(raw).float().cpu(),
                                     sensitive=(sensitive or {}).get(spec.name), module_type=type(module).__name__))
-    return FeatureCalibratedModel(model, records, pretrained_modules, family=family, params=params)
+    return FeatureCalibratedModel(model, records, pretrained_modules, architecture=architecture, params=params)
 
 
 @register_calibration("fsc", phase="feature", needs_data=True)
@@ -661,13 +661,13 @@ class Fsc:
 
 def calibrate_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn.Module],
                   task_inputs: Sequence[Any], *,
-                  family: BackboneFamily | str | Sequence[str] | None = None, params: FscParams | None = None,
+                  architecture: HookedArchitecture | str | Sequence[str] | None = None, params: FscParams | None = None,
                   fold: bool = True, copy_model: bool = True, run: Callable[[nn.Module, Any], Any] | None = None,
                   progress: bool = True, **values: Any) -> FeatureCalibratedModel:
     """Measure FSC ratios (``measure_fsc``), apply the conservative rule, and return the calibrated model.
     ``merged`` is deep-copied unless ``copy_model=False``; parameters as ``FscParams`` or keywords."""
-    measurement = measure_fsc(merged, pretrained, finetuned, task_inputs, family=family, params=params, run=run,
-                              progress=progress, **values)
+    measurement = measure_fsc(merged, pretrained, finetuned, task_inputs, architecture=architecture, params=params,
+                              run=run, progress=progress, **values)
     return measurement.apply(merged, pretrained, fold=fold, copy_model=copy_model)
 
 
@@ -676,7 +676,7 @@ def calibrate_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[
 
 def save_fsc(model: FeatureCalibratedModel, directory: str | Path, *, overwrite: bool = False) -> Path:
     """Write ``model`` as a directory: merged weights (folds applied), the pretrained copies of the hooked
-    modules, the applied and raw ratios (safetensors) and ``fsc.json`` (modules, status, family, shapes,
+    modules, the applied and raw ratios (safetensors) and ``fsc.json`` (modules, status, architecture, shapes,
     params). Written in a staging directory that then replaces ``directory``; a directory that mergecal did
     not write is replaced only with ``overwrite=True`` (``mergecal.outputs``)."""
     if not isinstance(model, FeatureCalibratedModel):
@@ -694,7 +694,7 @@ def save_fsc(model: FeatureCalibratedModel, directory: str | Path, *, overwrite:
         save_state_dict({n: r.ratio for n, r in model.records.items()}, staging / RATIOS_FILE, meta)
         save_state_dict({n: r.raw_ratio for n, r in model.records.items()}, staging / RAW_RATIOS_FILE, meta)
         config = {
-            "format": FORMAT, "version": VERSION, "family": model.family,
+            "format": FORMAT, "version": VERSION, "architecture": model.architecture,
             "params": model.params.model_dump() if model.params is not None else None,
             "exact": True,  # every calibrated module computes f0 + r (fm - f0); nothing is approximated
             "files": {"model": MODEL_FILE, "pretrained_modules": PRETRAINED_FILE, "ratios": RATIOS_FILE,
@@ -772,5 +772,5 @@ def load_fsc(directory: str | Path, build_model: Callable[[], nn.Module] | nn.Mo
             pretrained_modules[name] = copy_
         records.append(ModuleRecord(spec=spec, status=status, ratio=ratios[name], raw_ratio=raw.get(name, ratios[name]),
                                     sensitive=sensitive, module_type=module_type))
-    return FeatureCalibratedModel(model, records, pretrained_modules, family=config.get("family", ""),
-                                  params=params).eval()
+    architecture = config.get("architecture", config.get("family", ""))  # "family": written before #57
+    return FeatureCalibratedModel(model, records, pretrained_modules, architecture=architecture, params=params).eval()

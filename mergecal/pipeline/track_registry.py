@@ -89,6 +89,11 @@ def skipped_cells(params) -> list:
     return [item for track in enabled_tracks(params) for item in track.skipped(params)]
 
 
+def lab_tracks(params) -> list:
+    """Every configured track of every source of a lab's files (enabled or not), in matrix order."""
+    return [track for name in LAB_FILES for track in getattr(params, name)]
+
+
 def configured_tracks(params, name: str) -> list:
     """The enabled tracks of the module of several configured tracks named ``name`` (``params.<name>``)."""
     return [t for t in getattr(params, name) if t.enabled]

@@ -125,11 +125,11 @@ def of_track(track) -> list[list[PublishedRow]]:
             for r in published_of(track.preset)]
 
 
-def for_tracks(params) -> dict[str, list[list[PublishedRow]]]:
-    """{track name (its leaderboard backbone): ``of_track``}, for every ``local_clip`` and ``local_llm`` track built
-    from a preset that names any published rows."""
+def for_tracks(tracks) -> dict[str, list[list[PublishedRow]]]:
+    """{track name (its leaderboard backbone): ``of_track``}, for every configured track of a lab's files (``tracks``:
+    ``mergecal.pipeline.track_registry.lab_tracks``) built from a preset that names any published rows."""
     out = {}
-    for track in [*params.local_clip, *params.local_llm]:
+    for track in tracks:
         found = of_track(track)
         if any(found):
             out[track.name] = [f for f in found if f]

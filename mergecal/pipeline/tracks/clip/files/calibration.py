@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .....calibrations.distac import distac_plan, distill_task_vector
+from .....calibrations.distac import condition_model, distac_plan
 from .....calibrations.probing import make_probe, probe_sensitivity
 from .....checkpoint import atomic_write_text, load_state_dict, save_state_dict
 from .....errors import CheckpointError, ParameterError
@@ -154,9 +154,9 @@ def distac(params: Params, track: LocalClipTrack, root: str | Path = ".", *, dev
         data = preprocess(train_sample(params, track, task, root, params.benchmark.evaluation.distac_samples,
                                        "benchmark.evaluation.distac_samples", size, params.seed + 2)[0], size)
         finetuned = {k: views[task].get(k) for k in pre_visual.keys()}
-        conditioned, history = distill_task_vector(
-            build, pretrained, finetuned, data, step.distillation_params().model_copy(update={"kappa": kappas[t]}),
-            trainable=lambda name: name.startswith(VISUAL), progress=progress, device=device)
+        conditioned, history = condition_model(step, kappas[t], build, pretrained, finetuned, data,
+                                               trainable=lambda name: name.startswith(VISUAL), progress=progress,
+                                               device=device)
         del finetuned, data
         save_state_dict({k: v.contiguous() for k, v in conditioned.items()}, out_dir / f"{task}.safetensors",
                         {"distac": step.model_dump_json()})

@@ -1,12 +1,12 @@
-"""Backbone families: per architecture, which modules a feature-space method hooks and how to read them.
+"""Architectures: per architecture, which modules a feature-space method hooks and how to read them.
 
 One place for the architecture knowledge that MAGIC's FSC needs (and that other feature-space code can
 reuse): the qualified names of the hooked modules, the layout of each module's output (which dimension is
 the batch, which the token position), how to run the model on a batch, and which module types are affine
 in their parameters (so that a scalar or per-output-channel feature rescaling can be folded into weights).
 
-Registered families (see docs/references.md, MAGIC, **FSC**), one per ``mergecal.family_specs`` entry that
-declares its FSC modules (``FscModules``: this module turns the declaration into a ``BackboneFamily``):
+Registered architectures (see docs/references.md, MAGIC, **FSC**), one per ``mergecal.architecture_specs`` entry that
+declares its FSC modules (``FscModules``: this module turns the declaration into a ``HookedArchitecture``):
 
 - ``open_clip_vit``: the VISUAL tower of an open_clip ``VisionTransformer`` (standalone, inside ``CLIP``,
   or inside any wrapper): ``visual.conv1``, ``visual.ln_pre``, per resblock ``ln_1``, ``attn`` (the
@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from .family_specs import FAMILY_SPECS, FamilySpec, FscModules
+from .architecture_specs import ARCHITECTURE_SPECS, ArchitectureSpec, FscModules
 from .errors import ParameterError, UnknownNameError
 
 Granularity = Literal["token", "channel", "scalar"]
@@ -97,8 +97,8 @@ def default_run(model: nn.Module, batch: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class BackboneFamily:
-    """A backbone family: how to find it in a model, which modules FSC hooks, and how to run it.
+class HookedArchitecture:
+    """An architecture: how to find it in a model, which modules FSC hooks, and how to run it.
 
     ``fsc_modules(model)`` returns the hooked modules with their output layout (qualified names relative
     to ``model``); ``run(model, batch)`` runs a forward pass that reaches every hooked module.
@@ -125,14 +125,14 @@ def _find_instances(model: nn.Module, cls: type | None) -> list[tuple[str, nn.Mo
     return [(name, module) for name, module in model.named_modules() if isinstance(module, cls)]
 
 
-def _require(model: nn.Module, names: Sequence[str], family: str) -> None:
+def _require(model: nn.Module, names: Sequence[str], architecture: str) -> None:
     present = dict(model.named_modules())
     for name in names:
         if name not in present:
-            raise ParameterError(f"{family}: expected module {name!r} is missing from the model")
+            raise ParameterError(f"{architecture}: expected module {name!r} is missing from the model")
 
 
-# --- families from their specs (mergecal.family_specs) --------------------------------------------------
+# --- architectures from their specs (mergecal.architecture_specs) --------------------------------------------------
 
 def _class(model_class: str) -> type | None:
     """``"module:Class"`` if its module is already imported (a model of it can exist only then), else None."""
@@ -141,10 +141,10 @@ def _class(model_class: str) -> type | None:
     return getattr(module, class_name, None) if module is not None else None
 
 
-def _instance(model: nn.Module, layout: FscModules, family: str) -> tuple[str, nn.Module]:
+def _instance(model: nn.Module, layout: FscModules, architecture: str) -> tuple[str, nn.Module]:
     found = _find_instances(model, _class(layout.model_class))
     if len(found) != 1:
-        raise ParameterError(f"{family}: expected exactly one {layout.what} in the model, found {len(found)}")
+        raise ParameterError(f"{architecture}: expected exactly one {layout.what} in the model, found {len(found)}")
     return found[0]
 
 
@@ -155,9 +155,9 @@ def _batch_first(instance: nn.Module, attribute: str | None) -> bool:
     return bool(getattr(instance.get_submodule(owner) if owner else instance, name, False))
 
 
-def _declared_modules(layout: FscModules, family: str) -> Callable[[nn.Module], list[ModuleSpec]]:
+def _declared_modules(layout: FscModules, architecture: str) -> Callable[[nn.Module], list[ModuleSpec]]:
     def fsc_modules(model: nn.Module) -> list[ModuleSpec]:
-        prefix, instance = _instance(model, layout, family)
+        prefix, instance = _instance(model, layout, architecture)
         block_batch_dim = 0 if _batch_first(instance, layout.batch_first) else 1
 
         def present(name: str) -> bool:  # an optional module replaced by nn.Identity is not hooked
@@ -168,11 +168,11 @@ def _declared_modules(layout: FscModules, family: str) -> Callable[[nn.Module], 
             names += [(f"{layout.blocks}.{i}.{sub}", block_batch_dim) for sub in layout.block]
         names += [(n, 0) for n in layout.after if present(n)]
         qualified = [(_join(prefix, n), dim) for n, dim in names]
-        _require(model, [n for n, _ in qualified], family)
+        _require(model, [n for n, _ in qualified], architecture)
         for name, _ in qualified:
             if name.rpartition(".")[2] in layout.multihead_attention and \
                     not isinstance(model.get_submodule(name), nn.MultiheadAttention):
-                raise ParameterError(f"{family}: {name!r} is not an nn.MultiheadAttention "
+                raise ParameterError(f"{architecture}: {name!r} is not an nn.MultiheadAttention "
                                      "(custom attention blocks are not supported; pass explicit module names)")
         return [ModuleSpec(n, default_granularity(model.get_submodule(n)), dim) for n, dim in qualified]
 
@@ -192,44 +192,46 @@ def _declared_run(method: str | None) -> Callable[[nn.Module, Any], Any]:
     return run
 
 
-def family_of(spec: FamilySpec) -> BackboneFamily:
-    """The FSC family of a family spec (which must declare its ``fsc`` modules)."""
+def architecture_of(spec: ArchitectureSpec) -> HookedArchitecture:
+    """The FSC architecture of an architecture spec (which must declare its ``fsc`` modules)."""
     layout = spec.fsc
     if layout is None:
-        raise ParameterError(f"{spec.name}: the family spec declares no FSC modules")
-    return BackboneFamily(name=spec.name, description=spec.description,
+        raise ParameterError(f"{spec.name}: the architecture spec declares no FSC modules")
+    return HookedArchitecture(name=spec.name, description=spec.description,
                           detect=lambda model: len(_find_instances(model, _class(layout.model_class))) == 1,
                           fsc_modules=_declared_modules(layout, spec.name),
                           run=_declared_run(layout.run_method))
 
 
-FAMILIES: dict[str, BackboneFamily] = {s.name: family_of(s) for s in FAMILY_SPECS.values() if s.fsc is not None}
-OPEN_CLIP_VIT = FAMILIES["open_clip_vit"]
-HF_BERT = FAMILIES["hf_bert"]
+HOOKED_ARCHITECTURES: dict[str, HookedArchitecture] = {s.name: architecture_of(s) for s in ARCHITECTURE_SPECS.values()
+                                                       if s.fsc is not None}
+OPEN_CLIP_VIT = HOOKED_ARCHITECTURES["open_clip_vit"]
+HF_BERT = HOOKED_ARCHITECTURES["hf_bert"]
 
 
-def get_family(name: str) -> BackboneFamily:
+def get_architecture(name: str) -> HookedArchitecture:
     try:
-        return FAMILIES[name]
+        return HOOKED_ARCHITECTURES[name]
     except KeyError:
-        raise UnknownNameError(f"unknown backbone family {name!r}; "
-                               f"choose one of: {', '.join(sorted(FAMILIES))}") from None
+        raise UnknownNameError(f"unknown architecture {name!r}; "
+                               f"choose one of: {', '.join(sorted(HOOKED_ARCHITECTURES))}") from None
 
 
-def family_for(model: nn.Module) -> BackboneFamily:
-    """The registered family whose ``detect`` accepts ``model`` (exactly one must)."""
-    matches = [family for family in FAMILIES.values() if family.detect(model)]
+def architecture_for(model: nn.Module) -> HookedArchitecture:
+    """The registered architecture whose ``detect`` accepts ``model`` (exactly one must)."""
+    matches = [architecture for architecture in HOOKED_ARCHITECTURES.values() if architecture.detect(model)]
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        raise UnknownNameError(f"no backbone family recognises {type(model).__name__}; known families: "
-                               f"{', '.join(sorted(FAMILIES))} (or pass explicit module names)")
-    raise UnknownNameError(f"{type(model).__name__} matches several backbone families "
+        raise UnknownNameError(f"no architecture recognises {type(model).__name__}; known architectures: "
+                               f"{', '.join(sorted(HOOKED_ARCHITECTURES))} (or pass explicit module names)")
+    raise UnknownNameError(f"{type(model).__name__} matches several architectures "
                            f"({', '.join(f.name for f in matches)}); name one explicitly")
 
 
-def explicit_family(module_names: Sequence[str], *, batch_dim: int = 0, name: str = "explicit") -> BackboneFamily:
-    """A family over an explicit list of module names; granularity from each module's type
+def explicit_architecture(module_names: Sequence[str], *, batch_dim: int = 0,
+                          name: str = "explicit") -> HookedArchitecture:
+    """An architecture over an explicit list of module names; granularity from each module's type
     (``default_granularity``) and the batch at ``batch_dim`` of every token-granular output."""
     names = list(module_names)
     if not names:
@@ -244,19 +246,21 @@ def explicit_family(module_names: Sequence[str], *, batch_dim: int = 0, name: st
                 raise ParameterError(f"{name}: module {module_name!r} is not in the model")
         return [ModuleSpec(n, default_granularity(present[n]), batch_dim) for n in names]
 
-    return BackboneFamily(name=name, description=f"explicit list of {len(names)} modules",
-                          detect=lambda model: False, fsc_modules=fsc_modules)
+    return HookedArchitecture(name=name, description=f"explicit list of {len(names)} modules",
+                              detect=lambda model: False, fsc_modules=fsc_modules)
 
 
-def resolve_family(family: BackboneFamily | str | Sequence[str] | None, model: nn.Module) -> BackboneFamily:
-    """``None``: detect from ``model``; a name: the registered family; a list of names: ``explicit_family``."""
-    if family is None:
-        return family_for(model)
-    if isinstance(family, BackboneFamily):
-        return family
-    if isinstance(family, str):
-        return get_family(family)
-    if isinstance(family, Sequence):
-        return explicit_family(family)
-    raise ParameterError(f"family: expected a family name, a BackboneFamily or a list of module names, "
-                         f"got {type(family).__name__}")
+def resolve_architecture(architecture: HookedArchitecture | str | Sequence[str] | None,
+                         model: nn.Module) -> HookedArchitecture:
+    """``None``: detect from ``model``; a name: the registered architecture; a list of names:
+    ``explicit_architecture``."""
+    if architecture is None:
+        return architecture_for(model)
+    if isinstance(architecture, HookedArchitecture):
+        return architecture
+    if isinstance(architecture, str):
+        return get_architecture(architecture)
+    if isinstance(architecture, Sequence):
+        return explicit_architecture(architecture)
+    raise ParameterError(f"architecture: expected an architecture name, a HookedArchitecture or a list of module "
+                         f"names, got {type(architecture).__name__}")

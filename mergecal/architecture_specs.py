@@ -1,17 +1,18 @@
-"""Model families, each declared once in a spec (as MergeKit's architecture files): what the library
-needs to know of a family's parameters and modules, read by ``mergecal.keys`` (key roles), ``mergecal.families``
-(the modules MAGIC's FSC hooks, how to run a batch) and so by the FSC step. A new family is one ``FamilySpec``
-in ``FAMILY_SPECS``; nothing here imports an optional backbone library (open_clip, transformers): a model class
-is named as ``"module:Class"`` and looked up in ``sys.modules``, where it is only if its library is in use.
+"""Model architectures, each declared once in a spec (as MergeKit's architecture files): what the library
+needs to know of an architecture's parameters and modules, read by ``mergecal.keys`` (key roles),
+``mergecal.feature_hooks`` (the modules MAGIC's FSC hooks, how to run a batch) and so by the FSC step. A new
+architecture is one ``ArchitectureSpec`` in ``ARCHITECTURE_SPECS``; nothing here imports an optional backbone
+library (open_clip, transformers): a model class is named as ``"module:Class"`` and looked up in ``sys.modules``,
+where it is only if its library is in use.
 
-* ``key_roles``: ``{role: anchored pattern}`` over the family's parameter names, for the roles the merge and
+* ``key_roles``: ``{role: anchored pattern}`` over the architecture's parameter names, for the roles the merge and
   calibration authors' key rules single out by name (``embedding``: token, position and class embeddings, tied
-  output embeddings; ``projection``: a tower's last map). A name matches a role if any family's pattern says so
-  (families' names do not collide); every other parameter is ``other``.
-* ``canonical_name``: the family's layout mapping for role matching: a key of another layout of the same family
-  as its name here (HF CLIP -> open_clip, ``backbones.clip_layouts``; the full mapping, with q/k/v fused, is the
-  checkpoint reader's); ``None``: names are taken as they are.
-* ``fsc``: the hooked modules (``FscModules``), or ``None`` when feature-space chains do not run on the family.
+  output embeddings; ``projection``: a tower's last map). A name matches a role if any architecture's pattern says so
+  (architectures' names do not collide); every other parameter is ``other``.
+* ``canonical_name``: the architecture's layout mapping for role matching: a key of another layout of the same
+  architecture as its name here (HF CLIP -> open_clip, ``backbones.clip_layouts``; the full mapping, with q/k/v
+  fused, is the checkpoint reader's); ``None``: names are taken as they are.
+* ``fsc``: the hooked modules (``FscModules``), or ``None`` when feature-space chains do not run on the architecture.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ ROLES = ("embedding", "projection")  # matched in this order
 
 @dataclass(frozen=True)
 class FscModules:
-    """The modules FSC hooks in a family's model (qualified names relative to its one instance of ``model_class``,
-    found anywhere in the model: alone or inside a wrapper): ``before`` the blocks, each block's ``block`` modules
-    (the blocks: the module list at ``blocks``), then ``after``. A ratio's granularity follows the module's type
-    (``families.default_granularity``: convolution per channel, norm layers one scalar, else per token)."""
+    """The modules FSC hooks in an architecture's model (qualified names relative to its one instance of
+    ``model_class``, found anywhere in the model: alone or inside a wrapper): ``before`` the blocks, each block's
+    ``block`` modules (the blocks: the module list at ``blocks``), then ``after``. A ratio's granularity follows the
+    module's type (``feature_hooks.default_granularity``: convolution per channel, norm layers one scalar, else per
+    token)."""
 
     model_class: str  # "module:Class", looked up in sys.modules
     what: str  # the class in words, for errors
@@ -47,7 +49,7 @@ class FscModules:
 
 
 @dataclass(frozen=True)
-class FamilySpec:
+class ArchitectureSpec:
     name: str
     description: str
     key_roles: dict[str, str] = field(default_factory=dict)
@@ -58,7 +60,7 @@ class FamilySpec:
         return {role: re.compile(pattern) for role, pattern in self.key_roles.items()}
 
 
-OPEN_CLIP = FamilySpec(
+OPEN_CLIP = ArchitectureSpec(
     name="open_clip_vit",
     description="open_clip CLIP (HF CLIP checkpoints read in its layout); FSC on the VisionTransformer (visual "
                 "tower): conv1, ln_pre, per block ln_1/attn/ln_2/mlp.c_fc/mlp.gelu/mlp.c_proj, ln_post",
@@ -75,7 +77,7 @@ OPEN_CLIP = FamilySpec(
                    run_method="encode_image"),
 )
 
-HF_BERT = FamilySpec(
+HF_BERT = ArchitectureSpec(
     name="hf_bert",
     description="Hugging Face BertModel encoder (alone or inside BertFor...): FSC on embeddings.LayerNorm, per "
                 "layer attention.self.query/key/value, attention.output.dense/LayerNorm, intermediate.dense, "
@@ -91,11 +93,11 @@ HF_BERT = FamilySpec(
                           "output.dense", "output.LayerNorm")),
 )
 
-LLAMA = FamilySpec(
+LLAMA = ArchitectureSpec(
     name="llama",
     description="Llama-style causal LM (Hugging Face layout); weight space only",
     # lm_head is the output embedding, stored as embed_tokens when tied
     key_roles={"embedding": r"(^|\.)(embed_tokens\.weight|lm_head\.weight)$"},
 )
 
-FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in (OPEN_CLIP, HF_BERT, LLAMA)}
+ARCHITECTURE_SPECS: dict[str, ArchitectureSpec] = {spec.name: spec for spec in (OPEN_CLIP, HF_BERT, LLAMA)}
