@@ -1,9 +1,9 @@
 """Model architectures, each declared once in a spec (as MergeKit's architecture files): what the library
 needs to know of an architecture's parameters and modules, read by ``mergecal.keys`` (key roles),
 ``mergecal.feature_hooks`` (the modules MAGIC's FSC hooks, how to run a batch) and so by the FSC step. A new
-architecture is one ``ArchitectureSpec`` in ``ARCHITECTURE_SPECS``; nothing here imports an optional backbone
-library (open_clip, transformers): a model class is named as ``"module:Class"`` and looked up in ``sys.modules``,
-where it is only if its library is in use.
+architecture is one ``ArchitectureSpec`` defined here (``ARCHITECTURE_SPECS`` collects them); nothing here
+imports an optional backbone library (open_clip, transformers): a model class is named as ``"module:Class"`` and
+looked up in ``sys.modules``, where it is only if its library is in use.
 
 * ``key_roles``: ``{role: anchored pattern}`` over the architecture's parameter names, for the roles the merge and
   calibration authors' key rules single out by name (``embedding``: token, position and class embeddings, tied
@@ -100,4 +100,6 @@ LLAMA = ArchitectureSpec(
     key_roles={"embedding": r"(^|\.)(embed_tokens\.weight|lm_head\.weight)$"},
 )
 
-ARCHITECTURE_SPECS: dict[str, ArchitectureSpec] = {spec.name: spec for spec in (OPEN_CLIP, HF_BERT, LLAMA)}
+#: every spec defined above, by name, in the order written: a new architecture is one more ``ArchitectureSpec`` here
+ARCHITECTURE_SPECS: dict[str, ArchitectureSpec] = {spec.name: spec for spec in list(globals().values())
+                                                   if isinstance(spec, ArchitectureSpec)}

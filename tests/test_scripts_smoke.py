@@ -1,5 +1,7 @@
 """#41: every script under scripts/ is run by something (the Makefile, a stage, a test); this runs the one that
-needs a GPU for its figures on the CPU, so that a library change that breaks it is seen here, not on a lent GPU."""
+needs a GPU for its figures on the CPU, so that a library change that breaks it is seen here, not on a lent GPU.
+The one-off measurements of evidence/scripts/ are not run (their figures are dated): each must still compile and
+import what it names, and answer ``--help`` where it has a command line (evidence/README.md)."""
 
 import importlib.util
 import re
@@ -233,3 +235,84 @@ def test_copy_fusionbench_metadata_writes_the_committed_module_from_fusionbench_
     with pytest.raises(SystemExit, match=r"pcam\.py: template '\{\} or \{\}' is not a plain one-placeholder"):
         script.main([str(tmp_path), "--out", str(out)])
     assert script.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+
+
+EVIDENCE = ROOT / "evidence" / "scripts"
+
+
+def evidence_imports(path: Path) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) of every absolute import in a script, at its top or inside a function."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.module, alias.name) for alias in node.names]
+    return found
+
+
+def missing_imports(path: Path) -> list[str]:
+    """What a script imports that is not there: a project module or name (read with ast from the source tree, as
+    the script's own ``sys.path`` would find it: evidence/ first, then the root), or a package not installed."""
+    import importlib.util
+
+    from test_doc_paths import resolve_dotted
+
+    missing = []
+    for module, name in evidence_imports(path):
+        dotted = f"{module}.{name}" if name and name != "*" else module
+        if module.split(".")[0] in ("mergecal", "scripts", "stages", "flows"):
+            problems = [resolve_dotted(dotted, root) for root in (ROOT / "evidence", ROOT)]
+            if all(problems):
+                missing.append(f"{dotted}: {problems[-1]}")
+        elif importlib.util.find_spec(module.split(".")[0]) is None:
+            missing.append(f"{module}: not installed")
+    return missing
+
+
+def test_every_evidence_script_compiles_and_what_it_imports_exists(tmp_path):
+    """A module moved or renamed breaks a kept measurement script even where its import sits in a function."""
+    import py_compile
+
+    scripts = sorted(EVIDENCE.glob("*.py"))
+    assert len(scripts) >= 5
+    for path in scripts:
+        py_compile.compile(str(path), cfile=str(tmp_path / f"{path.stem}.pyc"), doraise=True)
+    broken = {path.name: missing_imports(path) for path in scripts}
+    assert not {name: what for name, what in broken.items() if what}, "delete it and name its last commit in " \
+        "evidence/README.md (or mend it):\n" + "\n".join(f"{n}: {w}" for n, w in broken.items() if w)
+
+
+def test_evidence_scripts_with_a_command_line_answer_help(tmp_path):
+    """``--help`` of each evidence script that parses arguments, all at once in fresh processes: it runs the
+    script's top-level imports (torch, lm-eval, the library) without doing its measurement."""
+    import os
+    import subprocess
+    import sys
+
+    scripts = [p for p in sorted(EVIDENCE.glob("*.py")) if "ArgumentParser(" in p.read_text()]
+    assert len(scripts) >= 5
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # nothing written beside the scripts
+    runs = {p.name: subprocess.Popen([sys.executable, str(p), "--help"], cwd=tmp_path, env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for p in scripts}
+    failed = {}
+    for name, run in runs.items():
+        out, _ = run.communicate(timeout=120)
+        if run.returncode != 0 or "usage:" not in out:
+            failed[name] = out[-2000:]
+    assert not failed, "\n\n".join(f"{name}:\n{out}" for name, out in failed.items())
+
+
+def test_a_script_importing_a_missing_module_or_name_is_named(tmp_path):
+    """The import check on a script whose imports are gone: a module, a name in a module (inside a function)
+    and an uninstalled package are each named; what exists is not."""
+    script = tmp_path / "x.py"
+    script.write_text("import os\nfrom mergecal.merge import merge_models\nfrom mergecal.no_such import f\n\n"
+                      "def g():\n    from mergecal.merge import no_such_name\n    import no_such_package_xyz\n")
+    assert missing_imports(script) == [
+        "mergecal.no_such.f: no module mergecal.no_such, nor a name no_such in mergecal/__init__.py",
+        "mergecal.merge.no_such_name: no_such_name is not defined in mergecal/merge.py",
+        "no_such_package_xyz: not installed",
+    ]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mergecal.backbones.hf_causal_lm_merge import merge_causal_lms
+from mergecal.merge_causal_lm import merge_causal_lms
 from mergecal.checkpoint import ShardedCheckpointWriter, load_state_dict
 from mergecal.perf.memory import peak_anonymous_memory
 from mergecal.recipe import Recipe
