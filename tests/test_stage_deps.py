@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mergecal.pipeline import imports, track_registry
-from scripts import stage_deps
+from scripts import layers, stage_deps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -264,34 +264,6 @@ def test_bad_input_is_one_line_and_leaves_dvc_yaml_as_it_was(tmp_path, capsys, f
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
 
 
-def _cycles(graph) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index, low, stack, on, out = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while not component or component[-1] != v:
-                component.append(stack.pop())
-                on.discard(component[-1])
-            if len(component) > 1:
-                out.append(sorted(component))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
-
-
 def _static_graph() -> dict[str, set[str]]:
     """Module -> the mergecal modules its import statements name (at module level, inside a function or for
     annotations only); the registries' look-ups by name and a module's parent packages left out."""
@@ -314,7 +286,7 @@ def test_the_library_has_no_import_cycle():
     """#33: no two modules import each other, directly or not, at module level or inside a function (merge.py and
     recipe.py, config.py and vision.py, local_clip.py and local_llm.py did); #41: nor for annotations only (cells,
     config and the tracks' registry did)."""
-    assert _cycles(_static_graph()) == []
+    assert layers.circles(_static_graph()) == []
 
 
 #: mergecal modules a pipeline module may import inside a function: they import open_clip (seconds), needed only

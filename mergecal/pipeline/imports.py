@@ -186,7 +186,7 @@ def import_closure(graph: Graph, roots: Iterable[str], plugins: Iterable[frozens
 
 #: registry -> the package of its members: a registry imports every member so that its name resolves
 REGISTRIES = {module: rule[2] for module, rule in LAZY_IMPORTS.items() if rule[0] in ("registering", "tracks")}
-#: the params.yaml validation (and each track's section, ``tracks/<name>/params.py``), and the packages it
+#: the params.yaml validation (and each track's section, ``tracks/<family>/<source>/params.py``), and the packages it
 #: imports only to check settings (a merge's or calibration's parameters, a chain's recipe), never to compute
 PARAMS_VALIDATION = ("mergecal.pipeline.config", ("mergecal.methods", "mergecal.calibrations", "mergecal.recipe",
                                                    "mergecal.pipeline.chains"))

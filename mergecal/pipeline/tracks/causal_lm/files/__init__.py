@@ -1,4 +1,4 @@
-"""LLM families from local directories (``local_llm:`` in params.yaml): their cells (``cells``) and what their
+"""LLM tracks from local directories (``local_llm:`` in params.yaml): their cells (``cells``) and what their
 stages check and record (``stages``)."""
 
 from .params import SECTION, LocalLlmTrack  # noqa: F401  (its params.yaml section)

@@ -1,4 +1,4 @@
-"""LLM families from local directories (``local_llm:`` in params.yaml), one configured track each: cells named
+"""LLM tracks from local directories (``local_llm:`` in params.yaml), one configured track each: cells named
 ``local_llm:<name>``: the causal-LM family's ``files`` source, the same cells, merges and lm-eval scoring as the
 ``built`` one (``..family``), on the lab's own base and experts, read in place (never copied). What the stages
 record: ``.stages``.

@@ -1,4 +1,4 @@
-"""The params.yaml section of LLM families from local directories (``local_llm:``, a list)."""
+"""The params.yaml section of LLM tracks from local directories (``local_llm:``, a list)."""
 
 from __future__ import annotations
 
@@ -180,4 +180,4 @@ class LocalLlmTrack(Strict):
 
 
 #: its section of ``Params`` (``mergecal.pipeline.config``, key: the track's name): (type, default)
-SECTION = (list[LocalLlmTrack], Field(default_factory=list))  # LLM families from local directories
+SECTION = (list[LocalLlmTrack], Field(default_factory=list))  # LLM tracks from local directories

@@ -1,4 +1,4 @@
-"""LLM families from local directories (``local_llm:`` in params.yaml): a lab's own base model and experts,
+"""LLM tracks from local directories (``local_llm:`` in params.yaml): a lab's own base model and experts,
 benchmarked as the embedded LLM track is, without copying a checkpoint.
 
     models/local/inputs.json                     stage ``local_inputs``: size and sha256 of each file the
