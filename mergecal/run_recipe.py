@@ -63,22 +63,20 @@ def _require(value: Any, what: str, step: str) -> Any:
     return value
 
 
-def run_distac_steps(recipe: Recipe, pretrained: StateDict, finetuned: Sequence[StateDict], inputs: RecipeInputs,
-                     diagnostics: dict) -> list[StateDict]:
-    """The recipe's pre-merge DisTaC steps; returns the (partly) conditioned fine-tuned models."""
-    from .calibrations.distac import condition_models
-
+def run_pre_steps(recipe: Recipe, pretrained: StateDict, finetuned: Sequence[StateDict], inputs: RecipeInputs,
+                  diagnostics: dict) -> list[StateDict]:
+    """The recipe's pre-merge steps (DisTaC), each through the registry's ``run``; returns the (partly) conditioned
+    fine-tuned models."""
     models = list(finetuned)
     for step in recipe.phase("pre"):
-        build = _require(inputs.build_task_model, "build_task_model", "distac")
-        data = _require(inputs.distac_data, "distac_data", "distac")
+        build = _require(inputs.build_task_model, "build_task_model", step.name)
+        data = _require(inputs.distac_data, "distac_data", step.name)
         if len(data) != len(models):
-            raise ParameterError(f"recipe step 'distac': distac_data has {len(data)} entries for {len(models)} tasks")
-        models, report = condition_models(step.params, pretrained, models, build, data, trainable=inputs.trainable,
-                                          progress=inputs.progress, device=inputs.device)
-        info = diagnostics.setdefault("distac", {"kappas": report["kappas"], "conditioned": [], "history": {}})
-        info["conditioned"] += report["conditioned"]
-        info["history"].update(report["history"])
+            raise ParameterError(f"recipe step {step.name!r}: distac_data has {len(data)} entries for {len(models)} "
+                                 "tasks")
+        models, diagnostics[step.name] = get_calibration(step.name).run(
+            step.params, pretrained, models, build, data, previous=diagnostics.get(step.name),
+            trainable=inputs.trainable, progress=inputs.progress, device=inputs.device)
     return models
 
 
@@ -89,7 +87,7 @@ def run_recipe(recipe: Recipe | str, pretrained: StateDict, finetuned: Sequence[
     inputs = inputs or RecipeInputs()
     diagnostics: dict[str, Any] = {}
 
-    models = run_distac_steps(recipe, pretrained, finetuned, inputs, diagnostics)
+    models = run_pre_steps(recipe, pretrained, finetuned, inputs, diagnostics)
 
     tvs = TaskVectorSet.from_models(pretrained, models, device=inputs.device)
     updates = dict(iter_weight_space(recipe, tvs, sensitive=inputs.sensitive, diagnostics=diagnostics,

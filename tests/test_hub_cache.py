@@ -237,6 +237,7 @@ def test_a_twenty_task_preset_reads_its_webdataset_and_validation_test_splits_en
     from PIL import Image
 
     from mergecal.data.real_vision import task_metadata
+    from mergecal.pipeline.track_registry import lab_tracks
     from mergecal.published import for_tracks
 
     torch.set_num_threads(1)
@@ -271,7 +272,7 @@ def test_a_twenty_task_preset_reads_its_webdataset_and_validation_test_splits_en
     # FER2013's 21 test images; Food-101's 20 validation images as its test split; KMNIST's 20 test images
     assert {t: e["n"]["test"] for t, e in report["tasks"].items()} == {"FER2013": 21, "Food101": 20, "KMNIST": 20}
     assert 0 <= result.metrics["avg_acc"] <= 1 and set(result.examples) == {"FER2013", "Food101", "KMNIST"}
-    fusionbench, svc = for_tracks(params)["fb20"]
+    fusionbench, svc = for_tracks(lab_tracks(params))["fb20"]
     tasks = set(params.local_clip[0].finetuned)
     assert fusionbench[0].task_set == "tall20" and tasks <= set(fusionbench[0].tasks)  # every column of the three
     assert svc[0].task_set == "svc14" and set(svc[0].tasks) & tasks == {"Food101"}
@@ -578,6 +579,7 @@ def test_every_params_block_of_the_reproduce_a_paper_page_works_as_the_page_says
     from mergecal.pipeline.cells import enumerate_cells
     from mergecal.pipeline.config import parse_params
     from mergecal.pipeline.tracks.lab_files import record_inputs
+    from mergecal.pipeline.track_registry import lab_tracks
     from mergecal.published import for_tracks
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "reproduce-a-paper.md").read_text()
@@ -590,7 +592,7 @@ def test_every_params_block_of_the_reproduce_a_paper_page_works_as_the_page_says
         (name,) = [t["name"] for tracks in section.values() for t in tracks]
         family = next(iter(section))
         assert [c for c in enumerate_cells(params) if c.track == f"{family}:{name}"], name
-        assert for_tracks(params)[name], name
+        assert for_tracks(lab_tracks(params))[name], name
         if "preset_roots" not in block:  # hub ids: all named at once (the task_vectors pool is a lab's folders)
             with pytest.raises(CheckpointError, match=r"^\d+ hub ids are not in the local Hugging Face cache"):
                 record_inputs(params, tmp_path)

@@ -70,6 +70,7 @@ def _track(**extra):
 
 
 def test_the_pair_preset_resolves_offline_merges_the_chat_expert_unscored_and_names_both_tables(pool):
+    from mergecal.pipeline.track_registry import lab_tracks
     from mergecal.published import for_tracks, rows
 
     root, snapshots = pool
@@ -89,7 +90,8 @@ def test_the_pair_preset_resolves_offline_merges_the_chat_expert_unscored_and_na
     assert own == {snapshots["base"]: size - 1, snapshots["math"]: size, snapshots["chat"]: size - 1}
     svc = rows("svc", "Llama-2-7B", "wizardmath-chat", {"GSM8K": "gsm8k"})
     assert {r.tasks for r in svc} == {("AlpacaEval", "gsm8k")}
-    assert for_tracks(params) == {"wm": [svc, rows("magic", "Llama-2-7B", "wizardmath-chat", {"GSM8K": "gsm8k"})]}
+    assert for_tracks(lab_tracks(params)) == {
+        "wm": [svc, rows("magic", "Llama-2-7B", "wizardmath-chat", {"GSM8K": "gsm8k"})]}
 
 
 def test_an_expert_missing_from_the_cache_is_one_line_naming_it_and_the_fetch(pool, tmp_path, monkeypatch):

@@ -442,7 +442,7 @@ def test_a_preset_turns_on_the_variant_its_own_pools_rows_run_beside_the_matrixs
     # the report: the sum row matches by its settings, the mean row is a row with no published counterpart
     from mergecal.recipe import Recipe
 
-    fb = [r for r in for_tracks(params)["fb"][0] if r.recipe in ("ties(scaling=0.3)", "finetuned")]
+    fb = [r for r in for_tracks(lab_tracks(params))["fb"][0] if r.recipe in ("ties(scaling=0.3)", "finetuned")]
     rows_here = (replace(_row("ties(scaling=0.3)", 0.6, (0.5, 0.7)), recipe_id=Recipe.parse("ties(scaling=0.3)").id),
                  replace(_row(variant[0], 0.7, (0.6, 0.8)), recipe_id=Recipe.parse(variant[0]).id))
     rep = compare(Table("fb", "ta8", "standard", "0", ("SUN397", "Cars"), rows_here, ()), fb)

@@ -372,6 +372,19 @@ class DistacStepParams(DistacParams):
     def distillation_params(self) -> DistacParams:
         return DistacParams(**self.model_dump(exclude={"apply_to"}))
 
+    @staticmethod
+    def run_step(params: DistacStepParams, pretrained: StateDict, finetuned: Sequence[StateDict],
+                 build_task_model: Callable[[int, StateDict], nn.Module], data: Sequence[Any], *,
+                 previous: dict | None = None, **options: Any) -> tuple[list[StateDict], dict]:
+        """A recipe's DisTaC step (the registry's ``run``: ``mergecal.run_recipe``): ``condition_models``, its report
+        added to the ``previous`` one of an earlier DisTaC step of the recipe (whose kappas it keeps)."""
+        models, report = condition_models(params, pretrained, finetuned, build_task_model, data, **options)
+        if previous is None:
+            return models, {"kappas": report["kappas"], "conditioned": list(report["conditioned"]),
+                            "history": dict(report["history"])}
+        return models, {**previous, "conditioned": previous["conditioned"] + report["conditioned"],
+                        "history": {**previous["history"], **report["history"]}}
+
 
 def distac_plan(step: DistacStepParams, norms: Sequence[float]) -> tuple[list[float], list[int]]:
     """The kappa of each of K models (norm matching, ``kappas_from_norms``, unless the step fixes kappa) and the

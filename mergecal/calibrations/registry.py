@@ -38,7 +38,9 @@ class CalibrationSpec:
     build: Callable[..., Any] | None = None
     #: composite: ``expand(values)`` -> [(part name, part values), ...]
     expand: Callable[[Mapping[str, Any]], Iterable[tuple[str, dict[str, Any]]]] | None = None
-    #: feature phase: ``run(params, merged, pretrained, finetuned, data, **options)`` -> (model, diagnostics)
+    #: feature phase: ``run(params, merged, pretrained, finetuned, data, **options)`` -> (model, diagnostics); pre
+    #: phase: ``run(params, pretrained, finetuned, build_task_model, data, previous=..., **options)`` -> (models,
+    #: report), ``previous`` the report of an earlier step of the same name in the recipe
     run: Callable[..., Any] | None = None
 
     @property
@@ -66,7 +68,7 @@ def register_calibration(name: str, *, phase: str, needs_data: bool):
         else:
             params = obj if not hasattr(obj, "Params") else obj.Params
             spec = CalibrationSpec(name, phase, needs_data, params, build=obj.from_step if phase == "weight" else None,
-                                   run=obj.run_step if phase == "feature" else None)
+                                   run=obj.run_step if phase in ("pre", "feature") else None)
         CALIBRATIONS[name] = spec
         return obj
 

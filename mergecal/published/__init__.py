@@ -128,6 +128,9 @@ def of_track(track) -> list[list[PublishedRow]]:
 def for_tracks(tracks) -> dict[str, list[list[PublishedRow]]]:
     """{track name (its leaderboard backbone): ``of_track``}, for every configured track of a lab's files (``tracks``:
     ``mergecal.pipeline.track_registry.lab_tracks``) built from a preset that names any published rows."""
+    if hasattr(tracks, "model_fields"):  # a Params iterates as (field, value) pairs: never a silent empty answer
+        raise TypeError("for_tracks: expected the configured tracks (track_registry.lab_tracks(params)), got "
+                        f"{type(tracks).__name__}")
     out = {}
     for track in tracks:
         found = of_track(track)
