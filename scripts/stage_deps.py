@@ -3,13 +3,15 @@ flows/, stages/) that its command's module imports, directly or not (``mergecal.
 files those packages read (``PACKAGE_DATA``), so that an edit reruns the stages that import the edited module and
 no other.
 
-    python -m scripts.stage_deps --check   # exit 1 and one line per stage whose code deps drifted
-    python -m scripts.stage_deps --write   # rewrite those deps lists in place (comments and layout kept)
+    python -m scripts.stage_deps --check   # exit 1 and one line per stage whose code deps or tracks' params drifted
+    python -m scripts.stage_deps --write   # rewrite those lists in place (comments and layout kept)
 
 A stage's command module is the project module its ``cmd`` runs (``python -m stages.<name>``); a stage whose
-command runs none is left alone. Only the deps lists change: the code deps (paths under mergecal/, flows/,
-stages/, files or folders) are replaced by the closure's files, sorted, where the first of them stood; every
-other dep (data/, models/, ...) keeps its line, comment and order.
+command runs none is left alone. Only two kinds of list change: the code deps (paths under mergecal/, flows/,
+stages/, files or folders) are replaced by the closure's files, sorted, where the first of them stood; and in the
+stages of ``TRACK_PARAMS``, whose params lists drifted, the entries that name a track whole (``<track>`` or
+``<track>.enabled``) by the registry's, where the first of them stood. Every other line (data/ and models/ deps,
+other params such as ``vision.tasks``) keeps its place, comment and order.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from mergecal.pipeline.track_registry import registered
 RUNS_EVERY_MEMBER = {"stages.benchmark"}
 #: the stage that measures every track's stability through the registry's DIAGNOSTICS
 RUNS_DIAGNOSTICS = {"stages.stability"}
-#: the stages that record and check a lab's files through the registry's LAB_FILES
-RUNS_LAB_FILES = {"stages.local_inputs", "stages.local_tracks"}
+#: the module through which a stage runs the sources of a lab's files (the registry's LAB_FILES): a stage that
+#: imports it depends on them too
+LAB_FILES_MODULE = "mergecal.pipeline.tracks.lab_files"
 #: data files a module reads at run time, deps of every stage that imports it: the published tables and the presets'
 #: ``published:`` and ``pool:``, which the report's published section reads and which give a preset's track the
 #: fixed-scaling protocols its own pool's rows run (``cells.published_protocols``: the matrix of the benchmark and
@@ -65,9 +68,11 @@ def expected_code_deps(stages: dict, root: Path) -> dict[str, list[str]]:
         if match.group(1) not in graph:
             raise MergecalError(f"dvc.yaml: stage {name!r}: its cmd runs {match.group(1)!r}, not a module of the "
                                 "project's sources")
-        closure = stage_closure(graph, match.group(1), runs_every_member=match.group(1) in RUNS_EVERY_MEMBER,
-                                runs_diagnostics=match.group(1) in RUNS_DIAGNOSTICS,
-                                runs_lab_files=match.group(1) in RUNS_LAB_FILES)
+        options = {"runs_every_member": match.group(1) in RUNS_EVERY_MEMBER,
+                   "runs_diagnostics": match.group(1) in RUNS_DIAGNOSTICS}
+        closure = stage_closure(graph, match.group(1), **options)
+        if LAB_FILES_MODULE in closure:
+            closure = stage_closure(graph, match.group(1), **options, runs_lab_files=True)
         data = [p.relative_to(root).as_posix() for module, patterns in PACKAGE_DATA.items() if module in closure
                 for pattern in patterns for p in root.glob(pattern)]
         out[name] = sorted(source_paths(closure, root) + data)
@@ -92,7 +97,8 @@ def expected_track_params(root: Path) -> dict[str, list[str]]:
 
 
 def _track_entry(value: str, tracks: set[str]) -> bool:
-    return value.split(".", 1)[0] in tracks
+    """Whether a params entry names a track whole (``<track>``, ``<track>.enabled``): the entries this tool writes."""
+    return value in tracks or (value.endswith(".enabled") and value.removesuffix(".enabled") in tracks)
 
 
 def drift(stages: dict, expected: dict[str, list[str]]) -> dict[str, tuple[list[str], list[str]]]:
@@ -117,8 +123,8 @@ def params_drift(stages: dict, expected: dict[str, list[str]], tracks: set[str])
             continue
         listed = [p for p in bodies[name].get("params") or [] if isinstance(p, str) and _track_entry(p, tracks)]
         if listed != entries:
-            missing = [e for e in entries if e not in listed] or ["(their order)"]
-            out[name] = (missing, [e for e in listed if e not in entries])
+            missing, extra = [e for e in entries if e not in listed], [e for e in listed if e not in entries]
+            out[name] = (missing or ([] if extra else ["(their order)"]), extra)
     return out
 
 
@@ -232,8 +238,10 @@ def _normalized(stages: dict, replaced: dict[str, list[str]] | None = None,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.stage_deps", description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--check", action="store_true", help="exit 1 naming each stage whose code deps drifted")
-    mode.add_argument("--write", action="store_true", help="rewrite dvc.yaml's code deps from the import graph")
+    mode.add_argument("--check", action="store_true",
+                      help="exit 1 naming each stage whose code deps or tracks' params drifted")
+    mode.add_argument("--write", action="store_true",
+                      help="rewrite dvc.yaml's code deps from the import graph, its tracks' params from the registry")
     parser.add_argument("--root", type=Path, default=Path("."), help="the checkout (default: .)")
     args = parser.parse_args(argv)
     path = args.root / "dvc.yaml"
@@ -255,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         if found or found_params:
             from mergecal.checkpoint import atomic_write_text
 
-            atomic_write_text(path, rewrite_deps(text, expected, params, tracks))
+            # only the params lists that drifted are rewritten (a list left alone keeps its comments)
+            atomic_write_text(path, rewrite_deps(text, expected, {s: params[s] for s in found_params}, tracks))
         print(f"{path}: code deps of {len(found)} stage(s) rewritten" + (f": {', '.join(found)}" if found else "")
               + (f"; tracks' params of {len(found_params)}: {', '.join(found_params)}" if found_params else ""))
         return 0

@@ -329,3 +329,34 @@ def test_the_tracks_params_of_dvc_yaml_are_written_from_the_track_registry():
     assert stage_deps.params_drift(stages, expected, tracks) == {"benchmark": (["local_clip"], [])}
     code = stage_deps.expected_code_deps(stages, REPO)
     assert stage_deps.rewrite_deps(broken, code, expected, tracks) == text
+
+
+def test_write_keeps_params_that_name_a_track_in_part_and_the_comments_of_lists_that_did_not_drift():
+    """#57 review: only `<track>` and `<track>.enabled` are the registry's to write; `llm.evaluation` in the benchmark's
+    params is the stage's own (kept, never called extra), and a params list that did not drift keeps its comments."""
+    text = (REPO / "dvc.yaml").read_text()
+    tracks = frozenset(track_registry.MODULES)
+    start = text.index("\n  benchmark:\n")
+    at = text.index("      - local_clip\n", start)
+    edited = text[:at] + "      - local_clip  # a lab's CLIP tracks\n      - llm.evaluation\n" + \
+        text[at + len("      - local_clip\n"):]
+    stages = stage_deps.load_stages(edited)
+    expected = stage_deps.expected_track_params(REPO)
+    assert not stage_deps.params_drift(stages, expected, tracks)
+    cut = edited.index("      - local_llm\n", edited.index("\n  local_inputs:"))
+    broken = edited[:cut] + edited[cut + len("      - local_llm\n"):]
+    found = stage_deps.params_drift(stage_deps.load_stages(broken), expected, tracks)
+    assert found == {"local_inputs": (["local_llm"], [])}
+    code = stage_deps.expected_code_deps(stages, REPO)
+    fixed = stage_deps.rewrite_deps(broken, code, {s: expected[s] for s in found}, tracks)
+    assert fixed == edited  # the benchmark's comment and its llm.evaluation as they were
+
+
+def test_a_stage_that_runs_lab_files_depends_on_every_files_source_it_reaches_through_the_registry():
+    """#57: `lab_files` reaches each family's `files` source by name (the registry's LAB_FILES); a stage whose closure
+    holds it depends on their stages modules, and a stage that does not, on none of them."""
+    expected = stage_deps.expected_code_deps(stage_deps.load_stages((REPO / "dvc.yaml").read_text()), REPO)
+    sources = [f"mergecal/pipeline/tracks/{m.replace('.', '/')}.py" for m in track_registry.LAB_FILES.values()]
+    for stage in ("local_inputs", "local_tracks"):
+        assert set(sources) <= set(expected[stage]), stage
+    assert not set(sources) & set(expected["text_finetune"])
