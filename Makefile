@@ -28,7 +28,7 @@ export ATEN_CPU_CAPABILITY := avx2
 # OPENBLAS_CORETYPE for OpenBLAS's correctness on their CPU)
 export OPENBLAS_CORETYPE ?= Haswell
 
-.PHONY: setup run test lint fast perf bench perf-mergekit perf-svd-llama clean
+.PHONY: setup run paper test lint fast perf bench perf-mergekit perf-svd-llama clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,12 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 	@echo "leaderboard: $(CURDIR)/reports/leaderboard.html (also reports/leaderboard.md, reports/history.md)"
+
+# The papers' experiments, opt-in (docs/papers.md): their stages (papers/dvc.yaml) after the default run's, whose
+# cells they reuse; one report per paper under reports/papers/. A plain `make run` / `dvc repro` never runs them.
+paper: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro papers/dvc.yaml
+	@echo "papers: $(CURDIR)/reports/papers/svc.html, $(CURDIR)/reports/papers/magic.html (and .md)"
 
 # Speed and memory of the merge methods and calibrations on ViT-B/32-shaped task vectors.
 perf: $(STAMP)

@@ -28,7 +28,7 @@ from mergecal.pipeline.imports import PROJECT_PACKAGES, TRACK_PACKAGES, import_g
 from mergecal.pipeline.track_registry import registered
 
 #: the stage that runs the benchmark matrix: every merge method, calibration and track, through the registries
-RUNS_EVERY_MEMBER = {"stages.benchmark"}
+RUNS_EVERY_MEMBER = {"stages.benchmark", "stages.paper_cells"}
 #: the stage that measures every track's stability through the registry's DIAGNOSTICS
 RUNS_DIAGNOSTICS = {"stages.stability"}
 #: the module through which a stage runs the sources of a lab's files (the registry's LAB_FILES): a stage that
@@ -39,7 +39,11 @@ LAB_FILES_MODULE = "mergecal.pipeline.tracks.lab_files"
 #: fixed-scaling protocols its own pool's rows run (``cells.published_protocols``: the matrix of the benchmark and
 #: stability stages). The presets' tracks are no stage's file deps: their values reach the cells through the tracks'
 #: params, hashed by local_inputs into its output.
-PACKAGE_DATA = {"mergecal.published": ("mergecal/published/*.yaml", "mergecal/presets/*.yaml")}
+PACKAGE_DATA = {"mergecal.published": ("mergecal/published/*.yaml", "mergecal/presets/*.yaml"),
+                "mergecal.experiments": ("mergecal/experiments/*.yaml",)}
+#: the pipeline files whose stages this writes: the default run's and the papers' experiments' (``make paper``), whose
+#: stages run in the root (``wdir: ..``), so every path is the root's
+PIPELINES = ("dvc.yaml", "papers/dvc.yaml")
 #: stages whose params name tracks, and which of the registry's tracks: their entries are written from the track
 #: registry (``registered``), so a new track is no edit of dvc.yaml: the lab's tracks (each a list of configured
 #: tracks), every track's switch (``<track>.enabled``, or a lab's list), the tracks with stability diagnostics
@@ -244,21 +248,32 @@ def main(argv: list[str] | None = None) -> int:
                       help="rewrite dvc.yaml's code deps from the import graph, its tracks' params from the registry")
     parser.add_argument("--root", type=Path, default=Path("."), help="the checkout (default: .)")
     args = parser.parse_args(argv)
-    path = args.root / "dvc.yaml"
+    drifted = False
+    for name in PIPELINES:
+        status = _pipeline(args.root, args.root / name, args.check)
+        if status == 2:
+            return 2
+        drifted |= status == 1
+    return 1 if drifted else 0
+
+
+def _pipeline(root: Path, path: Path, check: bool) -> int:
+    """``--check`` (1: drifted) or ``--write`` one pipeline file; 2 on an error."""
     try:
         try:
             text = path.read_text()
         except OSError as err:
             raise MergecalError(f"{path}: cannot read ({err.strerror or err})") from None
         stages = load_stages(text)
-        expected = expected_code_deps(stages, args.root)
+        expected = expected_code_deps(stages, root)
         found = drift(stages, expected)
-        params = expected_track_params(args.root)
-        tracks = frozenset(registered(Path(args.root, *TRACK_PACKAGES.split(".")))["modules"])
+        params = expected_track_params(root)
+        tracks = frozenset(registered(Path(root, *TRACK_PACKAGES.split(".")))["modules"])
         found_params = params_drift(stages, params, tracks)
-        if args.check:
+        if check:
             for line in describe(found) + describe(found_params, " params"):
-                print(line)
+                print(line if path.name == "dvc.yaml" and path.parent == root else
+                      line.replace("dvc.yaml:", f"{path.relative_to(root)}:", 1))
             return 1 if found or found_params else 0
         if found or found_params:
             from mergecal.checkpoint import atomic_write_text
@@ -271,7 +286,6 @@ def main(argv: list[str] | None = None) -> int:
     except MergecalError as err:
         print(f"stage_deps: error: {err}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

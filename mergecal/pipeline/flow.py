@@ -166,8 +166,10 @@ def task_runner(params: Params):
 
 
 @flow(name="mergecal-benchmark", log_prints=True)
-def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "results/benchmark.json") -> dict:
-    """Run every cell of the matrix in ``params_path``; write a summary to ``output`` (relative to ``root``)."""
+def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "results/benchmark.json",
+              cells: list[dict] | None = None, profile: str = "default") -> dict:
+    """Run every cell of the matrix in ``params_path`` (or the given ``cells``, as ``Cell.to_dict`` writes them:
+    the papers' experiments, ``profile="paper"``); write a summary to ``output`` (relative to ``root``)."""
     logger = get_run_logger()
     root_path = Path(root).resolve()
     params = load_params(root_path / params_path if not Path(params_path).is_absolute() else params_path)
@@ -179,14 +181,16 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
     if killed:
         logger.warning("marked %d unfinished MLflow run(s) of an interrupted benchmark as KILLED", killed)
 
-    cells = enumerate_cells(params)
+    given = cells
+    cells = enumerate_cells(params) if given is None else [Cell(**{**c, "tasks": tuple(c["tasks"]),
+                                                                   "grid": tuple(c["grid"])}) for c in given]
     keys = matrix_ids(cells, params, root_path)
     sources = source_index(cells)
     invocation_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     parent = tracker.start_invocation(
         invocation_id, tags={tag("cells"): str(len(cells))},
         params={"params_sha256": params_sha256, "cells": str(len(cells)), "runner": params.runner.kind,
-                "device": params.device})
+                "device": params.device, "profile": profile})
     logger.info("benchmark %s: %d cells (MLflow %s)", invocation_id, len(cells), tracker.shown_uri)
 
     # Prefect takes a task's result storage only as a saved block: saved on whichever server runs this flow,
@@ -257,7 +261,7 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
                              "regime": cell.regime}
             rows.append(summary_row(cell, key, error=error))
             print(f"[{i}/{len(cells)}] {cell.regime:<14} {cell.label:<40} FAILED: {error}")
-    skipped = skipped_cells(params)
+    skipped = skipped_cells(params) if given is None else []  # the matrix's own: given cells are all runnable
     for cell, reason in skipped:  # never computed: one run per (cell, reason), reused by every invocation
         key = skipped_id(cell, reason)
         run_id = tracker.log_cell(parent_run_id=parent, invocation_id=invocation_id, cell_id=key, tags=cell_tags(cell),
@@ -283,15 +287,18 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
     return result
 
 
-def run_benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "results/benchmark.json") -> dict:
+def run_benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "results/benchmark.json",
+                  cells: list | None = None, profile: str = "default") -> dict:
     """The flow with the task runner that ``runner`` in params.yaml asks for (the flow's own default would run
-    every cell at once)."""
+    every cell at once); ``cells`` (``Cell`` objects) instead of the matrix, under the name ``profile``."""
     root_path = Path(root).resolve()
     params = load_params(root_path / params_path if not Path(params_path).is_absolute() else params_path)
     api_url = configured_api_url()
     if api_url:  # a lab's Prefect server: one line now rather than a traceback from inside the flow
         check_server(api_url, "benchmark")
-    return benchmark.with_options(task_runner=task_runner(params))(params_path=params_path, root=root, output=output)
+    given = None if cells is None else [cell.to_dict() for cell in cells]
+    return benchmark.with_options(task_runner=task_runner(params))(params_path=params_path, root=root, output=output,
+                                                                   cells=given, profile=profile)
 
 
 def main(argv: list[str] | None = None) -> int:

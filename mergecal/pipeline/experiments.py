@@ -1,0 +1,210 @@
+"""The papers' experiments: sweeps and ablations as cells of the benchmark matrix.
+
+An experiment (``mergecal/experiments/<paper>.yaml``) names a track, its regimes, the merges, a base chain and
+its variants: chains listed by name, or a sweep of one parameter (``{value}`` in a chain, one variant per value;
+``{index}`` over the track's tasks, one variant per task). At a fixed ``scaling`` the chains run as a fixed-scaling
+protocol of the matrix (the papers' ablations fix lambda: SVC at 1, MAGIC at 0.3); without one, as chains of the
+matrix (the merge's grid searched, a calibration at the scaling its merge chose). Either way the cells are the
+track's own (``Track.cells`` of the params the experiment narrows), so a variant that the default matrix runs is
+that matrix cell, id and cache included, and every variant is paired with its base on the same test examples.
+``claims`` are the paper's statements a report checks against the paired intervals (``mergecal.reports.papers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from ..errors import MergecalError
+from ..experiments import PAPERS, read
+from .cells import REFERENCES, Cell
+from .chains import fixed_chain
+from .config import FixedScaling, Params, _check_chain
+from .params_base import Strict, _distinct
+from .track_registry import get_track
+
+BASE = "base"  # the key of an experiment's base chain among its variants
+
+
+class Sweep(Strict):
+    """One parameter swept: ``chain`` holds ``{value}`` (each of ``values``) or ``{index}`` (``over: tasks``: each
+    task of the track, by its index, the variant named after the task)."""
+
+    parameter: str  # as the paper names it, shown on the plot's axis
+    chain: str
+    values: list[Any] = Field(default_factory=list)
+    over: Literal["values", "tasks"] = "values"
+
+    @model_validator(mode="after")
+    def _placeholder(self) -> "Sweep":
+        wanted = "{index}" if self.over == "tasks" else "{value}"
+        if wanted not in self.chain:
+            raise ValueError(f"sweep.chain {self.chain!r} has no {wanted}")
+        if self.over == "values" and not self.values:
+            raise ValueError("sweep.values: at least one value")
+        return self
+
+
+class Claim(Strict):
+    """A statement of the paper a report checks against the paired 95 % intervals, per merge (and regime, seed):
+    ``gain`` / ``loss``: ``variant`` above / below ``than`` (default the base); ``diagonal``: a task's accuracy is
+    highest when the calibration targets it (the variants of an ``over: tasks`` sweep); ``increase``: the last
+    variant above the first."""
+
+    kind: Literal["gain", "loss", "diagonal", "increase"]
+    text: str  # the paper's claim, in one line
+    variant: str | None = None
+    than: str = BASE
+    merges: list[str] = Field(default_factory=list)  # empty: every merge of the experiment
+
+    @model_validator(mode="after")
+    def _variant(self) -> "Claim":
+        if self.kind in ("gain", "loss") and self.variant is None:
+            raise ValueError(f"a {self.kind} claim names its variant")
+        return self
+
+
+class Experiment(Strict):
+    id: str  # <paper>.<item>, as the catalogue names it (svc.fig5)
+    item: str  # as the paper numbers it ("Fig. 5")
+    shows: str  # what the paper shows, in one line
+    track: str = "vision"
+    regimes: list[str] = Field(default_factory=lambda: ["standard"])
+    scaling: float | None = Field(None, gt=0)  # fixed lambda (no search); None: the matrix's search
+    merges: list[str] = Field(min_length=1)
+    base: str = "{merge}"
+    variants: dict[str, str] = Field(default_factory=dict)  # name -> chain
+    sweep: Sweep | None = None
+    plot: Literal["line", "heatmap", "none"] = "none"
+    axis: str = ""  # the line plot's axis for listed variants (a sweep names its parameter)
+    claims: list[Claim] = Field(default_factory=list)
+    # the paper's printed averages (percent): {merge: {variant or "base": value}}, where it prints numbers
+    printed: dict[str, dict[str, float]] = Field(default_factory=dict)
+    printed_where: str = ""  # the table or figure the printed numbers come from, and on which checkpoints
+
+    @field_validator("merges", "regimes")
+    @classmethod
+    def _distinct(cls, values: list[str]) -> list[str]:
+        return _distinct(values, "entries")
+
+    @model_validator(mode="after")
+    def _chains(self) -> "Experiment":
+        if bool(self.variants) == (self.sweep is not None):
+            raise ValueError("give either variants or a sweep")
+        if self.plot == "heatmap" and (self.sweep is None or self.sweep.over != "tasks"):
+            raise ValueError("plot: heatmap is for a sweep over tasks")
+        return self
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # the variant's name (a swept value as written, a task, or a listed name); "base" for the base
+    chain: str  # the chain as the matrix writes it, before a fixed scaling is applied
+    value: Any = None  # the swept value (a task's index for ``over: tasks``)
+
+
+def variants(experiment: Experiment, tasks: tuple[str, ...]) -> list[Variant]:
+    """The base, then the experiment's variants in order."""
+    out = [Variant(BASE, experiment.base)]
+    sweep = experiment.sweep
+    if sweep is None:
+        return out + [Variant(name, chain) for name, chain in experiment.variants.items()]
+    if sweep.over == "tasks":
+        return out + [Variant(task, sweep.chain.replace("{index}", str(i)), i) for i, task in enumerate(tasks)]
+    return out + [Variant(str(v), sweep.chain.replace("{value}", repr(v) if isinstance(v, str) else str(v)), v)
+                  for v in sweep.values]
+
+
+def load_experiments(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Experiment]]:
+    """Every paper's experiments, validated; a bad entry is one line naming the file, the entry and the key."""
+    out = {}
+    for paper in papers:
+        document = read(paper)
+        entries = document.get("experiments") if isinstance(document, dict) else None
+        if not isinstance(entries, list):
+            raise MergecalError(f"mergecal/experiments/{paper}.yaml: expected a mapping with an `experiments:` list")
+        found = []
+        for i, entry in enumerate(entries):
+            try:
+                experiment = Experiment.model_validate(entry)
+                for variant in variants(experiment, ("t",)):
+                    _check_chain(variant.chain)
+            except (ValidationError, ValueError) as err:
+                where = entry.get("id", f"experiments[{i}]") if isinstance(entry, dict) else f"experiments[{i}]"
+                raise MergecalError(f"mergecal/experiments/{paper}.yaml: {where}: {_first_error(err)}") from None
+            if not experiment.id.startswith(f"{paper}."):
+                raise MergecalError(f"mergecal/experiments/{paper}.yaml: {experiment.id}: ids start with '{paper}.'")
+            found.append(experiment)
+        _distinct([e.id for e in found], f"mergecal/experiments/{paper}.yaml ids")
+        out[paper] = found
+    return out
+
+
+def _first_error(err: Exception) -> str:
+    if isinstance(err, ValidationError):
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return f"{where}: {first['msg']}" if where else first["msg"]
+    return str(err).splitlines()[0]
+
+
+def narrowed_params(params: Params, experiment: Experiment) -> Params:
+    """The params whose matrix is the experiment: its merges (each with the matrix's own settings), its base and
+    variants as chains (at its fixed scaling, or searched), its regimes. Cell ids hash none of what changes
+    here, so a cell the default matrix also runs keeps its id."""
+    where = f"experiment {experiment.id}"
+    section = getattr(params, experiment.track, None)
+    if section is None or not getattr(section, "enabled", False):
+        raise MergecalError(f"{where}: its track {experiment.track!r} is not enabled in params.yaml")
+    missing = [m for m in experiment.merges if m not in params.benchmark.merges]
+    if missing:
+        raise MergecalError(f"{where}: merge {missing[0]!r} is not in params.yaml's benchmark.merges")
+    regimes = getattr(section, "regimes", ["standard"])
+    absent = [r for r in experiment.regimes if r not in regimes]
+    if absent:
+        raise MergecalError(f"{where}: regime {absent[0]!r} is not among {experiment.track}.regimes {regimes}")
+    tasks = tuple(section.tasks)
+    chains = list(dict.fromkeys(v.chain for v in variants(experiment, tasks)))
+    update: dict[str, Any] = {"merges": {m: params.benchmark.merges[m] for m in experiment.merges}}
+    if experiment.scaling is None:
+        update.update(chains=chains, fixed_scaling=[])
+    else:
+        update.update(chains=[], fixed_scaling=[FixedScaling(scaling=experiment.scaling, chains=chains,
+                                                             merges=experiment.merges)])
+    narrowed = {"benchmark": params.benchmark.model_copy(update=update)}
+    if hasattr(section, "regimes"):
+        narrowed[experiment.track] = section.model_copy(update={"regimes": list(experiment.regimes)})
+    return params.model_copy(update=narrowed)
+
+
+@dataclass(frozen=True)
+class ExperimentCell:
+    experiment: str
+    variant: str  # a variant's name, "base", or a reference ("zeroshot", "finetuned")
+    cell: Cell
+
+
+def experiment_cells(params: Params, experiment: Experiment) -> list[ExperimentCell]:
+    """The experiment's cells (its track's, per regime and fine-tuning seed): the references, then per merge the
+    base and each variant."""
+    narrowed = narrowed_params(params, experiment)
+    tasks = tuple(getattr(narrowed, experiment.track).tasks)
+    written = {(v.chain if experiment.scaling is None else fixed_chain(v.chain, experiment.scaling)): v.name
+               for v in variants(experiment, tasks)}
+    out = []
+    for cell in get_track(experiment.track).cells(narrowed):
+        name = cell.merge if cell.merge in REFERENCES else written.get(cell.chain)
+        if name is None:
+            raise MergecalError(f"experiment {experiment.id}: the track made a cell it did not ask for ({cell.label})")
+        out.append(ExperimentCell(experiment.id, name, cell))
+    return out
+
+
+def paper_cells(params: Params, papers: tuple[str, ...] = PAPERS) -> tuple[list[Cell], list[ExperimentCell]]:
+    """Every experiment's cells once (a cell two experiments share, or that the matrix runs, is one cell), and
+    each experiment's cells."""
+    listed = [c for found in load_experiments(papers).values() for e in found for c in experiment_cells(params, e)]
+    cells = list(dict.fromkeys(c.cell for c in listed))
+    return cells, listed

@@ -1,0 +1,443 @@
+"""One report per paper (``reports/papers/<paper>.{md,html,json}`` and ``plots/``): each experiment of
+``mergecal.pipeline.experiments`` on the testbed, beside the paper's printed numbers, with its claims checked.
+
+A value is the average normalized accuracy in % with its 95 % percentile-bootstrap interval (the leaderboard's:
+``mergecal.intervals``, test examples resampled within each task); a variant's change against its base (or
+another variant) is the paired interval of the per-example differences, in points. A claim's verdict per merge
+(per regime and seed) is computed from that interval alone: ``agrees`` where it excludes 0 on the paper's side,
+``disagrees`` where it excludes 0 on the other, ``inconclusive`` where it holds 0; the sentence under each claim
+counts them and is never written by hand. Nothing here depends on when or where the cells ran (no run ids,
+dates, seconds), so the same cells give the same bytes.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from ..intervals import Interval, paired_interval, stratified_interval
+from ..recipe import Recipe
+from .leaderboard import column_samples
+from .plots import Plot, to_svg
+from .write import CSS, _figure
+
+VERDICTS = ("agrees", "disagrees", "inconclusive")
+MARK = {"agrees": "▲", "disagrees": "▼", "inconclusive": "≈"}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A cell's result as a report reads it: its metrics and per-example test scores by task (None: not kept)."""
+
+    metrics: Mapping[str, float]
+    examples: Mapping[str, list] | None
+
+
+@dataclass
+class Group:
+    """One (regime, seed) of an experiment: per merge, each variant's outcome; the fine-tuned reference."""
+
+    regime: str
+    seed: int
+    tasks: tuple[str, ...]
+    finetuned: dict[str, float]
+    outcomes: dict[str, dict[str, Outcome]] = field(default_factory=dict)  # merge -> variant -> outcome
+
+
+def _points(interval: Interval | None) -> list[float] | None:
+    return None if interval is None else [round(100 * interval[0], 2), round(100 * interval[1], 2)]
+
+
+def value(group: Group, outcome: Outcome | None, name: str = "avg_norm_acc") -> tuple[float | None, list | None]:
+    """A column's value in % and its 95 % interval (None without the cell or its per-example scores)."""
+    if outcome is None or name not in outcome.metrics:
+        return None, None
+    samples = column_samples(name, group.tasks, outcome.examples, group.finetuned)
+    interval = stratified_interval(*samples) if samples is not None else None
+    return round(100 * outcome.metrics[name], 2), _points(interval)
+
+
+def change(group: Group, outcome: Outcome | None, other: Outcome | None, name: str = "avg_norm_acc") -> list | None:
+    """The paired 95 % interval of ``outcome`` minus ``other`` in points (None where either lacks examples)."""
+    if outcome is None or other is None:
+        return None
+    mine = column_samples(name, group.tasks, outcome.examples, group.finetuned)
+    theirs = column_samples(name, group.tasks, other.examples, group.finetuned)
+    if mine is None or theirs is None:
+        return None
+    try:
+        return _points(paired_interval(mine[0], theirs[0], mine[1]))
+    except ValueError:
+        return None
+
+
+def verdict(interval: list | None, expected: str) -> str | None:
+    """``agrees`` / ``disagrees`` / ``inconclusive`` for an interval of a change the paper says is a ``gain``
+    (above 0) or a ``loss``; None without an interval."""
+    if interval is None:
+        return None
+    low, high = interval
+    sign = 1 if low > 0 else -1 if high < 0 else 0
+    if sign == 0:
+        return "inconclusive"
+    return "agrees" if (sign > 0) == (expected == "gain") else "disagrees"
+
+
+def overall(counts: Mapping[str, int]) -> str:
+    """The claim's word from its verdicts: agrees in direction (some agree, none disagree), disagrees, mixed or
+    inconclusive (no interval excludes 0)."""
+    agree, disagree = counts.get("agrees", 0), counts.get("disagrees", 0)
+    if agree and not disagree:
+        return "agrees in direction"
+    if disagree and not agree:
+        return "disagrees"
+    if agree and disagree:
+        return "is mixed"
+    return "is inconclusive"
+
+
+def sentence(text: str, counts: Mapping[str, int], unit: str) -> str:
+    """The claim and what the testbed shows, computed from the verdict counts."""
+    total = sum(counts.values())
+    if not total:
+        return f"“{text}”: no cell of the testbed measured it."
+    return (f"“{text}”: the testbed {overall(counts)} — {counts.get('agrees', 0)} of {total} {unit} agree (paired "
+            f"95 % interval excludes 0 on the paper's side), {counts.get('disagrees', 0)} disagree, "
+            f"{counts.get('inconclusive', 0)} inside the noise.")
+
+
+def diagonal_interval(group: Group, merge: str, targets: Sequence[str], task: str) -> list | None:
+    """Task ``task``'s accuracy when the calibration targets it minus its mean accuracy under the other targets:
+    the paired interval over its test examples, in points."""
+    outcomes = group.outcomes.get(merge, {})
+    scores = {t: (outcomes[t].examples or {}).get(task) for t in targets if t in outcomes}
+    if task not in scores or scores[task] is None or any(s is None for s in scores.values()) or len(scores) < 2:
+        return None
+    others = np.mean([np.asarray(s, dtype=np.float64) for t, s in scores.items() if t != task], axis=0)
+    return _points(paired_interval([np.asarray(scores[task], dtype=np.float64)], [others], [1.0]))
+
+
+def claim_verdicts(experiment, groups: Sequence[Group], claim, variant_names: Sequence[str]) -> list[dict]:
+    """Each unit's verdict on ``claim``: per (regime, seed, merge), or per task for ``diagonal``."""
+    out = []
+    for group in groups:
+        for merge in (m for m in experiment.merges if not claim.merges or m in claim.merges):
+            outcomes = group.outcomes.get(merge, {})
+            if claim.kind == "diagonal":
+                for task in variant_names:
+                    interval = diagonal_interval(group, merge, variant_names, task)
+                    out.append({"regime": group.regime, "seed": group.seed, "merge": merge, "task": task,
+                                "interval": interval, "verdict": verdict(interval, "gain")})
+                continue
+            first, last = (variant_names[0], variant_names[-1]) if claim.kind == "increase" else (claim.variant,
+                                                                                                 claim.than)
+            interval = change(group, outcomes.get(first), outcomes.get(last))
+            out.append({"regime": group.regime, "seed": group.seed, "merge": merge, "variant": first, "than": last,
+                        "interval": interval, "verdict": verdict(interval, "loss" if claim.kind == "loss" else "gain")})
+    if claim.kind == "increase":  # last minus first
+        for row in out:
+            row["variant"], row["than"] = row["than"], row["variant"]
+    return out
+
+
+def samples_per_task(chain: str) -> str:
+    """The unlabelled samples per task a chain's calibrations read, from its recipe: 0 for data-free steps, FSC's
+    ``n_samples_per_task`` (task-agnostic ones said so)."""
+    steps = Recipe.parse(chain.replace("{merge}", "task_arithmetic")).steps
+    for step in steps:
+        if step.name == "fsc":
+            n = step.params.n_samples_per_task
+            return f"0 ({n} task-agnostic)" if step.params.data == "task_agnostic" else str(n)
+    return "0"
+
+
+# ------------------------------------------------------------------------------------------------------- plots
+
+def line_figure(experiment, group: Group, names: Sequence[str], axis: str) -> Figure:
+    """Each variant's change against the merge (points, paired 95 % interval), one series per merge."""
+    fig = Figure(figsize=(6.4, 3.6))
+    ax = fig.add_subplot()
+    x = np.arange(len(names))
+    for i, merge in enumerate(experiment.merges):
+        outcomes = group.outcomes.get(merge, {})
+        mids, lows, highs = [], [], []
+        for name in names:
+            found, base = outcomes.get(name), outcomes.get("base")
+            if found is None or base is None:
+                mids.append(np.nan), lows.append(0.0), highs.append(0.0)
+                continue
+            mid = 100 * (found.metrics["avg_norm_acc"] - base.metrics["avg_norm_acc"])
+            interval = change(group, found, base)
+            mids.append(mid)
+            lows.append(mid - interval[0] if interval else 0.0)
+            highs.append(interval[1] - mid if interval else 0.0)
+        offset = (i - (len(experiment.merges) - 1) / 2) * 0.05
+        ax.errorbar(x + offset, mids, yerr=[lows, highs], label=merge, color=f"C{i % 10}", marker="o", markersize=3,
+                    capsize=2, linewidth=1)
+    ax.axhline(0, color="#888", linewidth=0.8)
+    ax.set_xticks(x, list(names))
+    ax.set_xlabel(axis)
+    ax.set_ylabel("change vs the merge (points)")
+    ax.set_title(f"{experiment.item}: {group.regime}, seed {group.seed}", fontsize=9)
+    if len(experiment.merges) > 1:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    return fig
+
+
+def heatmap_figure(experiment, group: Group, merge: str, names: Sequence[str]) -> Figure:
+    """Row i: the calibration targeting task i; column j: accuracy on task j (%), coloured within each column
+    from its lowest (light) to its highest (dark) value, as the paper normalises."""
+    outcomes = group.outcomes.get(merge, {})
+    matrix = np.array([[outcomes[i].metrics.get(f"acc.{j}", np.nan) * 100 if i in outcomes else np.nan
+                        for j in group.tasks] for i in names])
+    low, high = np.nanmin(matrix, axis=0), np.nanmax(matrix, axis=0)
+    shade = (matrix - low) / np.where(high > low, high - low, 1.0)
+    fig = Figure(figsize=(1.0 + 0.75 * len(group.tasks), 0.8 + 0.45 * len(names)))
+    ax = fig.add_subplot()
+    ax.imshow(shade, cmap="Blues", vmin=0, vmax=1.3, aspect="auto")
+    for r in range(matrix.shape[0]):
+        for c in range(matrix.shape[1]):
+            ax.text(c, r, f"{matrix[r, c]:.1f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(group.tasks)), list(group.tasks), rotation=45, ha="right", fontsize=7)
+    ax.set_yticks(range(len(names)), list(names), fontsize=7)
+    ax.set_xlabel("evaluated task")
+    ax.set_ylabel("targeted task")
+    ax.set_title(f"{experiment.item}: {merge}, {group.regime}, seed {group.seed}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------------ report
+# A report is a list of blocks, rendered as Markdown and as HTML: ("h1" | "h2" | "h3" | "p", text),
+# ("table", header, rows: each cell a list of lines), ("ul", items), ("plot", Plot). Text may hold `code` and
+# **bold**.
+
+def _fmt(v: float | None, interval: list | None = None) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.1f}" + (f" [{interval[0]:.1f}, {interval[1]:.1f}]" if interval else "")
+
+
+def _fmt_change(interval: list | None, mid: float | None) -> str:
+    if interval is None or mid is None:
+        return ""
+    mark = "▲" if interval[0] > 0 else "▼" if interval[1] < 0 else "≈"
+    return f"{mid:+.1f} [{interval[0]:+.1f}, {interval[1]:+.1f}] {mark}"
+
+
+def experiment_section(experiment, groups: Sequence[Group], names: Sequence[str], chains: Mapping[str, str],
+                       plot_prefix: str) -> tuple[list[tuple], dict]:
+    """One experiment's blocks and JSON document."""
+    protocol = (f"λ = {experiment.scaling:g} fixed (no search)" if experiment.scaling is not None else
+                "each merge's scaling searched on validation, a calibration at the scaling its merge chose")
+    blocks: list[tuple] = [
+        ("h2", f"{experiment.id}: {experiment.item}"),
+        ("p", f"**The paper**: {experiment.shows}."),
+        ("p", f"**On the testbed**: track {experiment.track}, {protocol}; variants: "
+              + ", ".join(f"`{n}` = `{chains[n]}`" for n in ["base", *names]) + ".")]
+    document: dict[str, Any] = {"id": experiment.id, "item": experiment.item, "shows": experiment.shows,
+                                "variants": {n: chains[n] for n in ["base", *names]}, "groups": [], "claims": []}
+    for group in groups:
+        blocks += [("h3", f"{group.regime}, seed {group.seed}"),
+                   ("p", "Average normalized accuracy (%) [95 % interval]; under it the change against the base in "
+                         "points [paired 95 % interval]: ▲ above 0, ▼ below, ≈ inside the noise.")]
+        table_rows, rows = [], {}
+        for merge in experiment.merges:
+            outcomes = group.outcomes.get(merge, {})
+            base_value, base_interval = value(group, outcomes.get("base"))
+            cells = [[f"`{merge}`"], [_fmt(base_value, base_interval)]]
+            row = {"base": {"value": base_value, "interval": base_interval}}
+            for name in names:
+                v, interval = value(group, outcomes.get(name))
+                delta = change(group, outcomes.get(name), outcomes.get("base"))
+                mid = None if v is None or base_value is None else round(v - base_value, 2)
+                cells.append([_fmt(v, interval)] + ([_fmt_change(delta, mid)] if delta else []))
+                row[name] = {"value": v, "interval": interval, "change": mid, "change_interval": delta}
+            rows[merge] = row
+            table_rows.append(cells)
+        blocks.append(("table", ["merge", "base", *names], table_rows))
+        if any(samples_per_task(chains[n]) != "0" for n in names):
+            blocks.append(("p", "Unlabelled samples per task: " + ", ".join(
+                f"`{n}` {samples_per_task(chains[n])}" for n in ["base", *names]) + "."))
+        document["groups"].append({"regime": group.regime, "seed": group.seed, "rows": rows})
+        figures = []
+        if experiment.plot == "line":
+            axis = experiment.sweep.parameter if experiment.sweep else experiment.axis
+            figures.append((f"{plot_prefix}-{group.regime}-seed{group.seed}",
+                            f"{experiment.item}: change against the merge, {group.regime}",
+                            line_figure(experiment, group, names, axis)))
+        if experiment.plot == "heatmap":
+            for merge in experiment.merges:
+                figures.append((f"{plot_prefix}-{merge}-{group.regime}-seed{group.seed}",
+                                f"{experiment.item}: {merge}, accuracy per targeted task",
+                                heatmap_figure(experiment, group, merge, names)))
+        blocks += [("plot", Plot(stem, "paper", (experiment.track, "", group.regime), title, to_svg(fig, stem)))
+                   for stem, title, fig in figures]
+    if experiment.printed:
+        blocks += printed_blocks(experiment, groups, names)
+    items = []
+    for claim in experiment.claims:
+        found = claim_verdicts(experiment, groups, claim, names)
+        counts = {v: sum(1 for r in found if r["verdict"] == v) for v in VERDICTS}
+        unit = "tasks" if claim.kind == "diagonal" else "merges" if len(groups) == 1 else "merge × regime × seed rows"
+        text = sentence(claim.text, counts, unit)
+        items.append(text)
+        document["claims"].append({"kind": claim.kind, "text": claim.text, "sentence": text, "counts": counts,
+                                   "units": found})
+    if items:
+        blocks += [("p", "**The paper's claims, checked on the testbed:**"), ("ul", items)]
+    return blocks, document
+
+
+def printed_blocks(experiment, groups: Sequence[Group], names: Sequence[str]) -> list[tuple]:
+    """The paper's printed averages beside the testbed's change, per merge and variant, and whether the testbed's
+    paired interval agrees with the printed change's direction (in the first regime and seed)."""
+    group = groups[0]
+    rows, counts = [], {v: 0 for v in VERDICTS}
+    for merge, printed in experiment.printed.items():
+        outcomes = group.outcomes.get(merge, {})
+        for name in names:
+            if name not in printed or "base" not in printed:
+                continue
+            paper_change = round(printed[name] - printed["base"], 1)
+            interval = change(group, outcomes.get(name), outcomes.get("base"))
+            found = verdict(interval, "gain" if paper_change > 0 else "loss") if paper_change else None
+            if found:
+                counts[found] += 1
+            shown = f"[{interval[0]:+.1f}, {interval[1]:+.1f}]" if interval else "—"
+            rows.append([[f"`{merge}`"], [f"`{name}`"], [f"{printed['base']:.1f} → {printed[name]:.1f}"],
+                         [f"{paper_change:+.1f}"], [shown],
+                         [found or ("no printed change" if not paper_change else "—")]])
+    return [("p", f"**Printed** in {experiment.printed_where}, on other checkpoints and another backbone: their "
+                  f"directions compare with the testbed's ({group.regime}, seed {group.seed}), their values do not."),
+            ("table", ["merge", "variant", "paper: base → variant", "paper's change", "testbed's change (points)",
+                       "direction"], rows),
+            ("p", sentence("the printed changes' directions", counts, "printed changes"))]
+
+
+def paper_blocks(title: str, arxiv: str, sections: Sequence[list[tuple]]) -> list[tuple]:
+    head = [("h1", f"{title} (arXiv:{arxiv}): its experiments on the testbed"),
+            ("p", "Regenerated by `make paper` from `mergecal/experiments`; docs/papers.md lists every table and "
+                  "figure of the paper and what mergecal does with each. The testbed is mergecal's small ViT and its "
+                  "eight tasks, not the paper's checkpoints: a claim is checked by the direction of a paired 95 % "
+                  "interval, never by values.")]
+    return head + [block for section in sections for block in section]
+
+
+def to_markdown(blocks: Sequence[tuple]) -> str:
+    out = []
+    for kind, *rest in blocks:
+        if kind in ("h1", "h2", "h3"):
+            out += ["#" * int(kind[1]) + " " + rest[0], ""]
+        elif kind == "p":
+            out += [rest[0], ""]
+        elif kind == "ul":
+            out += [f"- {item}" for item in rest[0]] + [""]
+        elif kind == "table":
+            header, rows = rest
+            out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            out += ["| " + " | ".join("<br>".join(cell) for cell in row) + " |" for row in rows] + [""]
+        elif kind == "plot":
+            out += [f"![{rest[0].title}](plots/{rest[0].name}.svg)", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _inline(text: str) -> str:
+    """`code` and **bold** of escaped text as HTML."""
+    import re
+
+    text = html.escape(text, quote=False)
+    text = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", text)
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+
+
+def to_html(title: str, blocks: Sequence[tuple]) -> str:
+    """The report as one self-contained HTML page (plots inline)."""
+    body = []
+    for kind, *rest in blocks:
+        if kind in ("h1", "h2", "h3"):
+            body.append(f"<{kind}>{_inline(rest[0])}</{kind}>")
+        elif kind == "p":
+            body.append(f"<p>{_inline(rest[0])}</p>")
+        elif kind == "ul":
+            body.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in rest[0]) + "</ul>")
+        elif kind == "table":
+            header, rows = rest
+            body.append("<table><tr>" + "".join(f"<th>{_inline(h)}</th>" for h in header) + "</tr>" + "".join(
+                "<tr>" + "".join("<td class=\"num\">" + "<br>".join(_inline(x) for x in cell) + "</td>"
+                                 for cell in row) + "</tr>" for row in rows) + "</table>")
+        elif kind == "plot":
+            body.append(_figure(rest[0]))
+    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+            + "\n".join(body) + "\n</body>\n</html>\n")
+
+
+def plots_of(blocks: Sequence[tuple]) -> list[Plot]:
+    return [rest[0] for kind, *rest in blocks if kind == "plot"]
+
+
+def to_json(document: dict) -> str:
+    return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def experiment_groups(experiment, listed, ids: Mapping, outcomes: Mapping[str, Outcome]) -> list[Group]:
+    """The experiment's (regime, seed) groups, in its regimes' order, filled from the cells' outcomes."""
+    groups: dict[tuple[str, int], Group] = {}
+    for entry in (e for e in listed if e.experiment == experiment.id):
+        cell = entry.cell
+        group = groups.setdefault((cell.regime, cell.seed), Group(cell.regime, cell.seed, cell.tasks, {}))
+        outcome = outcomes.get(ids[cell])
+        if outcome is None or entry.variant == "zeroshot":
+            continue
+        if entry.variant == "finetuned":
+            group.finetuned = {k: v for k, v in outcome.metrics.items() if k.startswith("acc.")}
+        else:
+            group.outcomes.setdefault(cell.merge, {})[entry.variant] = outcome
+    return [groups[k] for k in sorted(groups, key=lambda k: (experiment.regimes.index(k[0]), k[1]))]
+
+
+def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir) -> dict[str, Any]:
+    """``<paper>.md``, ``.html``, ``.json`` and ``plots/<experiment>-*.svg`` under ``out_dir`` for every paper of
+    ``mergecal/experiments``; ``outcomes``: by cell id (a missing cell shows as —, outside every count). SVGs in
+    ``plots/`` that no report drew are removed."""
+    from pathlib import Path
+
+    from ..checkpoint import atomic_write_text
+    from ..experiments import read
+    from ..pipeline.cells import matrix_ids
+    from ..pipeline.experiments import load_experiments, paper_cells, variants
+    from .plots import slug
+
+    out = Path(out_dir)
+    cells, listed = paper_cells(params)
+    ids = dict(zip(cells, matrix_ids(cells, params, root)))
+    written: dict[str, Any] = {}
+    for paper, experiments in load_experiments().items():
+        about = read(paper)["paper"]
+        sections, documents = [], []
+        for experiment in experiments:
+            groups = experiment_groups(experiment, listed, ids, outcomes)
+            found = variants(experiment, groups[0].tasks if groups else ())
+            blocks, document = experiment_section(experiment, groups, [v.name for v in found[1:]],
+                                                  {v.name: v.chain for v in found}, slug(experiment.id))
+            sections.append(blocks)
+            documents.append(document)
+        blocks = paper_blocks(about["title"], about["arxiv"], sections)
+        for plot in plots_of(blocks):
+            written[f"plots/{plot.name}.svg"] = atomic_write_text(out / "plots" / f"{plot.name}.svg", plot.svg)
+        written[f"{paper}.md"] = atomic_write_text(out / f"{paper}.md", to_markdown(blocks))
+        written[f"{paper}.html"] = atomic_write_text(out / f"{paper}.html", to_html(about["title"], blocks))
+        written[f"{paper}.json"] = atomic_write_text(out / f"{paper}.json", to_json(
+            {"paper": about, "experiments": documents}))
+    for stale in sorted((out / "plots").glob("*.svg")):
+        if f"plots/{stale.name}" not in written:
+            stale.unlink()
+    return dict(sorted(written.items()))
