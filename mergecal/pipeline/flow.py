@@ -229,7 +229,9 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
         for i in sorted(range(len(cells)), key=lambda i: sources[i] is not None):
             source = futures[sources[i]] if sources[i] is not None else None
             # named after the cell, so Prefect's log and UI show which cell started, finished or failed
-            named = runnable.with_options(task_run_name=f"{cells[i].track}/{cells[i].regime}/{cells[i].label}")
+            # (Prefect formats the name with the task's parameters: a recipe's own braces are escaped)
+            name = f"{cells[i].track}/{cells[i].regime}/{cells[i].label}".replace("{", "{{").replace("}", "}}")
+            named = runnable.with_options(task_run_name=name)
             futures[i] = named.submit(keys[i], cells[i].to_dict(), params_dict, str(root_path), parent,
                                       invocation_id, source=source, run_tags=run_tags, store=tracker.shown_uri,
                                       source_key=keys[sources[i]] if sources[i] is not None else None)

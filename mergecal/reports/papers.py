@@ -102,14 +102,16 @@ def overall(counts: Mapping[str, int]) -> str:
     return "is inconclusive"
 
 
-def sentence(text: str, counts: Mapping[str, int], unit: str) -> str:
-    """The claim and what the testbed shows, computed from the verdict counts."""
-    total = sum(counts.values())
+def sentence(text: str, counts: Mapping[str, int], unit: str, unmeasured: int = 0) -> str:
+    """The claim and what the testbed shows, computed from the verdict counts (``unmeasured``: units without a
+    cell or its per-example scores, outside the counts)."""
+    total = sum(counts.get(v, 0) for v in VERDICTS)
+    missing = f" ({unmeasured} not measured)" if unmeasured else ""
     if not total:
-        return f"“{text}”: no cell of the testbed measured it."
+        return f"“{text}”: no cell of the testbed measured it{missing}."
     return (f"“{text}”: the testbed {overall(counts)} — {counts.get('agrees', 0)} of {total} {unit} agree (paired "
             f"95 % interval excludes 0 on the paper's side), {counts.get('disagrees', 0)} disagree, "
-            f"{counts.get('inconclusive', 0)} inside the noise.")
+            f"{counts.get('inconclusive', 0)} inside the noise{missing}.")
 
 
 def diagonal_interval(group: Group, merge: str, targets: Sequence[str], task: str) -> list | None:
@@ -135,14 +137,11 @@ def claim_verdicts(experiment, groups: Sequence[Group], claim, variant_names: Se
                     out.append({"regime": group.regime, "seed": group.seed, "merge": merge, "task": task,
                                 "interval": interval, "verdict": verdict(interval, "gain")})
                 continue
-            first, last = (variant_names[0], variant_names[-1]) if claim.kind == "increase" else (claim.variant,
-                                                                                                 claim.than)
-            interval = change(group, outcomes.get(first), outcomes.get(last))
-            out.append({"regime": group.regime, "seed": group.seed, "merge": merge, "variant": first, "than": last,
+            mine, other = (variant_names[-1], variant_names[0]) if claim.kind == "increase" else (claim.variant,
+                                                                                                  claim.than)
+            interval = change(group, outcomes.get(mine), outcomes.get(other))
+            out.append({"regime": group.regime, "seed": group.seed, "merge": merge, "variant": mine, "than": other,
                         "interval": interval, "verdict": verdict(interval, "loss" if claim.kind == "loss" else "gain")})
-    if claim.kind == "increase":  # last minus first
-        for row in out:
-            row["variant"], row["than"] = row["than"], row["variant"]
     return out
 
 
@@ -287,7 +286,7 @@ def experiment_section(experiment, groups: Sequence[Group], names: Sequence[str]
         found = claim_verdicts(experiment, groups, claim, names)
         counts = {v: sum(1 for r in found if r["verdict"] == v) for v in VERDICTS}
         unit = "tasks" if claim.kind == "diagonal" else "merges" if len(groups) == 1 else "merge × regime × seed rows"
-        text = sentence(claim.text, counts, unit)
+        text = sentence(claim.text, counts, unit, sum(1 for r in found if r["verdict"] is None))
         items.append(text)
         document["claims"].append({"kind": claim.kind, "text": claim.text, "sentence": text, "counts": counts,
                                    "units": found})

@@ -1,0 +1,182 @@
+"""The papers' experiments as cells of the benchmark (mergecal.pipeline.experiments) and their reports
+(mergecal.reports.papers): validation, the cells an experiment makes, and claims computed from paired intervals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mergecal.errors import MergecalError
+from mergecal.pipeline import experiments as ex
+from mergecal.pipeline.cells import enumerate_cells
+from mergecal.pipeline.config import load_params
+from mergecal.reports import papers as reports
+
+PARAMS = load_params("params.yaml")
+
+
+def experiment(**values) -> ex.Experiment:
+    return ex.Experiment.model_validate({"id": "svc.test", "item": "Fig. 0", "shows": "a test", **values})
+
+
+def test_the_packaged_experiments_are_valid_and_name_their_papers():
+    found = ex.load_experiments()
+    assert set(found) == {"svc", "magic"}
+    ids = [e.id for paper in found.values() for e in paper]
+    assert len(ids) == len(set(ids)) and all(i.split(".")[0] in found for i in ids)
+
+
+def test_each_experiment_makes_references_base_and_variants_per_merge_on_the_tracks_own_cells():
+    tasks = tuple(PARAMS.vision.tasks)
+    for paper in ex.load_experiments().values():
+        for e in paper:
+            made = ex.experiment_cells(PARAMS, e)
+            names = [v.name for v in ex.variants(e, tasks)]
+            per_group = len(e.merges) * len(names) + 2  # + zeroshot and finetuned
+            assert len(made) == per_group * len(e.regimes) * len(PARAMS.seeds)
+            for merge in e.merges:
+                assert sorted(c.variant for c in made if c.cell.merge == merge) == sorted(names)
+
+
+def test_a_variant_the_matrix_runs_is_the_matrix_cell():
+    """magic.tab2's WSC rows are the default matrix's `{merge}>wsc` cells (searched scaling), svc.tab3's column
+    rows its fixed-scaling `{merge}>svc` at 1.0: the same Cell, so the same id and cache."""
+    matrix = set(enumerate_cells(PARAMS))
+    found = {e.id: e for paper in ex.load_experiments().values() for e in paper}
+    wsc = [c.cell for c in ex.experiment_cells(PARAMS, found["magic.tab2"]) if c.variant == "wsc"]
+    svc = [c.cell for c in ex.experiment_cells(PARAMS, found["svc.tab3"]) if c.variant in ("column", "base")]
+    assert wsc and svc and set(wsc) <= matrix and set(svc) <= matrix
+    row = [c.cell for c in ex.experiment_cells(PARAMS, found["svc.tab3"]) if c.variant == "row"]
+    assert row and not set(row) & matrix
+    # calibrated at the scaling its merge chose (weight averaging has no grid to choose from)
+    assert all(c.scaling_from == ("{merge}" if c.grid else "") for c in wsc)
+
+
+def test_narrowing_keeps_what_a_cell_id_hashes():
+    e = experiment(scaling=1.0, merges=["ties"], variants={"row": "{merge}>svc(space='row')"})
+    narrowed = ex.narrowed_params(PARAMS, e)
+    assert narrowed.benchmark.evaluation == PARAMS.benchmark.evaluation
+    assert narrowed.vision.arch == PARAMS.vision.arch and narrowed.vision.tasks == PARAMS.vision.tasks
+    assert list(narrowed.benchmark.merges) == ["ties"] and narrowed.benchmark.chains == []
+    assert PARAMS.benchmark.chains  # the given params are not changed
+
+
+def test_sweeps_over_values_and_over_tasks():
+    by_value = experiment(scaling=1.0, merges=["task_arithmetic"],
+                          sweep={"parameter": "alpha", "chain": "{merge}>svc(alpha={value})", "values": [0.5, 1.0]})
+    assert [(v.name, v.chain) for v in ex.variants(by_value, ("a", "b"))] == [
+        ("base", "{merge}"), ("0.5", "{merge}>svc(alpha=0.5)"), ("1.0", "{merge}>svc(alpha=1.0)")]
+    by_task = experiment(scaling=1.0, merges=["task_arithmetic"], plot="heatmap",
+                         sweep={"parameter": "t", "chain": "{merge}>svc(targeted_task={index})", "over": "tasks"})
+    assert [v.chain for v in ex.variants(by_task, ("a", "b"))][1:] == ["{merge}>svc(targeted_task=0)",
+                                                                       "{merge}>svc(targeted_task=1)"]
+    assert [v.name for v in ex.variants(by_task, ("a", "b"))][1:] == ["a", "b"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"merges": ["task_arithmetic"]}, "give either variants or a sweep"),
+    ({"merges": ["task_arithmetic"], "variants": {"x": "{merge}>nope"}}, "nope"),
+    ({"merges": ["task_arithmetic"], "sweep": {"parameter": "a", "chain": "{merge}>svc", "values": [1]}},
+     "has no {value}"),
+    ({"merges": ["task_arithmetic"], "variants": {"x": "{merge}>svc"}, "plot": "heatmap"}, "sweep over tasks"),
+    ({"merges": [], "variants": {"x": "{merge}>svc"}}, "merges"),
+])
+def test_a_bad_experiment_is_one_line_naming_its_file_and_id(monkeypatch, values, message):
+    monkeypatch.setattr(ex, "read", lambda paper: {"experiments": [{"id": "svc.bad", "item": "x", "shows": "x",
+                                                                   **values}]})
+    with pytest.raises(MergecalError, match="mergecal/experiments/svc.yaml: svc.bad: .*" + message) as err:
+        ex.load_experiments(("svc",))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"merges": ["ties", "adamerging"]}, "merge 'adamerging' is not in params.yaml's benchmark.merges"),
+    ({"regimes": ["mixup"]}, "regime 'mixup' is not among vision.regimes"),
+    ({"track": "text"}, None),
+])
+def test_an_experiment_outside_the_configured_matrix_is_refused(change, message):
+    e = experiment(**{"merges": ["ties"], "variants": {"x": "{merge}>wsc"}, **change})
+    if message is None:  # the text track has no regimes list beyond standard: fine
+        ex.narrowed_params(PARAMS, e)
+        return
+    with pytest.raises(MergecalError, match=message):
+        ex.narrowed_params(PARAMS, e)
+    data = PARAMS.model_copy(update={"vision": PARAMS.vision.model_copy(update={"enabled": False})})
+    with pytest.raises(MergecalError, match="track 'vision' is not enabled"):
+        ex.narrowed_params(data, experiment(merges=["ties"], variants={"x": "{merge}>wsc"}))
+
+
+# ------------------------------------------------------------------------------------------------ the reports
+
+TASKS = ("a", "b")
+
+
+def outcome(correct: dict[str, list[int]]) -> reports.Outcome:
+    metrics = {f"acc.{t}": float(np.mean(v)) for t, v in correct.items()}
+    metrics["avg_norm_acc"] = float(np.mean([metrics[f"acc.{t}"] for t in TASKS]))
+    return reports.Outcome(metrics, correct)
+
+
+def group(outcomes) -> reports.Group:
+    return reports.Group("standard", 0, TASKS, {f"acc.{t}": 1.0 for t in TASKS}, outcomes)
+
+
+def scores(n_right: int, n: int = 200) -> list[int]:
+    return [1] * n_right + [0] * (n - n_right)
+
+
+def test_a_claims_verdict_comes_from_the_paired_interval_in_the_papers_direction():
+    base = outcome({"a": scores(100), "b": scores(100)})
+    better = outcome({"a": scores(160), "b": scores(150)})  # +55 points on the same examples
+    same = outcome({"a": scores(101), "b": scores(100)})
+    g = group({"up": {"base": base, "x": better}, "flat": {"base": base, "x": same},
+               "down": {"base": better, "x": base}})
+    e = experiment(merges=["up", "flat", "down"], variants={"x": "{merge}>svc"},
+                   claims=[{"kind": "gain", "variant": "x", "text": "x helps"},
+                           {"kind": "loss", "variant": "x", "merges": ["down"], "text": "x hurts down"}])
+    gain, loss = (reports.claim_verdicts(e, [g], c, ["x"]) for c in e.claims)
+    assert [u["verdict"] for u in gain] == ["agrees", "inconclusive", "disagrees"]
+    assert [u["verdict"] for u in loss] == ["agrees"]
+    counts = {v: sum(u["verdict"] == v for u in gain) for v in reports.VERDICTS}
+    assert reports.sentence("x helps", counts, "merges").startswith("“x helps”: the testbed is mixed — 1 of 3")
+    assert reports.overall({"inconclusive": 3}) == "is inconclusive"
+    assert reports.overall({"agrees": 2, "inconclusive": 1}) == "agrees in direction"
+
+
+def test_the_diagonal_claim_compares_a_task_targeted_with_the_other_targets():
+    targeted = {"a": outcome({"a": scores(180), "b": scores(100)}), "b": outcome({"a": scores(100), "b": scores(100)})}
+    g = group({"m": {"base": outcome({"a": scores(100), "b": scores(100)}), **targeted}})
+    e = experiment(merges=["m"], scaling=1.0, plot="heatmap", claims=[{"kind": "diagonal", "text": "d"}],
+                   sweep={"parameter": "t", "chain": "{merge}>svc(targeted_task={index})", "over": "tasks"})
+    found = reports.claim_verdicts(e, [g], e.claims[0], list(TASKS))
+    assert [(u["task"], u["verdict"]) for u in found] == [("a", "agrees"), ("b", "inconclusive")]
+
+
+def test_a_report_renders_the_same_bytes_from_the_same_outcomes_and_says_what_is_missing():
+    base = outcome({"a": scores(100), "b": scores(120)})
+    e = experiment(merges=["m", "gone"], scaling=1.0, plot="line",
+                   sweep={"parameter": "alpha", "chain": "{merge}>svc(alpha={value})", "values": [0.5, 1.0]},
+                   claims=[{"kind": "increase", "text": "more is better"}],
+                   printed={"m": {"base": 60.0, "1.0": 70.0}}, printed_where="Fig. 0")
+    g = group({"m": {"base": base, "0.5": outcome({"a": scores(90), "b": scores(120)}),
+                     "1.0": outcome({"a": scores(150), "b": scores(120)})}})
+    chains = {v.name: v.chain for v in ex.variants(e, TASKS)}
+    pages = []
+    for _ in range(2):
+        blocks, document = reports.experiment_section(e, [g], ["0.5", "1.0"], chains, "svc.test")
+        page = reports.paper_blocks("T", "0000.00000", [blocks])
+        pages.append((reports.to_markdown(page), reports.to_html("T", page), reports.to_json(document)))
+    assert pages[0] == pages[1]
+    markdown, html, _ = pages[0]
+    assert "| `gone` | — | — | — |" in markdown  # a merge without cells: shown, outside every count
+    assert "“more is better”: the testbed agrees in direction — 1 of 1 merges agree" in markdown
+    assert "0 disagree, 0 inside the noise (1 not measured)." in markdown  # the missing merge is no verdict
+    assert "| `m` | `1.0` | 60.0 → 70.0 | +10.0 |" in markdown and "| agrees |" in markdown
+    assert html.count("<figure>") == 1 and "<svg" not in html.split("<figure>")[0]
+
+
+def test_samples_per_task_are_read_from_the_recipe():
+    assert reports.samples_per_task("{merge}>wsc") == "0"
+    assert reports.samples_per_task("{merge}>dsc") == "1"
+    assert reports.samples_per_task("{merge}>dsc(fsc={'n_samples_per_task': 4})") == "4"
+    assert reports.samples_per_task("{merge}>dsc_a(fsc={'n_samples_per_task': 16})") == "0 (16 task-agnostic)"
