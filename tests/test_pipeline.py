@@ -700,6 +700,31 @@ def test_a_calibrated_cell_calibrates_the_merge_at_the_given_scaling(built):
     assert given["selected_scaling"] == 1.0
 
 
+def test_a_sweeps_cell_equals_the_same_recipe_run_alone_bit_for_bit(built):
+    """An experiment's sweep (mergecal.pipeline.experiments) runs cells of the benchmark: SVC with alpha = 1/K
+    written out is another cell than the matrix's fixed-scaling `{merge}>svc` (alpha left to its default 1/K),
+    and gives the same metrics and the same per-example scores; the base it is paired with is the matrix's cell."""
+    from mergecal.pipeline.experiments import Experiment, experiment_cells
+
+    root, params = built
+    alpha = 1.0 / len(params.vision.tasks)
+    sweep = Experiment.model_validate({"id": "svc.sweep", "item": "Fig. 5", "shows": "a test", "scaling": 1.0,
+                                       "merges": ["task_arithmetic"], "sweep": {
+                                           "parameter": "alpha", "chain": "{merge}>svc(alpha={value})",
+                                           "values": [alpha]}})
+    made = {e.variant: e.cell for e in experiment_cells(params, sweep) if e.cell.regime == "standard"}
+    data = params.model_dump(mode="json")
+    data["benchmark"]["fixed_scaling"] = [{"scaling": 1.0, "merges": ["task_arithmetic"],
+                                           "chains": ["{merge}", "{merge}>svc"]}]
+    matrix = {c.label: c for c in cells_mod.enumerate_cells(parse_params(data))
+              if c.track == "vision" and c.regime == "standard"}
+    assert made["base"] == matrix["task_arithmetic(scaling=1.0)"]
+    swept, alone = made[str(alpha)], matrix["task_arithmetic(scaling=1.0)>svc"]
+    assert swept != alone and swept.recipe != alone.recipe
+    a, b = cells_mod.run_cell(swept, params, root), cells_mod.run_cell(alone, params, root)
+    assert a.metrics == b.metrics and a.examples == b.examples and a.examples
+
+
 @pytest.mark.parametrize("method", ["weight_averaging", "task_arithmetic", "ties", "dare", "consensus", "tsv_m",
                                     "iso_c", "iso_cts"])
 def test_a_grid_merged_once_and_rescaled_equals_merging_at_each_value(method, pretrained, finetuned):

@@ -1,0 +1,91 @@
+"""docs/papers.md from mergecal/experiments/catalogue.yaml: every table and figure of the three papers, what each
+shows and what mergecal does with it, with the counts per paper and status.
+
+    python -m scripts.catalogue --write   # render docs/papers.md
+    python -m scripts.catalogue --check   # exit 1 when docs/papers.md is not the rendering (tests/test_catalogue.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+from mergecal.experiments import read
+
+DOC = Path("docs/papers.md")
+PAPERS = {"svc": "When Shared Knowledge Hurts: Spectral Over-Accumulation in Model Merging (arXiv:2602.05536)",
+          "magic": "MAGIC: Achieving Superior Model Merging via Magnitude Calibration (arXiv:2512.19320)",
+          "distac": "DisTaC: Conditioning Task Vectors via Distillation for Robust Model Merging (arXiv:2508.01148)"}
+STATUSES = ("regenerated", "paper", "partial", "planned", "needs_pool", "out_of_scope")
+#: each status's own key: where it is regenerated, what is missing, the issue, the preset or the reason
+DETAIL = {"regenerated": "where", "paper": "section", "partial": "missing", "planned": "issue",
+          "needs_pool": ("preset", "reason"), "out_of_scope": "reason"}
+MEANING = {
+    "regenerated": "the default run (`make run`) computes it on the testbed",
+    "paper": "the papers' profile (`make paper`) computes it: its section of reports/papers/<paper>.md",
+    "partial": "the library has what it takes; no stage runs or shows it yet",
+    "planned": "not yet: the issue that plans it",
+    "needs_pool": "needs the published checkpoints (a preset runs it where they are present) or a GPU",
+    "out_of_scope": "not reproducible here, with the reason"}
+
+
+def detail(item: dict) -> str:
+    status = item["status"]
+    if status == "paper":
+        return f"[reports/papers/{item['paper']}.md]({'../reports/papers/'}{item['paper']}.md) § `{item['section']}`"
+    if status == "planned":
+        return f"issue #{item['issue']}"
+    if status == "needs_pool":
+        if "preset" not in item:
+            return str(item["reason"])
+        named = item["preset"] if isinstance(item["preset"], list) else [item["preset"]]
+        return "preset " + ", ".join(f"`{name}`" for name in named)
+    key = DETAIL[status]
+    return str(item[key])
+
+
+def render(items: list[dict]) -> str:
+    counts = Counter((i["paper"], i["status"]) for i in items)
+    lines = ["# The papers' tables and figures", "",
+             "Every table and figure of the three papers mergecal implements, what each shows and what mergecal does "
+             "with it: generated from `mergecal/experiments/catalogue.yaml` by `python -m scripts.catalogue --write` "
+             "(`tests/test_catalogue.py` fails when this page or a report section drifts). `make paper` runs the "
+             "papers' profile after the default run and writes `reports/papers/`.", "",
+             "| status | meaning |", "|---|---|"] + [f"| {s} | {MEANING[s]} |" for s in STATUSES] + [
+             "", "| paper | items | " + " | ".join(STATUSES) + " |", "|---|---|" + "---|" * len(STATUSES)]
+    for paper in PAPERS:
+        row = [str(counts[(paper, s)]) for s in STATUSES]
+        lines.append(f"| {paper} | {sum(counts[(paper, s)] for s in STATUSES)} | " + " | ".join(row) + " |")
+    lines.append(f"| all | {len(items)} | " + " | ".join(str(sum(counts[(p, s)] for p in PAPERS))
+                                                   for s in STATUSES) + " |")
+    for paper, title in PAPERS.items():
+        lines += ["", f"## {title}", "", "| item | shows | the paper's claim | status | where / what is missing |",
+                  "|---|---|---|---|---|"]
+        for item in (i for i in items if i["paper"] == paper):
+            cells = [item["item"], item["shows"], item["claim"], item["status"], detail(item)]
+            lines.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.catalogue", description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true")
+    mode.add_argument("--write", action="store_true")
+    args = parser.parse_args(argv)
+    text = render(read("catalogue")["items"])
+    if args.check:
+        if not DOC.is_file() or DOC.read_text() != text:
+            print(f"{DOC}: not the rendering of mergecal/experiments/catalogue.yaml; run python -m scripts.catalogue "
+                  "--write")
+            return 1
+        return 0
+    DOC.write_text(text)
+    print(f"{DOC}: {len(read('catalogue')['items'])} items")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
