@@ -26,7 +26,9 @@ def stage(params, root, args):
         metrics = {k[len("metrics."):]: float(v) for k, v in row.items()
                    if k.startswith("metrics.") and isinstance(v, float) and not math.isnan(v)}
         outcomes[row["cell_id"]] = Outcome(metrics, load_examples(uri, row["artifact_uri"]))
-    written = write_paper_reports(params, root, outcomes, root / "reports" / "papers")
+    analysis_file = root / "results" / "papers" / "analysis.json"  # stages/paper_analysis.py
+    analysis = json.loads(analysis_file.read_text()) if analysis_file.is_file() else None
+    written = write_paper_reports(params, root, outcomes, root / "reports" / "papers", analysis)
     print(f"{len(written)} files under {root / 'reports' / 'papers'} from {len(outcomes)} cells of invocation "
           f"{invocation}: " + ", ".join(n for n in written if not n.startswith("plots/")))
 

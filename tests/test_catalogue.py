@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mergecal.experiments import read
-from mergecal.pipeline.experiments import load_experiments
+from mergecal.pipeline.experiments import load_analyses, load_experiments
 from mergecal.presets import PRESETS
 from scripts import catalogue
 
@@ -34,7 +34,8 @@ def test_every_item_is_listed_once_with_its_statuses_detail():
 
 
 def test_each_item_the_papers_profile_regenerates_is_an_experiment_with_its_committed_report_section():
-    experiments = {e.id: paper for paper, found in load_experiments().items() for e in found}
+    experiments = {e.id: paper for found in (load_experiments(), load_analyses()) for paper, items in found.items()
+                   for e in items}
     profiled = {i["id"]: i for i in ITEMS if i["status"] == "paper"}
     assert set(profiled) == set(experiments)  # every experiment is catalogued, every such item runs
     for item_id, item in profiled.items():
@@ -46,7 +47,7 @@ def test_each_item_the_papers_profile_regenerates_is_an_experiment_with_its_comm
 @pytest.mark.parametrize("paper", ["svc", "magic"])
 def test_every_claim_of_a_committed_report_has_its_computed_sentence(paper):
     report = (REPORTS / f"{paper}.md").read_text()
-    for experiment in load_experiments((paper,))[paper]:
+    for experiment in load_experiments((paper,))[paper] + load_analyses((paper,))[paper]:
         for claim in experiment.claims:
             assert f"“{claim.text}”: " in report, (experiment.id, claim.text)
 

@@ -180,3 +180,27 @@ def test_samples_per_task_are_read_from_the_recipe():
     assert reports.samples_per_task("{merge}>dsc") == "1"
     assert reports.samples_per_task("{merge}>dsc(fsc={'n_samples_per_task': 4})") == "4"
     assert reports.samples_per_task("{merge}>dsc_a(fsc={'n_samples_per_task': 16})") == "0 (16 task-agnostic)"
+
+
+def test_an_analysis_claim_counts_its_units_from_the_models_numbers():
+    analysis = ex.Analysis.model_validate({
+        "id": "svc.fig9", "item": "Fig. 9", "shows": "a test", "kind": "svc_spectrum", "merges": ["a", "b"],
+        "claims": [{"kind": "top_gap", "text": "gap"}, {"kind": "both_signs", "text": "both"}]})
+    spectrum = {"r": [1, 2], "sigma": [2.0, 1.0], "sigma_star": [1.0, 1.5], "gamma_sigma": [1.0, 1.0]}
+    data = {"a": {"alpha": 0.5, "classes": {"mlp": {"keys": 2, "shape": [4, 4],
+                                                     "spectrum": {**spectrum, "gap": [1.0, -0.5]}}}},
+            "b": {"alpha": 0.5, "classes": {"mlp": {"keys": 2, "shape": [4, 4],
+                                                     "spectrum": {**spectrum, "gap": [-0.2, None]}}}}}
+    gap, both = (reports.analysis_claim_units(c, analysis.merges, data) for c in analysis.claims)
+    assert [u["verdict"] for u in gap] == ["agrees", "disagrees"]
+    assert [u["verdict"] for u in both] == ["agrees", "disagrees"]
+    blocks, document = reports.analysis_section(analysis, {"seed": 0, "regime": "standard", "data": data}, "svc.fig9")
+    text = reports.to_markdown(blocks)
+    assert "| `mlp` | 2 | 2 | 1 | 1 | 1 | 1 of 2 |" in text and text.count("![Fig. 9") == 2
+    assert "“gap”: on the testbed's models it is mixed — 1 of 2 (merge, key class) units agree, 1 disagree" in text
+    cross = ex.Analysis.model_validate({"id": "svc.fig8", "item": "Fig. 8", "shows": "t", "kind": "svc_cross_terms",
+                                        "merges": ["a"], "claims": [{"kind": "positive_cross", "text": "c"}]})
+    data = {"a": {"tasks": ["x", "y"], "classes": {"mlp": {"keys": 1, "cross_terms": [[[0.4, 0.1], [0.1, 0.4]],
+                                                                                        [[0.5, -0.1], [-0.1, 0.7]]]}}}}
+    units = reports.analysis_claim_units(cross.claims[0], cross.merges, data)
+    assert [(u["r"], u["verdict"]) for u in units] == [(1, "agrees"), (2, "disagrees")]

@@ -98,6 +98,28 @@ class Experiment(Strict):
         return self
 
 
+class AnalysisClaim(Strict):
+    """A statement of the paper a report checks on an analysis's numbers (``mergecal.reports.papers``): ``top_gap``
+    (sigma above sigma* in the top subspace), ``both_signs`` (some subspaces above, some below), ``positive_cross``
+    (cross terms between tasks mostly positive in the top subspaces)."""
+
+    kind: Literal["top_gap", "both_signs", "positive_cross"]
+    text: str
+
+
+class Analysis(Strict):
+    """A figure computed from the testbed's models rather than from cells (``mergecal.pipeline.paper_analysis``:
+    ``kind`` names its function), for ``merges`` in ``regime`` of the vision track's first fine-tuning seed."""
+
+    id: str
+    item: str
+    shows: str
+    kind: Literal["svc_spectrum", "svc_cross_terms"]
+    merges: list[str] = Field(min_length=1)
+    regime: str = "standard"
+    claims: list[AnalysisClaim] = Field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str  # the variant's name (a swept value as written, a task, or a listed name); "base" for the base
@@ -115,6 +137,21 @@ def variants(experiment: Experiment, tasks: tuple[str, ...]) -> list[Variant]:
         return out + [Variant(task, sweep.chain.replace("{index}", str(i)), i) for i, task in enumerate(tasks)]
     return out + [Variant(str(v), sweep.chain.replace("{value}", repr(v) if isinstance(v, str) else str(v)), v)
                   for v in sweep.values]
+
+
+def load_analyses(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Analysis]]:
+    """Every paper's analyses (``analyses:``), validated; a bad entry is one line naming the file and the entry."""
+    out = {}
+    for paper in papers:
+        found = []
+        for i, entry in enumerate(read(paper).get("analyses") or []):
+            try:
+                found.append(Analysis.model_validate(entry))
+            except ValidationError as err:
+                where = entry.get("id", f"analyses[{i}]") if isinstance(entry, dict) else f"analyses[{i}]"
+                raise MergecalError(f"mergecal/experiments/{paper}.yaml: {where}: {_first_error(err)}") from None
+        out[paper] = found
+    return out
 
 
 def load_experiments(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Experiment]]:

@@ -403,40 +403,188 @@ def experiment_groups(experiment, listed, ids: Mapping, outcomes: Mapping[str, O
     return [groups[k] for k in sorted(groups, key=lambda k: (experiment.regimes.index(k[0]), k[1]))]
 
 
-def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir) -> dict[str, Any]:
-    """``<paper>.md``, ``.html``, ``.json`` and ``plots/<experiment>-*.svg`` under ``out_dir`` for every paper of
-    ``mergecal/experiments``; ``outcomes``: by cell id (a missing cell shows as —, outside every count). SVGs in
-    ``plots/`` that no report drew are removed."""
+def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
+                        analysis: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``<paper>.md``, ``.html``, ``.json`` and ``plots/<item>-*.svg`` under ``out_dir`` for every paper of
+    ``mergecal/experiments``, its sections in the catalogue's order: the experiments from ``outcomes`` (by cell id;
+    a missing cell shows as —, outside every count) and the analyses from ``analysis`` (results/papers/analysis.json;
+    an analysis it lacks is said to be missing). SVGs in ``plots/`` that no report drew are removed."""
     from pathlib import Path
 
     from ..checkpoint import atomic_write_text
     from ..experiments import read
     from ..pipeline.cells import matrix_ids
-    from ..pipeline.experiments import load_experiments, paper_cells, variants
+    from ..pipeline.experiments import load_analyses, load_experiments, paper_cells, variants
     from .plots import slug
 
     out = Path(out_dir)
     cells, listed = paper_cells(params)
     ids = dict(zip(cells, matrix_ids(cells, params, root)))
+    order = {item["id"]: i for i, item in enumerate(read("catalogue")["items"])}
+    analyses = load_analyses()
     written: dict[str, Any] = {}
     for paper, experiments in load_experiments().items():
         about = read(paper)["paper"]
-        sections, documents = [], []
+        sections: list[tuple[str, list[tuple], dict]] = []
         for experiment in experiments:
             groups = experiment_groups(experiment, listed, ids, outcomes)
             found = variants(experiment, groups[0].tasks if groups else ())
             blocks, document = experiment_section(experiment, groups, [v.name for v in found[1:]],
                                                   {v.name: v.chain for v in found}, slug(experiment.id))
-            sections.append(blocks)
-            documents.append(document)
-        blocks = paper_blocks(about["title"], about["arxiv"], sections)
+            sections.append((experiment.id, blocks, document))
+        for item in analyses.get(paper, []):
+            if analysis is None or item.id not in analysis:
+                sections.append((item.id, [("h2", f"{item.id}: {item.item}"),
+                                           ("p", "Not computed: results/papers/analysis.json has no entry for it.")],
+                                 {"id": item.id, "missing": True}))
+                continue
+            blocks, document = analysis_section(item, analysis[item.id], slug(item.id))
+            sections.append((item.id, blocks, document))
+        sections.sort(key=lambda s: order.get(s[0], len(order)))
+        blocks = paper_blocks(about["title"], about["arxiv"], [b for _, b, _ in sections])
         for plot in plots_of(blocks):
             written[f"plots/{plot.name}.svg"] = atomic_write_text(out / "plots" / f"{plot.name}.svg", plot.svg)
         written[f"{paper}.md"] = atomic_write_text(out / f"{paper}.md", to_markdown(blocks))
         written[f"{paper}.html"] = atomic_write_text(out / f"{paper}.html", to_html(about["title"], blocks))
         written[f"{paper}.json"] = atomic_write_text(out / f"{paper}.json", to_json(
-            {"paper": about, "experiments": documents}))
+            {"paper": about, "items": [d for _, _, d in sections]}))
     for stale in sorted((out / "plots").glob("*.svg")):
         if f"plots/{stale.name}" not in written:
             stale.unlink()
     return dict(sorted(written.items()))
+
+
+# ---------------------------------------------------------------------------------------------------- analyses
+# Figures computed from the testbed's models (results/papers/analysis.json, mergecal.pipeline.paper_analysis): exact
+# functions of one set of fine-tunes, so their claims are counted without an interval, and say so.
+
+SHOWN_RANKS = 32  # subspaces r drawn in a spectrum plot (the top ones the papers discuss)
+
+
+def analysis_sentence(text: str, counts: Mapping[str, int], unit: str) -> str:
+    """A claim on an analysis: the units that agree or disagree, counted (no sampling: no interval)."""
+    total = sum(counts.get(v, 0) for v in VERDICTS)
+    if not total:
+        return f"“{text}”: nothing on the testbed measures it."
+    return (f"“{text}”: on the testbed's models it {overall(counts)} — {counts.get('agrees', 0)} of {total} {unit} "
+            f"agree, {counts.get('disagrees', 0)} disagree, {counts.get('inconclusive', 0)} undecided (an exact "
+            "quantity of one set of fine-tunes: no interval; another seed's fine-tunes are another draw).")
+
+
+def _spectrum_figure(title: str, classes: Mapping[str, Any]) -> Figure:
+    names = list(classes)
+    fig = Figure(figsize=(3.2 * len(names), 3.0))
+    for i, name in enumerate(names, 1):
+        ax = fig.add_subplot(1, len(names), i)
+        spectrum = classes[name]["spectrum"]
+        r = spectrum["r"][:SHOWN_RANKS]
+        for j, (series, label) in enumerate((("sigma", "σ"), ("sigma_star", "σ*"), ("gamma_sigma", "γσ (SVC)"))):
+            values = [np.nan if v is None else v for v in spectrum[series][:SHOWN_RANKS]]
+            ax.plot(r, values, label=label, color=f"C{j}", linewidth=1, marker="o" if j == 1 else None, markersize=2)
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("subspace r", fontsize=7)
+        ax.tick_params(labelsize=6)
+        if i == 1:
+            ax.set_ylabel("singular value (class mean)", fontsize=7)
+            ax.legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _cross_figure(title: str, classes: Mapping[str, Any], tasks: Sequence[str]) -> Figure:
+    names = list(classes)
+    fig = Figure(figsize=(3.0 * len(names), 3.3))
+    for i, name in enumerate(names, 1):
+        ax = fig.add_subplot(1, len(names), i)
+        matrix = np.array(classes[name]["cross_terms"][0], dtype=float)
+        bound = float(np.nanmax(np.abs(matrix))) or 1.0
+        ax.imshow(matrix, cmap="RdBu_r", vmin=-bound, vmax=bound)
+        ax.set_xticks(range(len(tasks)), list(tasks), rotation=90, fontsize=5)
+        ax.set_yticks(range(len(tasks)), list(tasks), fontsize=5)
+        ax.set_title(f"{name}, r = 1", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _verdict_of(sign: float | None) -> str:
+    return "inconclusive" if sign is None or sign == 0 else "agrees" if sign > 0 else "disagrees"
+
+
+def analysis_claim_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[dict]:
+    """Each unit's verdict on an analysis claim: per (merge, key class), or per (merge, key class, r) for the
+    cross terms."""
+    out = []
+    for merge, found in ((m, data[m]) for m in merges if m in data):
+        for name, entry in found["classes"].items():
+            if claim.kind == "top_gap":
+                gap = entry["spectrum"]["gap"][0]
+                out.append({"merge": merge, "class": name, "gap_1": gap, "verdict": _verdict_of(gap)})
+            elif claim.kind == "both_signs":
+                gaps = [g for g in entry["spectrum"]["gap"][:SHOWN_RANKS] if g is not None]
+                both = any(g > 0 for g in gaps) and any(g < 0 for g in gaps)
+                out.append({"merge": merge, "class": name, "verdict": "agrees" if both else "disagrees"})
+            elif claim.kind == "positive_cross":
+                for r, matrix in enumerate(entry["cross_terms"], 1):
+                    m = np.array(matrix, dtype=float)
+                    off = m[~np.eye(len(m), dtype=bool)]
+                    share = float(np.mean(off > 0))
+                    out.append({"merge": merge, "class": name, "r": r, "positive_share": round(share, 4),
+                                "verdict": _verdict_of(share - 0.5)})
+    return out
+
+
+def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tuple[list[tuple], dict]:
+    """One analysis's blocks and JSON document (``entry``: its part of results/papers/analysis.json)."""
+    data = entry["data"]
+    blocks: list[tuple] = [
+        ("h2", f"{analysis.id}: {analysis.item}"), ("p", f"**The paper**: {analysis.shows}."),
+        ("p", f"**On the testbed**: the vision track's fine-tunes (seed {entry['seed']}, {entry['regime']} regime), "
+              "each merge read at λ = 1 with the matrix's own settings; means over the layers of each key class.")]
+    for merge, found in ((m, data[m]) for m in analysis.merges if m in data):
+        stem = f"{plot_prefix}-{merge}"
+        if analysis.kind == "svc_spectrum":
+            rows = [[[f"`{name}`"], [str(c["keys"])], *[[_fmt_value(c["spectrum"][s][0])] for s in
+                                                          ("sigma", "sigma_star", "gamma_sigma", "gap")],
+                     [f"{sum(1 for g in c['spectrum']['gap'] if g is not None and g > 0)} of "
+                      f"{sum(1 for g in c['spectrum']['gap'] if g is not None)}"]]
+                    for name, c in found["classes"].items()]
+            blocks += [("h3", f"`{merge}` (SVC's α = {found['alpha']:g})"),
+                       ("table", ["key class", "layers", "σ₁", "σ₁*", "γσ₁", "σ₁ − σ₁*", "subspaces with σ > σ*"],
+                        rows),
+                       ("plot", Plot(stem, "paper", ("vision", "", entry["regime"]), f"{analysis.item}: {merge}",
+                                     to_svg(_spectrum_figure(f"{analysis.item}: {merge}, σ, σ* and γσ per subspace",
+                                                             found["classes"]), stem)))]
+        else:
+            rows = []
+            for name, c in found["classes"].items():
+                for r, matrix in enumerate(c["cross_terms"], 1):
+                    m = np.array(matrix, dtype=float)
+                    off = m[~np.eye(len(m), dtype=bool)]
+                    rows.append([[f"`{name}`"], [str(r)], [_fmt_value(float(np.trace(m)))],
+                                 [_fmt_value(float(off.sum()))], [f"{np.mean(off > 0):.0%}"]])
+            blocks += [("h3", f"`{merge}`"),
+                       ("p", "Each subspace's cross terms divided by σ_r² (under addition they sum to 1: the diagonal "
+                             "is each task's own share, the rest what pairs of tasks add on top)."),
+                       ("table", ["key class", "r", "diagonal (own)", "off-diagonal (cross)", "positive pairs"], rows),
+                       ("plot", Plot(stem, "paper", ("vision", "", entry["regime"]), f"{analysis.item}: {merge}",
+                                     to_svg(_cross_figure(f"{analysis.item}: {merge}, cross terms / σ₁²",
+                                                          found["classes"], found["tasks"]), stem)))]
+    document: dict[str, Any] = {"id": analysis.id, "item": analysis.item, "shows": analysis.shows, "claims": []}
+    items = []
+    for claim in analysis.claims:
+        units = analysis_claim_units(claim, analysis.merges, data)
+        counts = {v: sum(1 for u in units if u["verdict"] == v) for v in VERDICTS}
+        unit = "(merge, key class, r) units" if claim.kind == "positive_cross" else "(merge, key class) units"
+        text = analysis_sentence(claim.text, counts, unit)
+        items.append(text)
+        document["claims"].append({"kind": claim.kind, "text": claim.text, "sentence": text, "counts": counts,
+                                   "units": units})
+    if items:
+        blocks += [("p", "**The paper's claims, checked on the testbed:**"), ("ul", items)]
+    return blocks, document
+
+
+def _fmt_value(value: float | None) -> str:
+    return "—" if value is None else f"{value:.4g}"

@@ -1,0 +1,1 @@
+"""Analyses of merges that compute the data of papers' figures (no plotting here)."""
