@@ -12,7 +12,7 @@ def stage(params, root, args):
     from mergecal.pipeline.experiments import paper_cells
     from mergecal.pipeline.flow import run_benchmark
 
-    cells, _ = paper_cells(params)
+    cells, _ = paper_cells(params, root)
     print(f"the papers' experiments: {len(cells)} cells (those the default matrix runs are reused)")
     result = run_benchmark(params_path=args.params, root=str(root), output=OUTPUT, cells=cells, profile="paper")
     if result["failed"] == result["cells"]:

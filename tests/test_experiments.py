@@ -26,11 +26,12 @@ def test_the_packaged_experiments_are_valid_and_name_their_papers():
     assert len(ids) == len(set(ids)) and all(i.split(".")[0] in found for i in ids)
 
 
-def test_each_experiment_makes_references_base_and_variants_per_merge_on_the_tracks_own_cells():
+def test_each_experiment_makes_references_base_and_variants_per_merge_on_the_tracks_own_cells(monkeypatch):
     tasks = tuple(PARAMS.vision.tasks)
+    monkeypatch.setattr(ex, "probed_ranking", lambda params, root, regime, seed: [f"key{i}" for i in range(17)])
     for paper in ex.load_experiments().values():
         for e in paper:
-            made = ex.experiment_cells(PARAMS, e)
+            made = ex.experiment_cells(PARAMS, e, root=".")
             names = [v.name for v in ex.variants(e, tasks)]
             per_group = len(e.merges) * len(names) + 2  # + zeroshot and finetuned
             assert len(made) == per_group * len(e.regimes) * len(PARAMS.seeds)
@@ -59,6 +60,18 @@ def test_narrowing_keeps_what_a_cell_id_hashes():
     assert narrowed.vision.arch == PARAMS.vision.arch and narrowed.vision.tasks == PARAMS.vision.tasks
     assert list(narrowed.benchmark.merges) == ["ties"] and narrowed.benchmark.chains == []
     assert PARAMS.benchmark.chains  # the given params are not changed
+
+
+def test_a_sweep_over_the_probed_ranking_takes_its_first_keys_and_the_probes_own_at_probing_top(monkeypatch):
+    e = experiment(merges=["tsv_m"], sweep={"parameter": "alpha", "over": "sensitive_top", "values": [0, 2, 10],
+                                            "chain": "{merge}>wsc(sensitive={sensitive})", "probed": "{merge}>wsc"})
+    monkeypatch.setattr(ex, "probed_ranking", lambda params, root, regime, seed: ["k1", "k2", "k3"])
+    made = {c.variant: c.cell for c in ex.experiment_cells(PARAMS, e, root=".")}
+    assert made["0"].label == "tsv_m>wsc(sensitive=[])"
+    assert made["2"].label == "tsv_m>wsc(sensitive=['k1', 'k2'])"
+    assert made["10"] in set(enumerate_cells(PARAMS))  # probing.top: the matrix's own `{merge}>wsc`
+    with pytest.raises(MergecalError, match="reads the probe's ranking: give the checkout"):
+        ex.experiment_cells(PARAMS, e)
 
 
 def test_sweeps_over_values_and_over_tasks():

@@ -29,21 +29,28 @@ BASE = "base"  # the key of an experiment's base chain among its variants
 
 
 class Sweep(Strict):
-    """One parameter swept: ``chain`` holds ``{value}`` (each of ``values``) or ``{index}`` (``over: tasks``: each
-    task of the track, by its index, the variant named after the task)."""
+    """One parameter swept: ``chain`` holds ``{value}`` (each of ``values``), ``{index}`` (``over: tasks``: each
+    task of the track, by its index, the variant named after the task) or ``{sensitive}`` (``over: sensitive_top``:
+    each value N is the first N keys of the probed magnitude-sensitivity ranking of the cell's regime and seed, MAGIC's
+    alpha; N equal to ``probing.top`` runs as ``probed``, the chain that takes the probe's own top keys: the
+    matrix's cell)."""
 
     parameter: str  # as the paper names it, shown on the plot's axis
     chain: str
     values: list[Any] = Field(default_factory=list)
-    over: Literal["values", "tasks"] = "values"
+    over: Literal["values", "tasks", "sensitive_top"] = "values"
+    probed: str | None = None
 
     @model_validator(mode="after")
     def _placeholder(self) -> "Sweep":
-        wanted = "{index}" if self.over == "tasks" else "{value}"
+        wanted = {"tasks": "{index}", "values": "{value}", "sensitive_top": "{sensitive}"}[self.over]
         if wanted not in self.chain:
             raise ValueError(f"sweep.chain {self.chain!r} has no {wanted}")
-        if self.over == "values" and not self.values:
+        if self.over != "tasks" and not self.values:
             raise ValueError("sweep.values: at least one value")
+        if self.over == "sensitive_top" and (self.probed is None
+                                             or any(not isinstance(v, int) or v < 0 for v in self.values)):
+            raise ValueError("a sweep over sensitive_top names its `probed` chain and counts of keys (integers >= 0)")
         return self
 
 
@@ -127,14 +134,21 @@ class Variant:
     value: Any = None  # the swept value (a task's index for ``over: tasks``)
 
 
-def variants(experiment: Experiment, tasks: tuple[str, ...]) -> list[Variant]:
-    """The base, then the experiment's variants in order."""
+def variants(experiment: Experiment, tasks: tuple[str, ...], ranking: list[str] | None = None,
+             probed_top: int | None = None) -> list[Variant]:
+    """The base, then the experiment's variants in order. A sweep over ``sensitive_top`` takes the probed
+    ``ranking`` of the cells' regime and seed (most sensitive first) and ``probing.top`` (``probed_top``); without
+    them its chains hold an empty list (their shape, for validation and display)."""
     out = [Variant(BASE, experiment.base)]
     sweep = experiment.sweep
     if sweep is None:
         return out + [Variant(name, chain) for name, chain in experiment.variants.items()]
     if sweep.over == "tasks":
         return out + [Variant(task, sweep.chain.replace("{index}", str(i)), i) for i, task in enumerate(tasks)]
+    if sweep.over == "sensitive_top":
+        return out + [Variant(str(n), sweep.probed if n == probed_top else
+                              sweep.chain.replace("{sensitive}", repr(list((ranking or [])[:n]) if ranking else [])), n)
+                      for n in sweep.values]
     return out + [Variant(str(v), sweep.chain.replace("{value}", repr(v) if isinstance(v, str) else str(v)), v)
                   for v in sweep.values]
 
@@ -187,7 +201,15 @@ def _first_error(err: Exception) -> str:
     return str(err).splitlines()[0]
 
 
-def narrowed_params(params: Params, experiment: Experiment) -> Params:
+def probed_ranking(params: Params, root, regime: str, seed: int) -> list[str]:
+    """The vision track's probed keys of ``regime`` and fine-tuning ``seed``, most magnitude-sensitive first."""
+    from ..calibrations.probing import SensitivityRanking
+    from .tracks.clip.built.stages import paths_for
+
+    return [key for key, _ in SensitivityRanking.load(paths_for(params, root, seed).sensitivity(regime)).scores]
+
+
+def narrowed_params(params: Params, experiment: Experiment, chains: list[str] | None = None) -> Params:
     """The params whose matrix is the experiment: its merges (each with the matrix's own settings), its base and
     variants as chains (at its fixed scaling, or searched), its regimes. Cell ids hash none of what changes
     here, so a cell the default matrix also runs keeps its id."""
@@ -203,7 +225,7 @@ def narrowed_params(params: Params, experiment: Experiment) -> Params:
     if absent:
         raise MergecalError(f"{where}: regime {absent[0]!r} is not among {experiment.track}.regimes {regimes}")
     tasks = tuple(section.tasks)
-    chains = list(dict.fromkeys(v.chain for v in variants(experiment, tasks)))
+    chains = chains or list(dict.fromkeys(v.chain for v in variants(experiment, tasks)))
     update: dict[str, Any] = {"merges": {m: params.benchmark.merges[m] for m in experiment.merges}}
     if experiment.scaling is None:
         update.update(chains=chains, fixed_scaling=[])
@@ -223,13 +245,29 @@ class ExperimentCell:
     cell: Cell
 
 
-def experiment_cells(params: Params, experiment: Experiment) -> list[ExperimentCell]:
+def experiment_cells(params: Params, experiment: Experiment, root=None) -> list[ExperimentCell]:
     """The experiment's cells (its track's, per regime and fine-tuning seed): the references, then per merge the
-    base and each variant."""
-    narrowed = narrowed_params(params, experiment)
-    tasks = tuple(getattr(narrowed, experiment.track).tasks)
+    base and each variant. A sweep over ``sensitive_top`` reads the probe's ranking of each regime and seed under
+    ``root`` (the checkout whose models the cells merge)."""
+    if experiment.sweep is not None and experiment.sweep.over == "sensitive_top":
+        if experiment.track != "vision":
+            raise MergecalError(f"experiment {experiment.id}: a sweep over sensitive_top reads the vision probe")
+        if root is None:
+            raise MergecalError(f"experiment {experiment.id}: its sweep reads the probe's ranking: give the checkout")
+        out = []
+        for regime in experiment.regimes:
+            for seed in params.seeds:
+                one = experiment.model_copy(update={"regimes": [regime]})
+                found = variants(one, (), probed_ranking(params, root, regime, seed), params.probing.top)
+                out += _cells(params.model_copy(update={"seeds": [seed]}), one, found)
+        return out
+    return _cells(params, experiment, variants(experiment, tuple(getattr(params, experiment.track).tasks)))
+
+
+def _cells(params: Params, experiment: Experiment, found: list[Variant]) -> list[ExperimentCell]:
+    narrowed = narrowed_params(params, experiment, list(dict.fromkeys(v.chain for v in found)))
     written = {(v.chain if experiment.scaling is None else fixed_chain(v.chain, experiment.scaling)): v.name
-               for v in variants(experiment, tasks)}
+               for v in found}
     out = []
     for cell in get_track(experiment.track).cells(narrowed):
         name = cell.merge if cell.merge in REFERENCES else written.get(cell.chain)
@@ -239,9 +277,10 @@ def experiment_cells(params: Params, experiment: Experiment) -> list[ExperimentC
     return out
 
 
-def paper_cells(params: Params, papers: tuple[str, ...] = PAPERS) -> tuple[list[Cell], list[ExperimentCell]]:
+def paper_cells(params: Params, root=None, papers: tuple[str, ...] = PAPERS) -> tuple[list[Cell], list[ExperimentCell]]:
     """Every experiment's cells once (a cell two experiments share, or that the matrix runs, is one cell), and
-    each experiment's cells."""
-    listed = [c for found in load_experiments(papers).values() for e in found for c in experiment_cells(params, e)]
+    each experiment's cells (``root``: the checkout, for the sweeps that read its probe's rankings)."""
+    listed = [c for found in load_experiments(papers).values() for e in found
+              for c in experiment_cells(params, e, root)]
     cells = list(dict.fromkeys(c.cell for c in listed))
     return cells, listed

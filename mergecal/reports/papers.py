@@ -387,6 +387,16 @@ def to_json(document: dict) -> str:
     return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
+def shown_chains(experiment, found, probed_top: int) -> dict[str, str]:
+    """Each variant's chain as the report shows it: a sweep over the probed ranking says which keys in words (they
+    differ per regime and seed)."""
+    sweep = experiment.sweep
+    if sweep is None or sweep.over != "sensitive_top":
+        return {v.name: v.chain for v in found}
+    return {v.name: v.chain if v.name == "base" else sweep.probed if v.value == probed_top else
+            sweep.chain.replace("{sensitive}", f"[the first {v.value} probed keys]") for v in found}
+
+
 def experiment_groups(experiment, listed, ids: Mapping, outcomes: Mapping[str, Outcome]) -> list[Group]:
     """The experiment's (regime, seed) groups, in its regimes' order, filled from the cells' outcomes."""
     groups: dict[tuple[str, int], Group] = {}
@@ -418,7 +428,7 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
     from .plots import slug
 
     out = Path(out_dir)
-    cells, listed = paper_cells(params)
+    cells, listed = paper_cells(params, root)
     ids = dict(zip(cells, matrix_ids(cells, params, root)))
     order = {item["id"]: i for i, item in enumerate(read("catalogue")["items"])}
     analyses = load_analyses()
@@ -430,7 +440,8 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
             groups = experiment_groups(experiment, listed, ids, outcomes)
             found = variants(experiment, groups[0].tasks if groups else ())
             blocks, document = experiment_section(experiment, groups, [v.name for v in found[1:]],
-                                                  {v.name: v.chain for v in found}, slug(experiment.id))
+                                                  shown_chains(experiment, found, params.probing.top),
+                                                  slug(experiment.id))
             sections.append((experiment.id, blocks, document))
         for item in analyses.get(paper, []):
             if analysis is None or item.id not in analysis:
