@@ -58,6 +58,20 @@ def calibrated(clip):
     return clip["m"].apply(clip["merged"], clip["pre"])
 
 
+def test_target_enhancement_takes_one_tasks_ratio_instead_of_the_mean(clip):
+    """aggregate=t (MAGIC's Fig. 10): the merged model's feature magnitude matched to task t's alone."""
+    mean = clip["m"]
+    assert all(torch.equal(mean.raw_ratios[n], torch.where(torch.isfinite(r := torch.stack(
+        [task[n] for task in mean.per_task]).mean(0)), r, torch.ones_like(r)).float()) for n in mean.raw_ratios)
+    target = measure_fsc(clip["merged"], clip["pre"], clip["finetuned"], clip["inputs"], aggregate=1, progress=False)
+    for name, ratio in target.raw_ratios.items():
+        own = target.per_task[1][name]
+        assert torch.equal(ratio, torch.where(torch.isfinite(own), own, torch.ones_like(own)).float())
+    assert any(not torch.equal(target.raw_ratios[n], mean.raw_ratios[n]) for n in mean.raw_ratios)
+    with pytest.raises(ParameterError, match="'aggregate'=3 names a task index; there are 3 tasks"):
+        measure_fsc(clip["merged"], clip["pre"], clip["finetuned"], clip["inputs"], aggregate=3, progress=False)
+
+
 # --- architectures --------------------------------------------------------------------------------------
 
 

@@ -10,8 +10,8 @@ batch x_t (``n_samples_per_task`` samples, default 1):
   3. r = ||Delta_t|| / ||Delta_merged|| (L1 by default) over the feature (last) dimension, one value per
      sample and position, then averaged over the batch: one ratio per token position; one scalar for
      LayerNorms (average over everything); per output channel for conv1 (norm over spatial positions);
-  4. average over the K tasks (Eq. 18); entries that are NaN or inf (Delta_merged = 0, e.g. the
-     parameter-free gelu) -> 1.
+  4. average over the K tasks (Eq. 18; ``aggregate=t``: task t's ratio alone, the paper's target enhancement of
+     Fig. 10); entries that are NaN or inf (Delta_merged = 0, e.g. the parameter-free gelu) -> 1.
 With ``task_feature="network"`` (the paper's Eq. 3; steps 1-3 above, ``module_replay``, are the default)
 the task feature of module m comes from whole-network runs instead: run the merged, the pretrained and task t's
 fine-tuned MODEL each on x_t and capture m's output in each run,
@@ -55,7 +55,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoint import load_state_dict, save_state_dict
-from ..config_types import Count
+from ..config_types import Count, NonNegativeInt
 from ..errors import CheckpointError, IncompatibleModelsError, ParameterError, UnknownNameError
 from ..feature_hooks import HookedArchitecture, ModuleSpec, is_affine_in_parameters, resolve_architecture
 from ..methods.base import build_params, format_params
@@ -78,7 +78,9 @@ class FscParams(CalibrationParams):
 
     n_samples_per_task: Count = 1  # unlabeled samples per task (paper: 1)
     norm: Literal["l1", "l2"] = "l1"  # norm over the feature dimension
-    aggregate: Literal["mean"] = "mean"  # over the K tasks (Eq. 18)
+    # "mean" over the K tasks (Eq. 18), or a task's index t: its ratio alone, the merged model's feature magnitude
+    # matched to that specialised model's (the paper's "target enhancement", Fig. 10)
+    aggregate: Literal["mean"] | NonNegativeInt = "mean"
     # "mean": one scalar per module (not the reference); task_feature="network" always gives one scalar
     token_ratios: Literal["per_token", "mean"] = "per_token"
     sensitive: list[str] | None = None  # magnitude-sensitive modules or parameter keys (from probing); None: no rule
@@ -413,6 +415,9 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
     _check_specs(specs)
     if len(finetuned) == 0:  # a Sequence: finetuned[t] is read once, in task order (it may build the model lazily)
         raise ParameterError("fsc: at least one fine-tuned model is required")
+    if params.aggregate != "mean" and params.aggregate >= len(finetuned):
+        raise ParameterError(f"fsc: parameter 'aggregate'={params.aggregate} names a task index; there are "
+                             f"{len(finetuned)} tasks (0-{len(finetuned) - 1})")
     batches = _task_batches(task_inputs, len(finetuned), params)
     flags = sensitive_flags(merged, [s.name for s in specs], params.sensitive)
     merged_modules = {s.name: merged.get_submodule(s.name) for s in specs}
@@ -446,8 +451,8 @@ def measure_fsc(merged: nn.Module, pretrained: nn.Module, finetuned: Sequence[nn
             raise ParameterError(f"fsc: module {spec.name!r} gave ratios of different shapes across tasks "
                                  f"{sorted(shapes)}; per-token ratios need inputs of one sequence length "
                                  "(pad them) or token_ratios='mean'")
-        mean = torch.stack(ratios).mean(dim=0)
-        raw[spec.name] = torch.where(torch.isfinite(mean), mean, torch.ones_like(mean)).float()
+        combined = torch.stack(ratios).mean(dim=0) if params.aggregate == "mean" else ratios[params.aggregate]
+        raw[spec.name] = torch.where(torch.isfinite(combined), combined, torch.ones_like(combined)).float()
     return FscMeasurement(architecture=fam.name, specs=list(specs), raw_ratios=raw, per_task=per_task, sensitive=flags,
                           params=params)
 

@@ -26,6 +26,7 @@ from .params_base import Strict, _distinct
 from .track_registry import get_track
 
 BASE = "base"  # the key of an experiment's base chain among its variants
+MERGE_ALONE = "{merge}"
 
 
 class Sweep(Strict):
@@ -56,9 +57,10 @@ class Sweep(Strict):
 
 class Claim(Strict):
     """A statement of the paper a report checks against the paired 95 % intervals, per merge (and regime, seed):
-    ``gain`` / ``loss``: ``variant`` above / below ``than`` (default the base); ``diagonal``: a task's accuracy is
-    highest when the calibration targets it (the variants of an ``over: tasks`` sweep); ``increase``: the last
-    variant above the first."""
+    ``gain`` / ``loss``: ``variant`` above / below ``than`` (default the base); ``diagonal``: per task, its accuracy
+    when the calibration targets it (the variants of an ``over: tasks`` sweep) above its mean accuracy under the
+    other targets (``than: others``) or above the base (``than: base``); ``increase``: the last variant above the
+    first."""
 
     kind: Literal["gain", "loss", "diagonal", "increase"]
     text: str  # the paper's claim, in one line
@@ -70,6 +72,8 @@ class Claim(Strict):
     def _variant(self) -> "Claim":
         if self.kind in ("gain", "loss") and self.variant is None:
             raise ValueError(f"a {self.kind} claim names its variant")
+        if (self.than == "others") != (self.kind == "diagonal" and self.than != BASE):
+            raise ValueError("than: others is for a diagonal claim, which compares with `others` or `base`")
         return self
 
 
@@ -227,8 +231,8 @@ def narrowed_params(params: Params, experiment: Experiment, chains: list[str] | 
     tasks = tuple(section.tasks)
     chains = chains or list(dict.fromkeys(v.chain for v in variants(experiment, tasks)))
     update: dict[str, Any] = {"merges": {m: params.benchmark.merges[m] for m in experiment.merges}}
-    if experiment.scaling is None:
-        update.update(chains=chains, fixed_scaling=[])
+    if experiment.scaling is None:  # calibrated chains take the scaling their merge alone chose: it runs too
+        update.update(chains=list(dict.fromkeys([MERGE_ALONE, *chains])), fixed_scaling=[])
     else:
         update.update(chains=[], fixed_scaling=[FixedScaling(scaling=experiment.scaling, chains=chains,
                                                              merges=experiment.merges)])
@@ -268,6 +272,7 @@ def _cells(params: Params, experiment: Experiment, found: list[Variant]) -> list
     narrowed = narrowed_params(params, experiment, list(dict.fromkeys(v.chain for v in found)))
     written = {(v.chain if experiment.scaling is None else fixed_chain(v.chain, experiment.scaling)): v.name
                for v in found}
+    written.setdefault(MERGE_ALONE, MERGE_ALONE)  # the scaling source of a searched experiment's calibrated base
     out = []
     for cell in get_track(experiment.track).cells(narrowed):
         name = cell.merge if cell.merge in REFERENCES else written.get(cell.chain)

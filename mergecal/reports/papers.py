@@ -114,11 +114,13 @@ def sentence(text: str, counts: Mapping[str, int], unit: str, unmeasured: int = 
             f"{counts.get('inconclusive', 0)} inside the noise{missing}.")
 
 
-def diagonal_interval(group: Group, merge: str, targets: Sequence[str], task: str) -> list | None:
-    """Task ``task``'s accuracy when the calibration targets it minus its mean accuracy under the other targets:
-    the paired interval over its test examples, in points."""
+def diagonal_interval(group: Group, merge: str, targets: Sequence[str], task: str, than: str = "others"
+                      ) -> list | None:
+    """Task ``task``'s accuracy when the calibration targets it minus its mean accuracy under the other targets
+    (``than="others"``) or its accuracy under the base: the paired interval over its test examples, in points."""
     outcomes = group.outcomes.get(merge, {})
-    scores = {t: (outcomes[t].examples or {}).get(task) for t in targets if t in outcomes}
+    wanted = targets if than == "others" else [task, than]
+    scores = {t: (outcomes[t].examples or {}).get(task) for t in wanted if t in outcomes}
     if task not in scores or scores[task] is None or any(s is None for s in scores.values()) or len(scores) < 2:
         return None
     others = np.mean([np.asarray(s, dtype=np.float64) for t, s in scores.items() if t != task], axis=0)
@@ -133,7 +135,7 @@ def claim_verdicts(experiment, groups: Sequence[Group], claim, variant_names: Se
             outcomes = group.outcomes.get(merge, {})
             if claim.kind == "diagonal":
                 for task in variant_names:
-                    interval = diagonal_interval(group, merge, variant_names, task)
+                    interval = diagonal_interval(group, merge, variant_names, task, claim.than)
                     out.append({"regime": group.regime, "seed": group.seed, "merge": merge, "task": task,
                                 "interval": interval, "verdict": verdict(interval, "gain")})
                 continue
