@@ -31,6 +31,29 @@ MEANING = {
     "out_of_scope": "not reproducible here, with the reason"}
 
 
+HOW = """## The papers' profile: `make paper`
+
+`make paper` (`dvc repro papers/dvc.yaml`) runs after the default run and reuses every cell it shares with it:
+- **experiments** (`experiments:` in `mergecal/experiments/svc.yaml` and `magic.yaml`): a track, its regimes, the
+  merges, a base chain and its variants, listed (`variants: {row: "{merge}>svc(space='row')"}`) or swept
+  (`sweep:` a parameter's `values` in `{value}`, each task's index in `{index}` with `over: tasks`, or the first N
+  keys of the probed sensitivity ranking in `{sensitive}` with `over: sensitive_top`), at a fixed `scaling` (the
+  papers' ablations: SVC at 1, MAGIC at 0.3) or searched as the matrix does. They run as cells of the benchmark:
+  the tracks' own cells, ids and cache (a variant the matrix runs is that cell), through the same Prefect flow and
+  MLflow store (`mergecal/pipeline/experiments.py`, stage `paper_cells`).
+- **analyses** (`analyses:`): figures computed from the vision track's models rather than from cells: the SVC
+  paper's spectra and cross terms (`mergecal/analysis/svc_spectrum.py`, stage `paper_analysis`).
+- **reports** (stage `paper_reports`): `reports/papers/<paper>.{md,html,json}` and their plots, committed like the
+  board. Per item: what the paper shows, the testbed's table (each value with its 95 % bootstrap interval, each
+  variant's change against its base with the paired interval) and plot, the paper's printed numbers where it prints
+  them, and under each of the paper's `claims` a sentence computed from the intervals: agrees in direction,
+  disagrees, mixed or inconclusive, with the counts. An analysis is an exact function of one set of fine-tunes: its
+  claims are counted without an interval, and say so.
+
+Adding an item: an entry in the paper's YAML (its `id` the catalogue's), then `status: paper` and `section:` here.
+Cost: docs/performance.md."""
+
+
 def detail(item: dict) -> str:
     status = item["status"]
     if status == "paper":
@@ -51,9 +74,9 @@ def render(items: list[dict]) -> str:
     lines = ["# The papers' tables and figures", "",
              "Every table and figure of the three papers mergecal implements, what each shows and what mergecal does "
              "with it: generated from `mergecal/experiments/catalogue.yaml` by `python -m scripts.catalogue --write` "
-             "(`tests/test_catalogue.py` fails when this page or a report section drifts). `make paper` runs the "
-             "papers' profile after the default run and writes `reports/papers/`.", "",
-             "| status | meaning |", "|---|---|"] + [f"| {s} | {MEANING[s]} |" for s in STATUSES] + [
+             "(`tests/test_catalogue.py` fails when this page or a report section drifts).", "",
+             *HOW.splitlines(), "", "| status | meaning |", "|---|---|"]
+    lines += [f"| {s} | {MEANING[s]} |" for s in STATUSES] + [
              "", "| paper | items | " + " | ".join(STATUSES) + " |", "|---|---|" + "---|" * len(STATUSES)]
     for paper in PAPERS:
         row = [str(counts[(paper, s)]) for s in STATUSES]

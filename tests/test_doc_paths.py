@@ -101,9 +101,16 @@ def committed_folders(root: Path) -> frozenset[str]:
     return frozenset(str(Path(name).parents[i]) for name in committed(root) for i in range(len(Path(name).parts) - 1))
 
 
+PIPELINES = ("dvc.yaml", "papers/dvc.yaml")  # the default run's stages and the papers' profile's (wdir: the root)
+
+
 @cache
 def dvc_yaml(root: Path) -> dict:
-    return yaml.safe_load((root / "dvc.yaml").read_text()) or {}
+    """Every stage of the project's pipeline files, by name."""
+    stages = {}
+    for name in PIPELINES:
+        stages.update((yaml.safe_load((root / name).read_text()) or {}).get("stages") or {})
+    return {"stages": stages}
 
 
 @cache
@@ -367,6 +374,8 @@ def command_problems(prog: str, args: str, root: Path) -> list[tuple[str, str]]:
                 continue
             if not re.fullmatch(r"[\w.@:/-]+", word):
                 break
+            if word in PIPELINES:  # a pipeline file as the target: all its stages
+                continue
             stage = word.split(":")[-1].split("@")[0]
             if stage not in dvc_stages(root):
                 found.append((f"dvc repro {word}", "no such stage in dvc.yaml"))
