@@ -112,9 +112,16 @@ class Experiment(Strict):
 class AnalysisClaim(Strict):
     """A statement of the paper a report checks on an analysis's numbers (``mergecal.reports.papers``): ``top_gap``
     (sigma above sigma* in the top subspace), ``both_signs`` (some subspaces above, some below), ``positive_cross``
-    (cross terms between tasks mostly positive in the top subspaces)."""
+    (cross terms between tasks mostly positive in the top subspaces), ``smaller_magnitude`` (merged task features
+    smaller than the specialised ones), ``follows_weight`` (a feature magnitude ratio on the same side of 1 as its
+    weight ratio), ``opposite_to_weight`` (the weight magnitude grows while the feature's shrinks),
+    ``own_layer_gains`` (swapping in the inference task's own layer raises its task feature), ``own_layer_gains_most``
+    (more than another task's layer does, on average), ``similar_layers`` (two
+    tasks' layer sensitivities rank alike), ``between_tasks`` (xi varies less within a task than between tasks)."""
 
-    kind: Literal["top_gap", "both_signs", "positive_cross"]
+    kind: Literal["top_gap", "both_signs", "positive_cross", "smaller_magnitude", "follows_weight",
+                  "opposite_to_weight", "own_layer_gains", "own_layer_gains_most", "similar_layers",
+                  "between_tasks"]
     text: str
 
 
@@ -125,8 +132,9 @@ class Analysis(Strict):
     id: str
     item: str
     shows: str
-    kind: Literal["svc_spectrum", "svc_cross_terms"]
-    merges: list[str] = Field(min_length=1)
+    kind: Literal["svc_spectrum", "svc_cross_terms", "magic_projection", "magic_magnitude", "magic_swap",
+                  "magic_sensitivity", "magic_xi"]
+    merges: list[str] = Field(min_length=1)  # magic_magnitude: its operations (trim, sum, disjoint)
     regime: str = "standard"
     claims: list[AnalysisClaim] = Field(default_factory=list)
 

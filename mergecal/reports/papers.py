@@ -90,13 +90,18 @@ def verdict(interval: list | None, expected: str) -> str | None:
 
 
 def overall(counts: Mapping[str, int]) -> str:
-    """The claim's word from its verdicts: agrees in direction (some agree, none disagree), disagrees, mixed or
-    inconclusive (no interval excludes 0)."""
+    """The claim's word from its verdicts: agrees in direction (some agree, none disagree), disagrees (the reverse),
+    mostly agrees / mostly disagrees (one side at least three times the other), mixed, or inconclusive (no unit
+    decided)."""
     agree, disagree = counts.get("agrees", 0), counts.get("disagrees", 0)
     if agree and not disagree:
         return "agrees in direction"
     if disagree and not agree:
         return "disagrees"
+    if agree >= 3 * disagree > 0:
+        return "mostly agrees"
+    if disagree >= 3 * agree > 0:
+        return "mostly disagrees"
     if agree and disagree:
         return "is mixed"
     return "is inconclusive"
@@ -525,9 +530,7 @@ def _verdict_of(sign: float | None) -> str:
     return "inconclusive" if sign is None or sign == 0 else "agrees" if sign > 0 else "disagrees"
 
 
-def analysis_claim_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[dict]:
-    """Each unit's verdict on an analysis claim: per (merge, key class), or per (merge, key class, r) for the
-    cross terms."""
+def _svc_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[dict]:
     out = []
     for merge, found in ((m, data[m]) for m in merges if m in data):
         for name, entry in found["classes"].items():
@@ -548,15 +551,74 @@ def analysis_claim_units(claim, merges: Sequence[str], data: Mapping[str, Any]) 
     return out
 
 
-def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tuple[list[tuple], dict]:
-    """One analysis's blocks and JSON document (``entry``: its part of results/papers/analysis.json)."""
-    data = entry["data"]
-    blocks: list[tuple] = [
-        ("h2", f"{analysis.id}: {analysis.item}"), ("p", f"**The paper**: {analysis.shows}."),
-        ("p", f"**On the testbed**: the vision track's fine-tunes (seed {entry['seed']}, {entry['regime']} regime), "
-              "each merge read at λ = 1 with the matrix's own settings; means over the layers of each key class.")]
+def _side(value: float | None) -> int | None:
+    return None if value is None else (value > 1) - (value < 1)
+
+
+def _magic_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[dict]:
+    out = []
+    if claim.kind == "smaller_magnitude":
+        for merge in (m for m in merges if m in data["magnitude_ratio"]):
+            for task, ratio in zip(data["tasks"], data["magnitude_ratio"][merge]):
+                out.append({"merge": merge, "task": task, "ratio": ratio,
+                            "verdict": _verdict_of(None if ratio is None else 1 - ratio)})
+    elif claim.kind in ("follows_weight", "opposite_to_weight"):
+        for name, op in data["operations"].items():
+            for layer, weights, features in zip(data["layers"], op["weight_ratio"], op["feature_ratio"]):
+                for task, w, f in zip(data["tasks"], weights, features):
+                    if claim.kind == "follows_weight":
+                        found = (None if _side(w) in (None, 0) or _side(f) in (None, 0) else
+                                 "agrees" if _side(w) == _side(f) else "disagrees")
+                    elif _side(w) != 1:
+                        continue  # the claim is about the points whose weight magnitude grew
+                    else:
+                        found = _verdict_of(None if f is None else 1 - f)
+                    out.append({"operation": name, "layer": layer, "task": task, "weight_ratio": w,
+                                "feature_ratio": f, "verdict": found or "inconclusive"})
+    elif claim.kind in ("own_layer_gains", "own_layer_gains_most"):
+        for merge in (m for m in merges if m in data):
+            for layer, swap in data[merge]["swaps"].items():
+                gain = np.array(swap["gain"], dtype=float)
+                for i, task in enumerate(data[merge]["tasks"]):
+                    own = float(gain[i, i])
+                    margin = own if claim.kind == "own_layer_gains" else own - float(np.nanmean(np.delete(gain[i], i)))
+                    out.append({"merge": merge, "layer": layer, "task": task, "gain": own,
+                                "verdict": _verdict_of(margin)})
+    elif claim.kind == "similar_layers":
+        rho = np.array(data["spearman"], dtype=float)
+        for i in range(len(rho)):
+            for j in range(i + 1, len(rho)):
+                out.append({"tasks": [data["tasks"][i], data["tasks"][j]], "spearman": round(float(rho[i, j]), 4),
+                            "verdict": _verdict_of(float(rho[i, j]))})
+    elif claim.kind == "between_tasks":
+        for merge in (m for m in merges if m in data):
+            for layer, entry in data[merge]["coefficients"].items():
+                between = float(np.std(np.array(entry["task_mean"], dtype=float)))
+                for task, within in zip(data[merge]["tasks"], entry["task_std"]):
+                    out.append({"merge": merge, "layer": layer, "task": task, "within": within,
+                                "between": round(between, 6), "verdict": _verdict_of(between - within)})
+    return out
+
+
+UNITS = {"top_gap": "(merge, key class) units", "both_signs": "(merge, key class) units",
+         "positive_cross": "(merge, key class, r) units", "smaller_magnitude": "(merge, task) units",
+         "follows_weight": "(layer, task) points", "opposite_to_weight": "(layer, task) points whose weights grew",
+         "own_layer_gains": "(merge, layer, task) units", "own_layer_gains_most": "(merge, layer, task) units",
+         "similar_layers": "pairs of tasks",
+         "between_tasks": "(merge, task) units"}
+
+
+def analysis_claim_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[dict]:
+    """Each unit's verdict on an analysis claim (``UNITS`` says what a unit is for each kind)."""
+    if claim.kind in ("top_gap", "both_signs", "positive_cross"):
+        return _svc_units(claim, merges, data)
+    return _magic_units(claim, merges, data)
+
+
+def _svc_blocks(analysis, data: Mapping[str, Any], prefix: str, regime: str) -> list[tuple]:
+    blocks: list[tuple] = []
     for merge, found in ((m, data[m]) for m in analysis.merges if m in data):
-        stem = f"{plot_prefix}-{merge}"
+        stem = f"{prefix}-{merge}"
         if analysis.kind == "svc_spectrum":
             rows = [[[f"`{name}`"], [str(c["keys"])], *[[_fmt_value(c["spectrum"][s][0])] for s in
                                                           ("sigma", "sigma_star", "gamma_sigma", "gap")],
@@ -566,9 +628,9 @@ def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tu
             blocks += [("h3", f"`{merge}` (SVC's α = {found['alpha']:g})"),
                        ("table", ["key class", "layers", "σ₁", "σ₁*", "γσ₁", "σ₁ − σ₁*", "subspaces with σ > σ*"],
                         rows),
-                       ("plot", Plot(stem, "paper", ("vision", "", entry["regime"]), f"{analysis.item}: {merge}",
-                                     to_svg(_spectrum_figure(f"{analysis.item}: {merge}, σ, σ* and γσ per subspace",
-                                                             found["classes"]), stem)))]
+                       _plot(stem, f"{analysis.item}: {merge}", regime,
+                             _spectrum_figure(f"{analysis.item}: {merge}, σ, σ* and γσ per subspace",
+                                              found["classes"]))]
         else:
             rows = []
             for name, c in found["classes"].items():
@@ -581,16 +643,156 @@ def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tu
                        ("p", "Each subspace's cross terms divided by σ_r² (under addition they sum to 1: the diagonal "
                              "is each task's own share, the rest what pairs of tasks add on top)."),
                        ("table", ["key class", "r", "diagonal (own)", "off-diagonal (cross)", "positive pairs"], rows),
-                       ("plot", Plot(stem, "paper", ("vision", "", entry["regime"]), f"{analysis.item}: {merge}",
-                                     to_svg(_cross_figure(f"{analysis.item}: {merge}, cross terms / σ₁²",
-                                                          found["classes"], found["tasks"]), stem)))]
+                       _plot(stem, f"{analysis.item}: {merge}", regime,
+                             _cross_figure(f"{analysis.item}: {merge}, cross terms / σ₁²", found["classes"],
+                                           found["tasks"]))]
+    return blocks
+
+
+def _plot(stem: str, title: str, regime: str, fig: Figure) -> tuple:
+    return ("plot", Plot(stem, "paper", ("vision", "", regime), title, to_svg(fig, stem)))
+
+
+def _projection_blocks(analysis, data, prefix, regime) -> list[tuple]:
+    tasks, merges = data["tasks"], [m for m in analysis.merges if m in data["magnitude_ratio"]]
+    rows = [[[task], *[[_fmt_value(data["magnitude_ratio"][m][t])] for m in merges],
+             *[[_fmt_value(float(np.mean(data["cosine"][m][t])))] for m in merges]] for t, task in enumerate(tasks)]
+    fig = Figure(figsize=(3.4 * len(merges), 3.4))
+    for k, merge in enumerate(merges, 1):
+        ax = fig.add_subplot(1, len(merges), k)
+        for t, task in enumerate(tasks):
+            for model, marker in ((merge, "o"), ("specialised", "x")):
+                xy = np.array(data["points"][model][t], dtype=float)
+                ax.scatter(xy[:, 0], xy[:, 1], s=6, marker=marker, color=f"C{t % 10}",
+                           label=task if model == merge else None)
+        ax.set_title(f"{merge} (o) and specialised (x)", fontsize=8)
+        ax.tick_params(labelsize=6)
+        if k == len(merges):
+            ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(f"{analysis.item}: task features at {data['layer']}, PCA", fontsize=9)
+    fig.tight_layout()
+    return [("p", f"Layer `{data['layer']}`; magnitude ratio = the merged task feature's L2 norm over the "
+                  "specialised model's, averaged over the task's images (below 1: the merge's feature is smaller); "
+                  "cosine = their direction's agreement."),
+            ("table", ["task", *[f"`{m}` magnitude ratio" for m in merges], *[f"`{m}` cosine" for m in merges]],
+             rows),
+            _plot(prefix, analysis.item, regime, fig)]
+
+
+def _magnitude_blocks(analysis, data, prefix, regime) -> list[tuple]:
+    (name, op), = data["operations"].items()
+    rows = [[[f"`{layer}`"], [_fmt_value(w)], [_fmt_value(f)]]
+            for layer, w, f in zip(data["layers"], op["layer_mean"]["weight_ratio"], op["layer_mean"]["feature_ratio"])]
+    fig = Figure(figsize=(4.2, 3.8))
+    ax = fig.add_subplot()
+    w = np.array(op["weight_ratio"], dtype=float).ravel()
+    f = np.array(op["feature_ratio"], dtype=float).ravel()
+    ax.scatter(w, f, s=6, color="C0")
+    ax.axhline(1, color="#888", linewidth=0.8)
+    ax.axvline(1, color="#888", linewidth=0.8)
+    ax.set_xlabel("weight magnitude ratio (after / before)", fontsize=8)
+    ax.set_ylabel("feature magnitude ratio (after / before)", fontsize=8)
+    ax.set_title(f"{analysis.item}: each point a (layer, task)", fontsize=9)
+    fig.tight_layout()
+    return [("p", f"Operation `{name}`: `{op['method']}` with {op['params']}"
+                  f"{', on each task vector alone' if op['per_task'] else ''}. Per layer, the mean over tasks of the "
+                  "ratio after / before the operation, in weight space (L2 of the layer's task vector) and in "
+                  "feature space (L1 of its task feature on the task's images)."),
+            ("table", ["layer", "weight ratio", "feature ratio"], rows), _plot(prefix, analysis.item, regime, fig)]
+
+
+def _swap_blocks(analysis, data, prefix, regime) -> list[tuple]:
+    blocks = []
+    for merge in (m for m in analysis.merges if m in data):
+        found = data[merge]
+        gains = np.array([s["gain"] for s in found["swaps"].values()], dtype=float)
+        mean = np.nanmean(gains, axis=0)
+        k = len(found["tasks"])
+        diagonal = [float(np.mean(np.diag(g))) for g in gains]
+        off = [float(np.mean(g[~np.eye(k, dtype=bool)])) for g in gains]
+        rows = [[[f"`{layer}`"], [_fmt_value(d)], [_fmt_value(o)]] for layer, d, o in zip(found["swaps"], diagonal,
+                                                                                           off)]
+        fig = Figure(figsize=(4.6, 4.0))
+        ax = fig.add_subplot()
+        bound = float(np.nanmax(np.abs(mean))) or 1.0
+        ax.imshow(mean, cmap="RdBu_r", vmin=-bound, vmax=bound)
+        ax.set_xticks(range(k), found["tasks"], rotation=90, fontsize=6)
+        ax.set_yticks(range(k), found["tasks"], fontsize=6)
+        ax.set_xlabel("substituted task vector", fontsize=8)
+        ax.set_ylabel("inference task", fontsize=8)
+        ax.set_title(f"{analysis.item}: {merge}, gain averaged over layers", fontsize=9)
+        fig.tight_layout()
+        blocks += [("h3", f"`{merge}`"),
+                   ("p", "Per layer, the mean task-feature gain (L1) when the merge's layer is replaced by the "
+                         "inference task's own (diagonal) and by another task's (off-diagonal)."),
+                   ("table", ["layer", "own task's layer", "another task's"], rows),
+                   _plot(f"{prefix}-{merge}", f"{analysis.item}: {merge}", regime, fig)]
+    return blocks
+
+
+def _sensitivity_blocks(analysis, data, prefix, regime) -> list[tuple]:
+    tasks, keys = data["tasks"], data["keys"]
+    values = np.array(data["sensitivity"], dtype=float)
+    fig = Figure(figsize=(1.2 + 0.32 * len(keys), 1.0 + 0.3 * len(tasks)))
+    ax = fig.add_subplot()
+    bound = float(np.nanmax(np.abs(values))) or 1.0
+    ax.imshow(values, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
+    short = [k.replace("visual.transformer.resblocks.", "b").replace("visual.", "") for k in keys]
+    ax.set_xticks(range(len(keys)), short, rotation=90, fontsize=5)
+    ax.set_yticks(range(len(tasks)), tasks, fontsize=6)
+    ax.set_title(f"{analysis.item}: probe change when one layer's task vector is scaled by {data['scale']}", fontsize=8)
+    fig.tight_layout()
+    rho = np.array(data["spearman"], dtype=float)
+    rows = [[[task], *[[f"{rho[i, j]:+.2f}"] for j in range(len(tasks))]] for i, task in enumerate(tasks)]
+    return [("p", f"Each specialised model probed as the pipeline probes the merge (probe set `letters`, "
+                  f"{len(keys)} candidate layers); the table is the Spearman correlation of two tasks' sensitivities "
+                  "over the layers."),
+            ("table", ["task", *tasks], rows), _plot(prefix, analysis.item, regime, fig)]
+
+
+def _xi_blocks(analysis, data, prefix, regime) -> list[tuple]:
+    blocks = []
+    for merge in (m for m in analysis.merges if m in data):
+        found = data[merge]
+        for layer, entry in found["coefficients"].items():
+            rows = [[[task], [_fmt_value(m)], [_fmt_value(sd)], [str(len(x))]]
+                    for task, m, sd, x in zip(found["tasks"], entry["task_mean"], entry["task_std"], entry["xi"])]
+            fig = Figure(figsize=(5.0, 3.2))
+            ax = fig.add_subplot()
+            for t, xs in enumerate(entry["xi"]):
+                ax.scatter([t] * len(xs), xs, s=8, color=f"C{t % 10}")
+            ax.set_xticks(range(len(found["tasks"])), found["tasks"], rotation=45, ha="right", fontsize=7)
+            ax.set_ylabel("ξ (FSC's ratio)", fontsize=8)
+            ax.set_title(f"{analysis.item}: {merge}, {layer}", fontsize=8)
+            fig.tight_layout()
+            blocks += [("h3", f"`{merge}`, `{layer}`"),
+                       ("table", ["task", "mean ξ", "sd across samples", "samples"], rows),
+                       _plot(f"{prefix}-{merge}", f"{analysis.item}: {merge}", regime, fig)]
+    return blocks
+
+
+RENDER = {"svc_spectrum": _svc_blocks, "svc_cross_terms": _svc_blocks, "magic_projection": _projection_blocks,
+          "magic_magnitude": _magnitude_blocks, "magic_swap": _swap_blocks, "magic_sensitivity": _sensitivity_blocks,
+          "magic_xi": _xi_blocks}
+
+
+def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tuple[list[tuple], dict]:
+    """One analysis's blocks and JSON document (``entry``: its part of results/papers/analysis.json)."""
+    data = entry["data"]
+    how = ("each merge read at λ = 1 with the matrix's own settings; means over the layers of each key class"
+           if analysis.kind.startswith("svc") else
+           "each merge at the scaling the default run chose for it, each task's first test images")
+    blocks: list[tuple] = [
+        ("h2", f"{analysis.id}: {analysis.item}"), ("p", f"**The paper**: {analysis.shows}."),
+        ("p", f"**On the testbed**: the vision track's fine-tunes (seed {entry['seed']}, {entry['regime']} regime), "
+              f"{how}.")]
+    blocks += RENDER[analysis.kind](analysis, data, plot_prefix, entry["regime"])
     document: dict[str, Any] = {"id": analysis.id, "item": analysis.item, "shows": analysis.shows, "claims": []}
     items = []
     for claim in analysis.claims:
         units = analysis_claim_units(claim, analysis.merges, data)
         counts = {v: sum(1 for u in units if u["verdict"] == v) for v in VERDICTS}
-        unit = "(merge, key class, r) units" if claim.kind == "positive_cross" else "(merge, key class) units"
-        text = analysis_sentence(claim.text, counts, unit)
+        text = analysis_sentence(claim.text, counts, UNITS[claim.kind])
         items.append(text)
         document["claims"].append({"kind": claim.kind, "text": claim.text, "sentence": text, "counts": counts,
                                    "units": units})
