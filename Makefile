@@ -28,7 +28,7 @@ export ATEN_CPU_CAPABILITY := avx2
 # OPENBLAS_CORETYPE for OpenBLAS's correctness on their CPU)
 export OPENBLAS_CORETYPE ?= Haswell
 
-.PHONY: setup run paper test lint fast perf bench perf-mergekit perf-svd-llama clean
+.PHONY: setup run paper perf-svc test lint fast perf bench perf-mergekit perf-svd-llama clean
 
 setup: $(STAMP)
 
@@ -69,6 +69,13 @@ run: $(STAMP)
 paper: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro papers/dvc.yaml
 	@echo "papers: $(CURDIR)/reports/papers/svc.html, $(CURDIR)/reports/papers/magic.html (and .md)"
+
+# SVC's own time and peak memory at ViT-B/32 and ViT-L/14 shapes, K = 8, one thread (the SVC paper's Table 4;
+# reports/papers/svc.md reads the two files, which make paper never rewrites: a measurement is not reproducible)
+SVC_ONLY := --calibrations --no-merges --no-solvers --only "svc (alpha=1/K)" --threads 1
+perf-svc: $(STAMP)
+	$(BIN)/mergecal perf $(SVC_ONLY) --shapes vit-b-32 --output reports/perf/svc-vit-b-32.md
+	$(BIN)/mergecal perf $(SVC_ONLY) --shapes vit-l-14 --output reports/perf/svc-vit-l-14.md
 
 # Speed and memory of the merge methods and calibrations on ViT-B/32-shaped task vectors.
 perf: $(STAMP)

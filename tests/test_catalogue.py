@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mergecal.experiments import read
-from mergecal.pipeline.experiments import load_analyses, load_experiments
+from mergecal.pipeline.experiments import load_analyses, load_experiments, load_measurements
 from mergecal.presets import PRESETS
 from scripts import catalogue
 
@@ -34,8 +34,8 @@ def test_every_item_is_listed_once_with_its_statuses_detail():
 
 
 def test_each_item_the_papers_profile_regenerates_is_an_experiment_with_its_committed_report_section():
-    experiments = {e.id: paper for found in (load_experiments(), load_analyses()) for paper, items in found.items()
-                   for e in items}
+    experiments = {e.id: paper for found in (load_experiments(), load_analyses(), load_measurements())
+                   for paper, items in found.items() for e in items}
     profiled = {i["id"]: i for i in ITEMS if i["status"] == "paper"}
     assert set(profiled) == set(experiments)  # every experiment is catalogued, every such item runs
     for item_id, item in profiled.items():

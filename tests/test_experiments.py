@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -221,3 +223,20 @@ def test_an_analysis_claim_counts_its_units_from_the_models_numbers():
                                                                                         [[0.5, -0.1], [-0.1, 0.7]]]}}}}
     units = reports.analysis_claim_units(cross.claims[0], cross.merges, data)
     assert [(u["r"], u["verdict"]) for u in units] == [(1, "agrees"), (2, "disagrees")]
+
+
+def test_a_measurement_is_read_from_its_committed_file_beside_the_printed_figures(tmp_path):
+    item = ex.Measurement.model_validate({
+        "id": "svc.tab4", "item": "Table 4", "shows": "cost", "command": "make perf-svc",
+        "measured": [{"shape": "B/32", "file": "b32.json", "row": "svc (alpha=1/K)"},
+                     {"shape": "L/14", "file": "l14.json", "row": "svc (alpha=1/K)"}],
+        "printed": {"B/32": {"seconds": 5.1, "mib": 1027.4}, "7B": {"seconds": 517.2, "mib": 1898.7}},
+        "printed_where": "Table 4"})
+    (tmp_path / "b32.json").write_text(json.dumps({"setting": {"tasks": 8, "threads": 1}, "rows": [
+        {"label": "svc (alpha=1/K)", "seconds": 2.345, "peak_extra_mb": 80.04}]}))
+    blocks, document = reports.measurement_section(item, tmp_path)
+    text = reports.to_markdown(blocks)
+    assert "| B/32 | 2.35 | 80 | 5.1 | 1027 | `b32.json` |" in text
+    assert "| L/14 | — | — | — | — | not measured |" in text and "| 7B | — | — | 517.2 | 1899 | not measured here |" in text
+    assert document["rows"][0] == {"shape": "B/32", "seconds": 2.35, "peak_extra_mib": 80.0,
+                                   "printed": {"seconds": 5.1, "mib": 1027.4}}

@@ -31,7 +31,9 @@ def test_dvc_lock_holds_an_entry_for_each_stage_and_no_other():
 
     with Repo(str(REPO)) as repo:
         stages = {stage.addressing for stage in repo.index.stages}
-    locked = set(yaml.safe_load((REPO / "dvc.lock").read_text())["stages"])
+    # each pipeline file has its lock beside it: papers/dvc.yaml's stages are named papers/dvc.yaml:<stage>
+    locked = set(yaml.safe_load((REPO / "dvc.lock").read_text())["stages"]) | {
+        f"papers/dvc.yaml:{name}" for name in yaml.safe_load((REPO / "papers" / "dvc.lock").read_text())["stages"]}
     assert "finetune@0" in stages and "text_finetune@0-bbc_topics" in stages  # foreach and matrix items
     assert not locked - stages, f"dvc.lock entries of stages dvc.yaml no longer has: {sorted(locked - stages)}"
     assert not stages - locked, f"stages dvc.lock has no entry for (run them once): {sorted(stages - locked)}"

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from ..calibrations.probing import SensitivityRanking
 from ..errors import MergecalError
 from ..experiments import PAPERS, read
 from .cells import REFERENCES, Cell
@@ -24,6 +25,7 @@ from .chains import fixed_chain
 from .config import FixedScaling, Params, _check_chain
 from .params_base import Strict, _distinct
 from .track_registry import get_track
+from .tracks.clip.built.stages import paths_for
 
 BASE = "base"  # the key of an experiment's base chain among its variants
 MERGE_ALONE = "{merge}"
@@ -111,7 +113,8 @@ class Experiment(Strict):
 
 class AnalysisClaim(Strict):
     """A statement of the paper a report checks on an analysis's numbers (``mergecal.reports.papers``): ``top_gap``
-    (sigma above sigma* in the top subspace), ``both_signs`` (some subspaces above, some below), ``positive_cross``
+    (sigma above sigma* in the top subspace), ``top_concentrated`` (the gap larger in the top three subspaces than
+    in the rest, on average), ``both_signs`` (some subspaces above, some below), ``positive_cross``
     (cross terms between tasks mostly positive in the top subspaces), ``smaller_magnitude`` (merged task features
     smaller than the specialised ones), ``follows_weight`` (a feature magnitude ratio on the same side of 1 as its
     weight ratio), ``opposite_to_weight`` (the weight magnitude grows while the feature's shrinks),
@@ -119,7 +122,7 @@ class AnalysisClaim(Strict):
     (more than another task's layer does, on average), ``similar_layers`` (two
     tasks' layer sensitivities rank alike), ``between_tasks`` (xi varies less within a task than between tasks)."""
 
-    kind: Literal["top_gap", "both_signs", "positive_cross", "smaller_magnitude", "follows_weight",
+    kind: Literal["top_gap", "top_concentrated", "both_signs", "positive_cross", "smaller_magnitude", "follows_weight",
                   "opposite_to_weight", "own_layer_gains", "own_layer_gains_most", "similar_layers",
                   "between_tasks"]
     text: str
@@ -137,6 +140,28 @@ class Analysis(Strict):
     merges: list[str] = Field(min_length=1)  # magic_magnitude: its operations (trim, sum, disjoint)
     regime: str = "standard"
     claims: list[AnalysisClaim] = Field(default_factory=list)
+
+
+class Measured(Strict):
+    """One shape of a measurement: its label, the `mergecal perf` JSON measured on it (committed: a measurement is
+    never repeated by `make paper`) and the row of that file to show."""
+
+    shape: str
+    file: str
+    row: str
+
+
+class Measurement(Strict):
+    """A table of a method's own cost, read from committed `mergecal perf` files (``make perf-svc`` writes them),
+    beside the paper's printed figures (another device: shown, never compared)."""
+
+    id: str
+    item: str
+    shows: str
+    measured: list[Measured] = Field(min_length=1)
+    printed: dict[str, dict[str, float]] = Field(default_factory=dict)  # shape -> {seconds, mib}
+    printed_where: str = ""
+    command: str
 
 
 @dataclass(frozen=True)
@@ -180,6 +205,21 @@ def load_analyses(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Analysis]]
     return out
 
 
+def load_measurements(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Measurement]]:
+    """Every paper's measurements (``measurements:``), validated."""
+    out = {}
+    for paper in papers:
+        found = []
+        for i, entry in enumerate(read(paper).get("measurements") or []):
+            try:
+                found.append(Measurement.model_validate(entry))
+            except ValidationError as err:
+                where = entry.get("id", f"measurements[{i}]") if isinstance(entry, dict) else f"measurements[{i}]"
+                raise MergecalError(f"mergecal/experiments/{paper}.yaml: {where}: {_first_error(err)}") from None
+        out[paper] = found
+    return out
+
+
 def load_experiments(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Experiment]]:
     """Every paper's experiments, validated; a bad entry is one line naming the file, the entry and the key."""
     out = {}
@@ -215,9 +255,6 @@ def _first_error(err: Exception) -> str:
 
 def probed_ranking(params: Params, root, regime: str, seed: int) -> list[str]:
     """The vision track's probed keys of ``regime`` and fine-tuning ``seed``, most magnitude-sensitive first."""
-    from ..calibrations.probing import SensitivityRanking
-    from .tracks.clip.built.stages import paths_for
-
     return [key for key, _ in SensitivityRanking.load(paths_for(params, root, seed).sensitivity(regime)).scores]
 
 

@@ -10,12 +10,20 @@ so it is stable to read and compare."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..analysis.magic_features import (clip_probe, default_operations, feature_projection, fsc_coefficients,
+                                       layer_swap_gain, magnitude_ratios, merge_visual, task_sensitivity)
+from ..analysis.svc_spectrum import figure_data
 from ..errors import MergecalError
+from ..task_vectors import TaskVectorSet
 from .config import Params
+from .tracks.clip.built.stages import VisionModels, preprocessed, task_split
 
 DIGITS = 6
 
@@ -41,9 +49,6 @@ def merge_settings(params: Params, merge: str) -> dict[str, Any]:
 def _svc_figure_data(params: Params, models, merge: str, regime: str) -> dict[str, Any]:
     """Figs. 2/4 and 3 share one computation per merge (``figure_data``: the spectra and the cross terms), kept on
     the models' loader for the document's other analyses."""
-    from ..analysis.svc_spectrum import figure_data
-    from ..task_vectors import TaskVectorSet
-
     cache = models.__dict__.setdefault("svc_figure_data", {})
     if (merge, regime) not in cache:
         tvs = TaskVectorSet.from_models(models.visual_pretrained(), models.finetuned(regime),
@@ -77,8 +82,6 @@ MIDDLE_BLOCK = "visual.transformer.resblocks.{}"
 def _magic_inputs(params: Params, models, regime: str) -> dict[str, Any]:
     """What every MAGIC analysis reads, loaded once per regime: a CLIP factory, the image encoders, each task's
     first test images."""
-    from .tracks.clip.built.stages import preprocessed, task_split
-
     cache = models.__dict__.setdefault("magic_inputs", {})
     if regime not in cache:
         tasks = list(params.vision.tasks)
@@ -93,8 +96,6 @@ def _magic_inputs(params: Params, models, regime: str) -> dict[str, Any]:
 def chosen_scaling(root: Path, merge: str, regime: str, seed: int) -> float:
     """The scaling the default run chose for ``merge`` alone (results/benchmark.json): the merge as the board runs
     it."""
-    import json
-
     rows = json.loads((Path(root) / "results" / "benchmark.json").read_text())["rows"]
     for row in rows:
         if (row["track"], row["regime"], row.get("seed", 0), row["label"]) == ("vision", regime, seed, merge):
@@ -104,7 +105,6 @@ def chosen_scaling(root: Path, merge: str, regime: str, seed: int) -> float:
 
 
 def _merged(params: Params, models, root: Path, merge: str, regime: str) -> dict:
-    from ..analysis.magic_features import merge_visual
 
     inputs = _magic_inputs(params, models, regime)
     scaling = chosen_scaling(root, merge, regime, models.paths.seed)
@@ -120,8 +120,6 @@ def _middle(params: Params, models, regime: str) -> int:
 
 def magic_projection(params: Params, models, merges: list[str], regime: str, root: Path) -> dict[str, Any]:
     """Fig. 1: the merges' and the specialised models' task features at the middle block, in 2-D."""
-    from ..analysis.magic_features import feature_projection
-
     inputs = _magic_inputs(params, models, regime)
     merged = {m: _merged(params, models, root, m, regime) for m in merges}
     layer = MIDDLE_BLOCK.format(_middle(params, models, regime)) + ".mlp.c_proj"
@@ -131,8 +129,6 @@ def magic_projection(params: Params, models, merges: list[str], regime: str, roo
 
 def magic_magnitude(params: Params, models, merges: list[str], regime: str, root: Path) -> dict[str, Any]:
     """Fig. 3: weight against feature magnitude ratios of the operations ``merges`` names (trim, sum, disjoint)."""
-    from ..analysis.magic_features import default_operations, magnitude_ratios
-
     inputs = _magic_inputs(params, models, regime)
     operations = {k: v for k, v in default_operations(len(inputs["tasks"])).items() if k in merges}
     if len(operations) != len(merges):
@@ -143,8 +139,6 @@ def magic_magnitude(params: Params, models, merges: list[str], regime: str, root
 
 def magic_swap(params: Params, models, merges: list[str], regime: str, root: Path) -> dict[str, Any]:
     """Fig. 4: per merge, each layer of every block swapped for a specialised model's: the task-feature gain."""
-    from ..analysis.magic_features import layer_swap_gain
-
     inputs = _magic_inputs(params, models, regime)
     return {m: layer_swap_gain(inputs["clip"], inputs["pretrained"], inputs["finetuned"],
                                _merged(params, models, root, m, regime), inputs["images"], task_names=inputs["tasks"])
@@ -153,10 +147,7 @@ def magic_swap(params: Params, models, merges: list[str], regime: str, root: Pat
 
 def magic_sensitivity(params: Params, models, merges: list[str], regime: str, root: Path) -> dict[str, Any]:
     """Fig. 5: the probe of each specialised model (the pipeline's probe set, metric and candidates)."""
-    import torch
 
-    from ..analysis.magic_features import clip_probe, task_sensitivity
-    from .tracks.clip.built.stages import preprocessed, task_split
 
     inputs, probing = _magic_inputs(params, models, regime), params.probing
     images, labels = task_split(models.paths.data, "letters", "test", max_items=probing.max_samples)
@@ -170,8 +161,6 @@ def magic_sensitivity(params: Params, models, merges: list[str], regime: str, ro
 
 def magic_xi(params: Params, models, merges: list[str], regime: str, root: Path) -> dict[str, Any]:
     """Fig. 9: FSC's xi of the middle block's MLP output per task and sample, on each merge."""
-    from ..analysis.magic_features import fsc_coefficients
-
     inputs = _magic_inputs(params, models, regime)
     layer = MIDDLE_BLOCK.format(_middle(params, models, regime)) + ".mlp.c_proj"
     return {m: fsc_coefficients(inputs["clip"], inputs["pretrained"], inputs["finetuned"],
@@ -189,8 +178,6 @@ ANALYSES: dict[str, Callable[..., dict[str, Any]]] = {
 
 def analysis_document(params: Params, root: str | Path, analyses: list) -> dict[str, Any]:
     """Every analysis's data by its id (``analyses``: ``mergecal.pipeline.experiments.Analysis``)."""
-    from .tracks.clip.built.stages import VisionModels
-
     if not params.vision.enabled:
         raise MergecalError("the papers' analyses read the vision track's models: vision.enabled is false")
     models = VisionModels(params, Path(root), params.seeds[0])

@@ -431,14 +431,14 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
     from ..checkpoint import atomic_write_text
     from ..experiments import read
     from ..pipeline.cells import matrix_ids
-    from ..pipeline.experiments import load_analyses, load_experiments, paper_cells, variants
+    from ..pipeline.experiments import load_analyses, load_experiments, load_measurements, paper_cells, variants
     from .plots import slug
 
     out = Path(out_dir)
     cells, listed = paper_cells(params, root)
     ids = dict(zip(cells, matrix_ids(cells, params, root)))
     order = {item["id"]: i for i, item in enumerate(read("catalogue")["items"])}
-    analyses = load_analyses()
+    analyses, measurements = load_analyses(), load_measurements()
     written: dict[str, Any] = {}
     for paper, experiments in load_experiments().items():
         about = read(paper)["paper"]
@@ -458,6 +458,8 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
                 continue
             blocks, document = analysis_section(item, analysis[item.id], slug(item.id))
             sections.append((item.id, blocks, document))
+        for item in measurements.get(paper, []):
+            sections.append((item.id, *measurement_section(item, Path(root))))
         sections.sort(key=lambda s: order.get(s[0], len(order)))
         blocks = paper_blocks(about["title"], about["arxiv"], [b for _, b, _ in sections])
         for plot in plots_of(blocks):
@@ -472,11 +474,47 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
     return dict(sorted(written.items()))
 
 
+def measurement_section(item, root) -> tuple[list[tuple], dict]:
+    """A method's own cost from committed `mergecal perf` files, beside the paper's printed figures (another
+    device: no claim is checked)."""
+    from pathlib import Path
+
+    rows, document = [], {"id": item.id, "item": item.item, "shows": item.shows, "rows": []}
+    setting = ""
+    for measured in item.measured:
+        path = Path(root) / measured.file
+        found = None
+        if path.is_file():
+            data = json.loads(path.read_text())
+            found = next((r for r in data["rows"] if r["label"] == measured.row), None)
+            s = data["setting"]
+            setting = f"K = {s['tasks']}, {s['threads']} thread(s)"
+        printed = item.printed.get(measured.shape, {})
+        seconds = None if found is None else round(found["seconds"], 2)
+        mib = None if found is None else round(found["peak_extra_mb"], 1)
+        rows.append([[measured.shape], [_fmt_value(seconds)], [_fmt_value(mib)], [_fmt_value(printed.get("seconds"))],
+                     [_fmt_value(printed.get("mib"))], [f"`{measured.file}`" if found else "not measured"]])
+        document["rows"].append({"shape": measured.shape, "seconds": seconds, "peak_extra_mib": mib,
+                                 "printed": printed or None})
+    for shape, printed in item.printed.items():
+        if shape not in {m.shape for m in item.measured}:
+            rows.append([[shape], ["—"], ["—"], [_fmt_value(printed["seconds"])], [_fmt_value(printed["mib"])],
+                         ["not measured here"]])
+    blocks = [("h2", f"{item.id}: {item.item}"), ("p", f"**The paper**: {item.shows}."),
+              ("p", f"**Measured**, not recomputed by `make paper` (`{item.command}`, {setting or 'no file yet'}): "
+                    "the calibration alone on task vectors of each backbone's shapes, on this project's CPU; the "
+                    f"paper's figures ({item.printed_where}) are another device's, shown beside and not compared, "
+                    "so no claim is checked."),
+              ("table", ["shape", "seconds", "peak extra MiB", "paper: seconds", "paper: MiB", "measured in"], rows)]
+    return blocks, document
+
+
 # ---------------------------------------------------------------------------------------------------- analyses
 # Figures computed from the testbed's models (results/papers/analysis.json, mergecal.pipeline.paper_analysis): exact
 # functions of one set of fine-tunes, so their claims are counted without an interval, and say so.
 
 SHOWN_RANKS = 32  # subspaces r drawn in a spectrum plot (the top ones the papers discuss)
+TOP_SUBSPACES = 3  # "a few top subspaces" (SVC's Fig. 1; Fig. 3 shows r = 1..3)
 
 
 def analysis_sentence(text: str, counts: Mapping[str, int], unit: str) -> str:
@@ -537,6 +575,11 @@ def _svc_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[di
             if claim.kind == "top_gap":
                 gap = entry["spectrum"]["gap"][0]
                 out.append({"merge": merge, "class": name, "gap_1": gap, "verdict": _verdict_of(gap)})
+            elif claim.kind == "top_concentrated":
+                gaps = [g for g in entry["spectrum"]["gap"] if g is not None]
+                top, rest = gaps[:TOP_SUBSPACES], gaps[TOP_SUBSPACES:]
+                margin = None if not top or not rest else float(np.mean(top) - np.mean(rest))
+                out.append({"merge": merge, "class": name, "top_minus_rest": margin, "verdict": _verdict_of(margin)})
             elif claim.kind == "both_signs":
                 gaps = [g for g in entry["spectrum"]["gap"][:SHOWN_RANKS] if g is not None]
                 both = any(g > 0 for g in gaps) and any(g < 0 for g in gaps)
@@ -601,6 +644,7 @@ def _magic_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[
 
 
 UNITS = {"top_gap": "(merge, key class) units", "both_signs": "(merge, key class) units",
+         "top_concentrated": "(merge, key class) units",
          "positive_cross": "(merge, key class, r) units", "smaller_magnitude": "(merge, task) units",
          "follows_weight": "(layer, task) points", "opposite_to_weight": "(layer, task) points whose weights grew",
          "own_layer_gains": "(merge, layer, task) units", "own_layer_gains_most": "(merge, layer, task) units",
@@ -610,7 +654,7 @@ UNITS = {"top_gap": "(merge, key class) units", "both_signs": "(merge, key class
 
 def analysis_claim_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[dict]:
     """Each unit's verdict on an analysis claim (``UNITS`` says what a unit is for each kind)."""
-    if claim.kind in ("top_gap", "both_signs", "positive_cross"):
+    if claim.kind in ("top_gap", "top_concentrated", "both_signs", "positive_cross"):
         return _svc_units(claim, merges, data)
     return _magic_units(claim, merges, data)
 
