@@ -190,59 +190,51 @@ def variants(experiment: Experiment, tasks: tuple[str, ...], ranking: list[str] 
                   for v in sweep.values]
 
 
-def load_analyses(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Analysis]]:
-    """Every paper's analyses (``analyses:``), validated; a bad entry is one line naming the file and the entry."""
+def _entries(papers: tuple[str, ...], key: str, model, check=None) -> dict[str, list]:
+    """Every paper's ``key:`` entries validated as ``model`` (and by ``check``); a bad entry is one line naming the
+    file, the entry and what is wrong; ids are distinct and start with the paper's name."""
     out = {}
     for paper in papers:
+        where_file = f"mergecal/experiments/{paper}.yaml"
+        document = read(paper)
+        entries = document.get(key, []) if isinstance(document, dict) else None
+        if not isinstance(entries, list):
+            raise MergecalError(f"{where_file}: expected a mapping whose `{key}:` is a list")
         found = []
-        for i, entry in enumerate(read(paper).get("analyses") or []):
+        for i, entry in enumerate(entries):
+            where = entry.get("id", f"{key}[{i}]") if isinstance(entry, dict) else f"{key}[{i}]"
             try:
-                found.append(Analysis.model_validate(entry))
-            except ValidationError as err:
-                where = entry.get("id", f"analyses[{i}]") if isinstance(entry, dict) else f"analyses[{i}]"
-                raise MergecalError(f"mergecal/experiments/{paper}.yaml: {where}: {_first_error(err)}") from None
+                item = model.model_validate(entry)
+                if check is not None:
+                    check(item)
+            except (ValidationError, ValueError) as err:
+                raise MergecalError(f"{where_file}: {where}: {_first_error(err)}") from None
+            if not item.id.startswith(f"{paper}."):
+                raise MergecalError(f"{where_file}: {item.id}: ids start with '{paper}.'")
+            found.append(item)
+        _distinct([e.id for e in found], f"{where_file} ids")
         out[paper] = found
     return out
+
+
+def _check_variants(experiment: Experiment) -> None:
+    for variant in variants(experiment, ("t",)):
+        _check_chain(variant.chain)
+
+
+def load_experiments(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Experiment]]:
+    """Every paper's experiments (``experiments:``), validated, their chains too."""
+    return _entries(papers, "experiments", Experiment, _check_variants)
+
+
+def load_analyses(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Analysis]]:
+    """Every paper's analyses (``analyses:``), validated."""
+    return _entries(papers, "analyses", Analysis)
 
 
 def load_measurements(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Measurement]]:
     """Every paper's measurements (``measurements:``), validated."""
-    out = {}
-    for paper in papers:
-        found = []
-        for i, entry in enumerate(read(paper).get("measurements") or []):
-            try:
-                found.append(Measurement.model_validate(entry))
-            except ValidationError as err:
-                where = entry.get("id", f"measurements[{i}]") if isinstance(entry, dict) else f"measurements[{i}]"
-                raise MergecalError(f"mergecal/experiments/{paper}.yaml: {where}: {_first_error(err)}") from None
-        out[paper] = found
-    return out
-
-
-def load_experiments(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Experiment]]:
-    """Every paper's experiments, validated; a bad entry is one line naming the file, the entry and the key."""
-    out = {}
-    for paper in papers:
-        document = read(paper)
-        entries = document.get("experiments") if isinstance(document, dict) else None
-        if not isinstance(entries, list):
-            raise MergecalError(f"mergecal/experiments/{paper}.yaml: expected a mapping with an `experiments:` list")
-        found = []
-        for i, entry in enumerate(entries):
-            try:
-                experiment = Experiment.model_validate(entry)
-                for variant in variants(experiment, ("t",)):
-                    _check_chain(variant.chain)
-            except (ValidationError, ValueError) as err:
-                where = entry.get("id", f"experiments[{i}]") if isinstance(entry, dict) else f"experiments[{i}]"
-                raise MergecalError(f"mergecal/experiments/{paper}.yaml: {where}: {_first_error(err)}") from None
-            if not experiment.id.startswith(f"{paper}."):
-                raise MergecalError(f"mergecal/experiments/{paper}.yaml: {experiment.id}: ids start with '{paper}.'")
-            found.append(experiment)
-        _distinct([e.id for e in found], f"mergecal/experiments/{paper}.yaml ids")
-        out[paper] = found
-    return out
+    return _entries(papers, "measurements", Measurement)
 
 
 def _first_error(err: Exception) -> str:

@@ -288,18 +288,29 @@ def experiment_section(experiment, groups: Sequence[Group], names: Sequence[str]
                    for stem, title, fig in figures]
     if experiment.printed:
         blocks += printed_blocks(experiment, groups, names)
-    items = []
     for claim in experiment.claims:
         found = claim_verdicts(experiment, groups, claim, names)
-        counts = {v: sum(1 for r in found if r["verdict"] == v) for v in VERDICTS}
         unit = "tasks" if claim.kind == "diagonal" else "merges" if len(groups) == 1 else "merge × regime × seed rows"
-        text = sentence(claim.text, counts, unit, sum(1 for r in found if r["verdict"] is None))
-        items.append(text)
-        document["claims"].append({"kind": claim.kind, "text": claim.text, "sentence": text, "counts": counts,
-                                   "units": found})
-    if items:
-        blocks += [("p", "**The paper's claims, checked on the testbed:**"), ("ul", items)]
-    return blocks, document
+        counts = verdict_counts(found)
+        document["claims"].append(checked(claim, found, sentence(claim.text, counts, unit,
+                                                                  sum(1 for r in found if r["verdict"] is None))))
+    return blocks + claims_blocks(document["claims"]), document
+
+
+def verdict_counts(units: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    return {v: sum(1 for u in units if u["verdict"] == v) for v in VERDICTS}
+
+
+def checked(claim, units: list[dict], text: str) -> dict:
+    """A claim as a report's JSON holds it: its kind and text, the computed sentence, the counts and each unit."""
+    return {"kind": claim.kind, "text": claim.text, "sentence": text, "counts": verdict_counts(units), "units": units}
+
+
+def claims_blocks(claims: Sequence[Mapping[str, Any]]) -> list[tuple]:
+    """The checked claims' sentences under their item (none: nothing)."""
+    if not claims:
+        return []
+    return [("p", "**The paper's claims, checked on the testbed:**"), ("ul", [c["sentence"] for c in claims])]
 
 
 def printed_blocks(experiment, groups: Sequence[Group], names: Sequence[str]) -> list[tuple]:
@@ -832,17 +843,11 @@ def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tu
               f"{how}.")]
     blocks += RENDER[analysis.kind](analysis, data, plot_prefix, entry["regime"])
     document: dict[str, Any] = {"id": analysis.id, "item": analysis.item, "shows": analysis.shows, "claims": []}
-    items = []
     for claim in analysis.claims:
         units = analysis_claim_units(claim, analysis.merges, data)
-        counts = {v: sum(1 for u in units if u["verdict"] == v) for v in VERDICTS}
-        text = analysis_sentence(claim.text, counts, UNITS[claim.kind])
-        items.append(text)
-        document["claims"].append({"kind": claim.kind, "text": claim.text, "sentence": text, "counts": counts,
-                                   "units": units})
-    if items:
-        blocks += [("p", "**The paper's claims, checked on the testbed:**"), ("ul", items)]
-    return blocks, document
+        document["claims"].append(checked(claim, units, analysis_sentence(claim.text, verdict_counts(units),
+                                                                          UNITS[claim.kind])))
+    return blocks + claims_blocks(document["claims"]), document
 
 
 def _fmt_value(value: float | None) -> str:
