@@ -92,6 +92,15 @@ def test_sweeps_over_values_and_over_tasks():
     assert [v.name for v in ex.variants(by_task, ("a", "b"))][1:] == ["a", "b"]
 
 
+def test_a_paper_without_analyses_or_measurements_loads_none_and_an_id_is_listed_once(monkeypatch):
+    entry = {"id": "svc.one", "item": "x", "shows": "x", "merges": ["ties"], "variants": {"x": "{merge}>wsc"}}
+    monkeypatch.setattr(ex, "read", lambda paper: {"experiments": [entry]})
+    assert ex.load_measurements(("svc",)) == {"svc": []} and ex.load_analyses(("svc",)) == {"svc": []}
+    monkeypatch.setattr(ex, "read", lambda paper: {"experiments": [entry, entry]})
+    with pytest.raises(MergecalError, match="svc.yaml: svc.one: listed twice under `experiments:`"):
+        ex.load_experiments(("svc",))
+
+
 @pytest.mark.parametrize("values, message", [
     ({"merges": ["task_arithmetic"]}, "give either variants or a sweep"),
     ({"merges": ["task_arithmetic"], "variants": {"x": "{merge}>nope"}}, "nope"),
@@ -165,7 +174,8 @@ def test_a_claims_verdict_comes_from_the_paired_interval_in_the_papers_direction
 def test_the_diagonal_claim_compares_a_task_targeted_with_the_other_targets():
     targeted = {"a": outcome({"a": scores(180), "b": scores(100)}), "b": outcome({"a": scores(100), "b": scores(100)})}
     g = group({"m": {"base": outcome({"a": scores(100), "b": scores(100)}), **targeted}})
-    e = experiment(merges=["m"], scaling=1.0, plot="heatmap", claims=[{"kind": "diagonal", "than": "others", "text": "d"}],
+    e = experiment(merges=["m"], scaling=1.0, plot="heatmap",
+                   claims=[{"kind": "diagonal", "than": "others", "text": "d"}],
                    sweep={"parameter": "t", "chain": "{merge}>svc(targeted_task={index})", "over": "tasks"})
     found = reports.claim_verdicts(e, [g], e.claims[0], list(TASKS))
     assert [(u["task"], u["verdict"]) for u in found] == [("a", "agrees"), ("b", "inconclusive")]
@@ -237,6 +247,7 @@ def test_a_measurement_is_read_from_its_committed_file_beside_the_printed_figure
     blocks, document = reports.measurement_section(item, tmp_path)
     text = reports.to_markdown(blocks)
     assert "| B/32 | 2.35 | 80 | 5.1 | 1027 | `b32.json` |" in text
-    assert "| L/14 | — | — | — | — | not measured |" in text and "| 7B | — | — | 517.2 | 1899 | not measured here |" in text
+    assert "| L/14 | — | — | — | — | not measured |" in text
+    assert "| 7B | — | — | 517.2 | 1899 | not measured here |" in text
     assert document["rows"][0] == {"shape": "B/32", "seconds": 2.35, "peak_extra_mib": 80.0,
                                    "printed": {"seconds": 5.1, "mib": 1027.4}}

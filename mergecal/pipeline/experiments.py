@@ -212,7 +212,9 @@ def _entries(papers: tuple[str, ...], key: str, model, check=None) -> dict[str, 
             if not item.id.startswith(f"{paper}."):
                 raise MergecalError(f"{where_file}: {item.id}: ids start with '{paper}.'")
             found.append(item)
-        _distinct([e.id for e in found], f"{where_file} ids")
+        repeated = sorted({e.id for e in found if [f.id for f in found].count(e.id) > 1})
+        if repeated:
+            raise MergecalError(f"{where_file}: {repeated[0]}: listed twice under `{key}:`")
         out[paper] = found
     return out
 
