@@ -18,13 +18,15 @@ DOC = Path("docs/papers.md")
 PAPERS = {"svc": "When Shared Knowledge Hurts: Spectral Over-Accumulation in Model Merging (arXiv:2602.05536)",
           "magic": "MAGIC: Achieving Superior Model Merging via Magnitude Calibration (arXiv:2512.19320)",
           "distac": "DisTaC: Conditioning Task Vectors via Distillation for Robust Model Merging (arXiv:2508.01148)"}
-STATUSES = ("regenerated", "paper", "partial", "planned", "needs_pool", "out_of_scope")
+STATUSES = ("regenerated", "paper", "measured", "partial", "planned", "needs_pool", "out_of_scope")
 #: each status's own key: where it is regenerated, what is missing, the issue, the preset or the reason
-DETAIL = {"regenerated": "where", "paper": "section", "partial": "missing", "planned": "issue",
+DETAIL = {"regenerated": "where", "paper": "section", "measured": "section", "partial": "missing", "planned": "issue",
           "needs_pool": ("preset", "reason"), "out_of_scope": "reason"}
 MEANING = {
     "regenerated": "the default run (`make run`) computes it on the testbed",
     "paper": "the papers' profile (`make paper`) computes it: its section of reports/papers/<paper>.md",
+    "measured": "a cost measured once (its `make` target) and committed; its section of reports/papers/<paper>.md "
+                "reads it",
     "partial": "the library has what it takes; no stage runs or shows it yet",
     "planned": "not yet: the issue that plans it",
     "needs_pool": "needs the published checkpoints (a preset runs it where they are present) or a GPU",
@@ -38,11 +40,15 @@ HOW = """## The papers' profile: `make paper`
   merges, a base chain and its variants, listed (`variants: {row: "{merge}>svc(space='row')"}`) or swept
   (`sweep:` a parameter's `values` in `{value}`, each task's index in `{index}` with `over: tasks`, or the first N
   keys of the probed sensitivity ranking in `{sensitive}` with `over: sensitive_top`), at a fixed `scaling` (the
-  papers' ablations: SVC at 1, MAGIC at 0.3) or searched as the matrix does. They run as cells of the benchmark:
-  the tracks' own cells, ids and cache (a variant the matrix runs is that cell), through the same Prefect flow and
-  MLflow store (`mergecal/pipeline/experiments.py`, stage `paper_cells`).
+  papers' ablations: SVC at 1, MAGIC's task arithmetic and TIES at 0.3) or searched as the matrix does (and a
+  base at the variants' scaling or, `base_scaling: searched`, the board's tuned merge). They run as cells of the
+  benchmark: the tracks' own cells, ids and cache (a variant the matrix runs is that cell), through the same Prefect
+  flow and MLflow store (`mergecal/pipeline/experiments.py`, stage `paper_cells`).
 - **analyses** (`analyses:`): figures computed from the vision track's models rather than from cells: the SVC
-  paper's spectra and cross terms (`mergecal/analysis/svc_spectrum.py`, stage `paper_analysis`).
+  paper's spectra and cross terms (`mergecal/analysis/svc_spectrum.py`), MAGIC's feature magnitudes, layer swaps,
+  per-task sensitivity and FSC coefficients (`mergecal/analysis/magic_features.py`; stage `paper_analysis`).
+- **measurements** (`measurements:`): a method's own cost, measured once by its `make` target (`make perf-svc`) into
+  a committed file the report reads; `make paper` never times anything.
 - **reports** (stage `paper_reports`): `reports/papers/<paper>.{md,html,json}` and their plots, committed like the
   board. Per item: what the paper shows, the testbed's table (each value with its 95 % bootstrap interval, each
   variant's change against its base with the paired interval) and plot, the paper's printed numbers where it prints
@@ -56,7 +62,7 @@ Cost: docs/performance.md."""
 
 def detail(item: dict) -> str:
     status = item["status"]
-    if status == "paper":
+    if status in ("paper", "measured"):
         return f"[reports/papers/{item['paper']}.md]({'../reports/papers/'}{item['paper']}.md) § `{item['section']}`"
     if status == "planned":
         return f"issue #{item['issue']}"

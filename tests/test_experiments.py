@@ -108,6 +108,15 @@ def test_a_paper_without_analyses_or_measurements_loads_none_and_an_id_is_listed
      "has no {value}"),
     ({"merges": ["task_arithmetic"], "variants": {"x": "{merge}>svc"}, "plot": "heatmap"}, "sweep over tasks"),
     ({"merges": [], "variants": {"x": "{merge}>svc"}}, "merges"),
+    ({"merges": ["ties"], "variants": {"x": "{merge}>svc"}, "claims": [{"kind": "gain", "variant": "y", "text": "t"}]},
+     "'y' is no variant"),
+    ({"merges": ["ties"], "variants": {"x": "{merge}>svc"}, "printed": {"ties": {"z": 1.0}}}, "printed.ties"),
+    ({"merges": ["ties"], "variants": {"x": "{merge}>svc"}, "claims": [{"kind": "diagonal", "text": "t"}]},
+     "a diagonal claim is for a sweep over tasks"),
+    ({"merges": ["ties"], "variants": {"finetuned": "{merge}>svc"}}, "variant names must be distinct"),
+    ({"merges": ["ties"], "variants": {"x": "{merge}>svc"}, "base": "{merge}>wsc", "base_scaling": "searched"},
+     "base_scaling: searched takes the matrix's merge alone"),
+    ({"merges": ["ties"], "variants": {"x": "{merge}>svc"}, "scaling": {"dare": 0.3}}, "scaling: a positive lambda"),
 ])
 def test_a_bad_experiment_is_one_line_naming_its_file_and_id(monkeypatch, values, message):
     monkeypatch.setattr(ex, "read", lambda paper: {"experiments": [{"id": "svc.bad", "item": "x", "shows": "x",

@@ -61,8 +61,8 @@ class Claim(Strict):
     """A statement of the paper a report checks against the paired 95 % intervals, per merge (and regime, seed):
     ``gain`` / ``loss``: ``variant`` above / below ``than`` (default the base); ``diagonal``: per task, its accuracy
     when the calibration targets it (the variants of an ``over: tasks`` sweep) above its mean accuracy under the
-    other targets (``than: others``) or above the base (``than: base``); ``increase``: the last variant above the
-    first."""
+    other targets (``than: others``), above the best other target's (``best_other``: the highest point estimate) or
+    above the base (``than: base``); ``increase``: the last variant above the first."""
 
     kind: Literal["gain", "loss", "diagonal", "increase"]
     text: str  # the paper's claim, in one line
@@ -74,8 +74,9 @@ class Claim(Strict):
     def _variant(self) -> "Claim":
         if self.kind in ("gain", "loss") and self.variant is None:
             raise ValueError(f"a {self.kind} claim names its variant")
-        if (self.than == "others") != (self.kind == "diagonal" and self.than != BASE):
-            raise ValueError("than: others is for a diagonal claim, which compares with `others` or `base`")
+        if (self.than in ("others", "best_other")) != (self.kind == "diagonal" and self.than != BASE):
+            raise ValueError("than: others / best_other are for a diagonal claim, which compares with `others`, "
+                             "`best_other` or `base`")
         return self
 
 
@@ -85,7 +86,12 @@ class Experiment(Strict):
     shows: str  # what the paper shows, in one line
     track: str = "vision"
     regimes: list[str] = Field(default_factory=lambda: ["standard"])
-    scaling: float | None = Field(None, gt=0)  # fixed lambda (no search); None: the matrix's search
+    # fixed lambda (no search) of every merge, or {merge: lambda} of some (the others searched); None: the matrix's
+    # search (a calibration at the scaling its merge chose)
+    scaling: float | dict[str, float] | None = None
+    # same: the base at the variants' scaling; searched: the base is the matrix's searched merge, its own settings
+    # (the SVC paper's "original" rows beside its SVC at lambda = 1)
+    base_scaling: Literal["same", "searched"] = "same"
     merges: list[str] = Field(min_length=1)
     base: str = "{merge}"
     variants: dict[str, str] = Field(default_factory=dict)  # name -> chain
@@ -108,7 +114,37 @@ class Experiment(Strict):
             raise ValueError("give either variants or a sweep")
         if self.plot == "heatmap" and (self.sweep is None or self.sweep.over != "tasks"):
             raise ValueError("plot: heatmap is for a sweep over tasks")
+        fixed = self.scaling if isinstance(self.scaling, dict) else {}
+        if any(m not in self.merges for m in fixed) or any(v <= 0 for v in fixed.values()) or (
+                isinstance(self.scaling, float) and self.scaling <= 0):
+            raise ValueError("scaling: a positive lambda, or {merge of the experiment: positive lambda}")
+        if self.base_scaling == "searched" and self.base != MERGE_ALONE:
+            raise ValueError("base_scaling: searched takes the matrix's merge alone as the base ({merge})")
+        names = [BASE, *self.variants] if self.sweep is None else [BASE] + (
+            [] if self.sweep.over == "tasks" else [str(v) for v in self.sweep.values])
+        if len(set(names)) != len(names) or any(n in REFERENCES or n == MERGE_ALONE for n in names[1:]):
+            raise ValueError(f"variant names must be distinct and none of base, {', '.join(REFERENCES)}, {{merge}}")
+        if self.sweep is not None and self.sweep.over == "tasks" and self.sweep.values:
+            raise ValueError("sweep.values: not with over: tasks (one variant per task)")
+        known = set(names) if self.sweep is None or self.sweep.over != "tasks" else None
+        for claim in self.claims:
+            if claim.kind == "diagonal" and (self.sweep is None or self.sweep.over != "tasks"):
+                raise ValueError("claims: a diagonal claim is for a sweep over tasks")
+            wanted = [n for n in (claim.variant, claim.than) if n is not None and n not in ("others", "best_other")]
+            if known is not None and any(n not in known for n in wanted):
+                raise ValueError(f"claims: {next(n for n in wanted if n not in known)!r} is no variant "
+                                 f"(variants: {', '.join(names)})")
+            if any(m not in self.merges for m in claim.merges):
+                raise ValueError(f"claims: merge {next(m for m in claim.merges if m not in self.merges)!r} is not "
+                                 "one of the experiment's merges")
+        for merge, printed in self.printed.items():
+            if merge not in self.merges or (known is not None and any(n not in known for n in printed)):
+                raise ValueError(f"printed.{merge}: a merge of the experiment, its keys base and variant names")
         return self
+
+    def scaling_of(self, merge: str) -> float | None:
+        """The merge's fixed lambda (None: searched)."""
+        return self.scaling.get(merge) if isinstance(self.scaling, dict) else self.scaling
 
 
 class AnalysisClaim(Strict):
@@ -135,11 +171,27 @@ class Analysis(Strict):
     id: str
     item: str
     shows: str
-    kind: Literal["svc_spectrum", "svc_cross_terms", "magic_projection", "magic_magnitude", "magic_swap",
-                  "magic_sensitivity", "magic_xi"]
+    kind: Literal["svc_inflation", "svc_spectrum", "svc_cross_terms", "magic_projection", "magic_magnitude",
+                  "magic_swap", "magic_sensitivity", "magic_xi"]
     merges: list[str] = Field(min_length=1)  # magic_magnitude: its operations (trim, sum, disjoint)
     regime: str = "standard"
     claims: list[AnalysisClaim] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _claim_kinds(self) -> "Analysis":
+        allowed = CLAIMS_OF[self.kind]
+        wrong = [c.kind for c in self.claims if c.kind not in allowed]
+        if wrong:
+            raise ValueError(f"claims: {wrong[0]!r} is no claim on a {self.kind} analysis ({', '.join(allowed)})")
+        return self
+
+
+#: the claims each kind of analysis can check
+CLAIMS_OF = {"svc_inflation": ("top_concentrated",), "svc_spectrum": ("top_gap", "both_signs"),
+             "svc_cross_terms": ("positive_cross",), "magic_projection": ("smaller_magnitude",),
+             "magic_magnitude": ("follows_weight", "opposite_to_weight"),
+             "magic_swap": ("own_layer_gains", "own_layer_gains_most"), "magic_sensitivity": ("similar_layers",),
+             "magic_xi": ("between_tasks",)}
 
 
 class Measured(Strict):
@@ -253,9 +305,10 @@ def probed_ranking(params: Params, root, regime: str, seed: int) -> list[str]:
 
 
 def narrowed_params(params: Params, experiment: Experiment, chains: list[str] | None = None) -> Params:
-    """The params whose matrix is the experiment: its merges (each with the matrix's own settings), its base and
-    variants as chains (at its fixed scaling, or searched), its regimes. Cell ids hash none of what changes
-    here, so a cell the default matrix also runs keeps its id."""
+    """The params whose matrix is the experiment, for merges of one scaling (``protocol_groups``): its merges (each
+    with the matrix's own settings), its base and its variants' ``chains`` (at its fixed scaling, or searched; the
+    base searched under ``base_scaling: searched``), its regimes. Cell ids hash none of what changes here, so a
+    cell the default matrix also runs keeps its id."""
     where = f"experiment {experiment.id}"
     section = getattr(params, experiment.track, None)
     if section is None or not getattr(section, "enabled", False):
@@ -268,13 +321,18 @@ def narrowed_params(params: Params, experiment: Experiment, chains: list[str] | 
     if absent:
         raise MergecalError(f"{where}: regime {absent[0]!r} is not among {experiment.track}.regimes {regimes}")
     tasks = tuple(section.tasks)
-    chains = chains or list(dict.fromkeys(v.chain for v in variants(experiment, tasks)))
+    found = variants(experiment, tasks)
+    chains = chains or list(dict.fromkeys(v.chain for v in found[1:]))
     update: dict[str, Any] = {"merges": {m: params.benchmark.merges[m] for m in experiment.merges}}
-    if experiment.scaling is None:  # calibrated chains take the scaling their merge alone chose: it runs too
-        update.update(chains=list(dict.fromkeys([MERGE_ALONE, *chains])), fixed_scaling=[])
+    scaling = experiment.scaling_of(experiment.merges[0])
+    if scaling is None:  # calibrated chains take the scaling their merge alone chose: it runs too
+        update.update(chains=list(dict.fromkeys([MERGE_ALONE, experiment.base, *chains])), fixed_scaling=[])
+    elif experiment.base_scaling == "searched":
+        update.update(chains=[MERGE_ALONE], fixed_scaling=[FixedScaling(scaling=scaling, chains=chains,
+                                                                        merges=experiment.merges)])
     else:
-        update.update(chains=[], fixed_scaling=[FixedScaling(scaling=experiment.scaling, chains=chains,
-                                                             merges=experiment.merges)])
+        update.update(chains=[], fixed_scaling=[FixedScaling(scaling=scaling, merges=experiment.merges,
+                                                             chains=list(dict.fromkeys([experiment.base, *chains])))])
     narrowed = {"benchmark": params.benchmark.model_copy(update=update)}
     if hasattr(section, "regimes"):
         narrowed[experiment.track] = section.model_copy(update={"regimes": list(experiment.regimes)})
@@ -307,10 +365,32 @@ def experiment_cells(params: Params, experiment: Experiment, root=None) -> list[
     return _cells(params, experiment, variants(experiment, tuple(getattr(params, experiment.track).tasks)))
 
 
+def protocol_groups(experiment: Experiment) -> list[Experiment]:
+    """The experiment split by scaling: one copy per fixed lambda (and one for the searched merges), in merge
+    order."""
+    groups: dict[float | None, list[str]] = {}
+    for merge in experiment.merges:
+        groups.setdefault(experiment.scaling_of(merge), []).append(merge)
+    return [experiment.model_copy(update={"merges": merges, "scaling": scaling}) for scaling, merges in groups.items()]
+
+
 def _cells(params: Params, experiment: Experiment, found: list[Variant]) -> list[ExperimentCell]:
-    narrowed = narrowed_params(params, experiment, list(dict.fromkeys(v.chain for v in found)))
-    written = {(v.chain if experiment.scaling is None else fixed_chain(v.chain, experiment.scaling)): v.name
-               for v in found}
+    """The cells of ``found`` (the base, then the variants) for each protocol group; the references once."""
+    out, seen = [], set()
+    for group in protocol_groups(experiment):
+        for entry in _group_cells(params, group, found):
+            if entry.cell not in seen:
+                seen.add(entry.cell)
+                out.append(entry)
+    return out
+
+
+def _group_cells(params: Params, experiment: Experiment, found: list[Variant]) -> list[ExperimentCell]:
+    narrowed = narrowed_params(params, experiment, list(dict.fromkeys(v.chain for v in found[1:])))
+    scaling = experiment.scaling_of(experiment.merges[0])
+    searched_base = scaling is None or experiment.base_scaling == "searched"
+    written = {found[0].chain if searched_base else fixed_chain(found[0].chain, scaling): BASE}
+    written.update({(v.chain if scaling is None else fixed_chain(v.chain, scaling)): v.name for v in found[1:]})
     written.setdefault(MERGE_ALONE, MERGE_ALONE)  # the scaling source of a searched experiment's calibrated base
     out = []
     for cell in get_track(experiment.track).cells(narrowed):

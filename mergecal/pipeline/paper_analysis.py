@@ -171,9 +171,9 @@ def magic_xi(params: Params, models, merges: list[str], regime: str, root: Path)
 
 #: analysis kind -> its function (params, the regime's models, the merges, the regime, the root) -> JSON-able data
 ANALYSES: dict[str, Callable[..., dict[str, Any]]] = {
-    "svc_spectrum": svc_spectrum, "svc_cross_terms": svc_cross_terms, "magic_projection": magic_projection,
-    "magic_magnitude": magic_magnitude, "magic_swap": magic_swap, "magic_sensitivity": magic_sensitivity,
-    "magic_xi": magic_xi}
+    "svc_inflation": svc_spectrum, "svc_spectrum": svc_spectrum, "svc_cross_terms": svc_cross_terms,
+    "magic_projection": magic_projection, "magic_magnitude": magic_magnitude, "magic_swap": magic_swap,
+    "magic_sensitivity": magic_sensitivity, "magic_xi": magic_xi}
 
 
 def analysis_document(params: Params, root: str | Path, analyses: list) -> dict[str, Any]:

@@ -90,14 +90,14 @@ def verdict(interval: list | None, expected: str) -> str | None:
 
 
 def overall(counts: Mapping[str, int]) -> str:
-    """The claim's word from its verdicts: agrees in direction (some agree, none disagree), disagrees (the reverse),
-    mostly agrees / mostly disagrees (one side at least three times the other), mixed, or inconclusive (no unit
-    decided)."""
-    agree, disagree = counts.get("agrees", 0), counts.get("disagrees", 0)
+    """The claim's word from its verdicts: agrees in direction (some agree, none disagree, no more undecided than
+    agree; else "agrees where decided, mostly inside the noise"), disagrees (the reverse), mostly agrees / mostly
+    disagrees (one side at least three times the other), mixed, or inconclusive (no unit decided)."""
+    agree, disagree, undecided = counts.get("agrees", 0), counts.get("disagrees", 0), counts.get("inconclusive", 0)
     if agree and not disagree:
-        return "agrees in direction"
+        return "agrees in direction" if agree >= undecided else "agrees where decided, mostly inside the noise"
     if disagree and not agree:
-        return "disagrees"
+        return "disagrees" if disagree >= undecided else "disagrees where decided, mostly inside the noise"
     if agree >= 3 * disagree > 0:
         return "mostly agrees"
     if disagree >= 3 * agree > 0:
@@ -122,12 +122,16 @@ def sentence(text: str, counts: Mapping[str, int], unit: str, unmeasured: int = 
 def diagonal_interval(group: Group, merge: str, targets: Sequence[str], task: str, than: str = "others"
                       ) -> list | None:
     """Task ``task``'s accuracy when the calibration targets it minus its mean accuracy under the other targets
-    (``than="others"``) or its accuracy under the base: the paired interval over its test examples, in points."""
+    (``than="others"``), under the best other target (``"best_other"``) or under the base: the paired interval over
+    its test examples, in points."""
     outcomes = group.outcomes.get(merge, {})
-    wanted = targets if than == "others" else [task, than]
+    wanted = targets if than in ("others", "best_other") else [task, than]
     scores = {t: (outcomes[t].examples or {}).get(task) for t in wanted if t in outcomes}
     if task not in scores or scores[task] is None or any(s is None for s in scores.values()) or len(scores) < 2:
         return None
+    if than == "best_other":  # the other target that scores the task highest (point estimate; ties: the first)
+        scores = {task: scores[task], **dict([max(((t, s) for t, s in scores.items() if t != task),
+                                                  key=lambda item: float(np.mean(item[1])))])}
     others = np.mean([np.asarray(s, dtype=np.float64) for t, s in scores.items() if t != task], axis=0)
     return _points(paired_interval([np.asarray(scores[task], dtype=np.float64)], [others], [1.0]))
 
@@ -181,8 +185,8 @@ def line_figure(experiment, group: Group, names: Sequence[str], axis: str) -> Fi
             mid = 100 * (found.metrics["avg_norm_acc"] - base.metrics["avg_norm_acc"])
             interval = change(group, found, base)
             mids.append(mid)
-            lows.append(mid - interval[0] if interval else 0.0)
-            highs.append(interval[1] - mid if interval else 0.0)
+            lows.append(max(0.0, mid - interval[0]) if interval else 0.0)  # the interval is rounded, mid is not
+            highs.append(max(0.0, interval[1] - mid) if interval else 0.0)
         offset = (i - (len(experiment.merges) - 1) / 2) * 0.05
         ax.errorbar(x + offset, mids, yerr=[lows, highs], label=merge, color=f"C{i % 10}", marker="o", markersize=3,
                     capsize=2, linewidth=1)
@@ -238,11 +242,30 @@ def _fmt_change(interval: list | None, mid: float | None) -> str:
     return f"{mid:+.1f} [{interval[0]:+.1f}, {interval[1]:+.1f}] {mark}"
 
 
+def protocol_text(experiment) -> str:
+    """How the experiment's merges are scaled, in words."""
+    fixed: dict[float, list[str]] = {}
+    for merge in experiment.merges:
+        if (value := experiment.scaling_of(merge)) is not None:
+            fixed.setdefault(value, []).append(merge)
+    searched = [m for m in experiment.merges if experiment.scaling_of(m) is None]
+    def named(merges: list[str]) -> str:
+        return "every merge" if len(merges) == len(experiment.merges) else ", ".join(f"`{m}`" for m in merges)
+
+    parts = [f"λ = {value:g} fixed (no search) for {named(merges)}" for value, merges in fixed.items()]
+    if searched:
+        parts.append(f"{named(searched)} at the scaling searched on validation, a calibration at the scaling its "
+                     "merge chose")
+    text = "; ".join(parts)
+    if fixed and experiment.base_scaling == "searched":
+        text += "; the base is each merge at its own searched scaling (the board's), as the paper's original rows"
+    return text
+
+
 def experiment_section(experiment, groups: Sequence[Group], names: Sequence[str], chains: Mapping[str, str],
                        plot_prefix: str) -> tuple[list[tuple], dict]:
     """One experiment's blocks and JSON document."""
-    protocol = (f"λ = {experiment.scaling:g} fixed (no search)" if experiment.scaling is not None else
-                "each merge's scaling searched on validation, a calibration at the scaling its merge chose")
+    protocol = protocol_text(experiment)
     blocks: list[tuple] = [
         ("h2", f"{experiment.id}: {experiment.item}"),
         ("p", f"**The paper**: {experiment.shows}."),
@@ -336,12 +359,13 @@ def printed_blocks(experiment, groups: Sequence[Group], names: Sequence[str]) ->
                   f"directions compare with the testbed's ({group.regime}, seed {group.seed}), their values do not."),
             ("table", ["merge", "variant", "paper: base → variant", "paper's change", "testbed's change (points)",
                        "direction"], rows),
-            ("p", sentence("the printed changes' directions", counts, "printed changes"))]
+            ("p", "The printed changes' directions: " + sentence("", counts, "printed changes").split("”: ", 1)[1])]
 
 
 def paper_blocks(title: str, arxiv: str, sections: Sequence[list[tuple]]) -> list[tuple]:
     head = [("h1", f"{title} (arXiv:{arxiv}): its experiments on the testbed"),
-            ("p", "Regenerated by `make paper` from `mergecal/experiments`; docs/papers.md lists every table and "
+            ("p", "Regenerated by `make paper` from `mergecal/experiments` (a measurement excepted: it is read from "
+                  "its committed file); docs/papers.md lists every table and "
                   "figure of the paper and what mergecal does with each. The testbed is mergecal's small ViT and its "
                   "eight tasks, not the paper's checkpoints: a claim is checked by the direction of a paired 95 % "
                   "interval, never by values.")]
@@ -450,7 +474,7 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
     ids = dict(zip(cells, matrix_ids(cells, params, root)))
     order = {item["id"]: i for i, item in enumerate(read("catalogue")["items"])}
     analyses, measurements = load_analyses(), load_measurements()
-    written: dict[str, Any] = {}
+    files: dict[str, str] = {}
     for paper, experiments in load_experiments().items():
         about = read(paper)["paper"]
         sections: list[tuple[str, list[tuple], dict]] = []
@@ -474,11 +498,12 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
         sections.sort(key=lambda s: order.get(s[0], len(order)))
         blocks = paper_blocks(about["title"], about["arxiv"], [b for _, b, _ in sections])
         for plot in plots_of(blocks):
-            written[f"plots/{plot.name}.svg"] = atomic_write_text(out / "plots" / f"{plot.name}.svg", plot.svg)
-        written[f"{paper}.md"] = atomic_write_text(out / f"{paper}.md", to_markdown(blocks))
-        written[f"{paper}.html"] = atomic_write_text(out / f"{paper}.html", to_html(about["title"], blocks))
-        written[f"{paper}.json"] = atomic_write_text(out / f"{paper}.json", to_json(
-            {"paper": about, "items": [d for _, _, d in sections]}))
+            files[f"plots/{plot.name}.svg"] = plot.svg
+        files[f"{paper}.md"] = to_markdown(blocks)
+        files[f"{paper}.html"] = to_html(about["title"], blocks)
+        files[f"{paper}.json"] = to_json({"paper": about, "items": [d for _, _, d in sections]})
+    # every paper rendered before any file is written: a failure leaves the reports as they were
+    written = {name: atomic_write_text(out / name, text) for name, text in files.items()}
     for stale in sorted((out / "plots").glob("*.svg")):
         if f"plots/{stale.name}" not in written:
             stale.unlink()
@@ -526,6 +551,8 @@ def measurement_section(item, root) -> tuple[list[tuple], dict]:
 
 SHOWN_RANKS = 32  # subspaces r drawn in a spectrum plot (the top ones the papers discuss)
 TOP_SUBSPACES = 3  # "a few top subspaces" (SVC's Fig. 1; Fig. 3 shows r = 1..3)
+NOISE = 1e-3  # a gap smaller than this share of its singular value counts as none
+STRONG = 0.5  # MAGIC's "strong consistency" of two tasks' layer sensitivities: Spearman's rho at least this
 
 
 def analysis_sentence(text: str, counts: Mapping[str, int], unit: str) -> str:
@@ -586,13 +613,15 @@ def _svc_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[di
             if claim.kind == "top_gap":
                 gap = entry["spectrum"]["gap"][0]
                 out.append({"merge": merge, "class": name, "gap_1": gap, "verdict": _verdict_of(gap)})
-            elif claim.kind == "top_concentrated":
-                gaps = [g for g in entry["spectrum"]["gap"] if g is not None]
-                top, rest = gaps[:TOP_SUBSPACES], gaps[TOP_SUBSPACES:]
-                margin = None if not top or not rest else float(np.mean(top) - np.mean(rest))
+            elif claim.kind == "top_concentrated":  # the scale-free inflation 1 - sigma*/sigma (sigma falls with r)
+                inflation = [1 - g for g in entry["spectrum"]["gamma_star"] if g is not None]
+                top, rest = inflation[:TOP_SUBSPACES], inflation[TOP_SUBSPACES:]
+                margin = None if not top or not rest else round(float(np.mean(top) - np.mean(rest)), 6)
                 out.append({"merge": merge, "class": name, "top_minus_rest": margin, "verdict": _verdict_of(margin)})
             elif claim.kind == "both_signs":
-                gaps = [g for g in entry["spectrum"]["gap"][:SHOWN_RANKS] if g is not None]
+                sigma = entry["spectrum"]["sigma"]
+                gaps = [g for g, s in zip(entry["spectrum"]["gap"][:SHOWN_RANKS], sigma) if g is not None
+                        and abs(g) > NOISE * s]  # beyond round-off
                 both = any(g > 0 for g in gaps) and any(g < 0 for g in gaps)
                 out.append({"merge": merge, "class": name, "verdict": "agrees" if both else "disagrees"})
             elif claim.kind == "positive_cross":
@@ -642,8 +671,9 @@ def _magic_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[
         rho = np.array(data["spearman"], dtype=float)
         for i in range(len(rho)):
             for j in range(i + 1, len(rho)):
-                out.append({"tasks": [data["tasks"][i], data["tasks"][j]], "spearman": round(float(rho[i, j]), 4),
-                            "verdict": _verdict_of(float(rho[i, j]))})
+                r = float(rho[i, j])
+                out.append({"tasks": [data["tasks"][i], data["tasks"][j]], "spearman": round(r, 4),
+                            "verdict": "agrees" if r >= STRONG else "disagrees" if r <= 0 else "inconclusive"})
     elif claim.kind == "between_tasks":
         for merge in (m for m in merges if m in data):
             for layer, entry in data[merge]["coefficients"].items():
@@ -660,12 +690,12 @@ UNITS = {"top_gap": "(merge, key class) units", "both_signs": "(merge, key class
          "follows_weight": "(layer, task) points", "opposite_to_weight": "(layer, task) points whose weights grew",
          "own_layer_gains": "(merge, layer, task) units", "own_layer_gains_most": "(merge, layer, task) units",
          "similar_layers": "pairs of tasks",
-         "between_tasks": "(merge, task) units"}
+         "between_tasks": "(merge, layer, task) units"}
 
 
 def analysis_claim_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[dict]:
     """Each unit's verdict on an analysis claim (``UNITS`` says what a unit is for each kind)."""
-    if claim.kind in ("top_gap", "top_concentrated", "both_signs", "positive_cross"):
+    if claim.kind in ("top_gap", "top_concentrated", "both_signs", "positive_cross"):  # the SVC analyses
         return _svc_units(claim, merges, data)
     return _magic_units(claim, merges, data)
 
@@ -826,17 +856,45 @@ def _xi_blocks(analysis, data, prefix, regime) -> list[tuple]:
     return blocks
 
 
-RENDER = {"svc_spectrum": _svc_blocks, "svc_cross_terms": _svc_blocks, "magic_projection": _projection_blocks,
-          "magic_magnitude": _magnitude_blocks, "magic_swap": _swap_blocks, "magic_sensitivity": _sensitivity_blocks,
-          "magic_xi": _xi_blocks}
+def _inflation_blocks(analysis, data, prefix, regime) -> list[tuple]:
+    blocks = []
+    for merge in (m for m in analysis.merges if m in data):
+        classes = data[merge]["classes"]
+        rows, fig = [], Figure(figsize=(5.0, 3.2))
+        ax = fig.add_subplot()
+        for i, (name, c) in enumerate(classes.items()):
+            inflation = [None if g is None else 1 - g for g in c["spectrum"]["gamma_star"]]
+            known = [v for v in inflation if v is not None]
+            rows.append([[f"`{name}`"], [_fmt_value(float(np.mean(known[:TOP_SUBSPACES])) if known else None)],
+                         [_fmt_value(float(np.mean(known[TOP_SUBSPACES:])) if known[TOP_SUBSPACES:] else None)]])
+            ax.plot(c["spectrum"]["r"][:SHOWN_RANKS], [np.nan if v is None else v for v in inflation[:SHOWN_RANKS]],
+                    label=name, color=f"C{i}", linewidth=1)
+        ax.axhline(0, color="#888", linewidth=0.8)
+        ax.set_xlabel("subspace r", fontsize=8)
+        ax.set_ylabel("inflation 1 − σ*/σ (class mean)", fontsize=8)
+        ax.legend(fontsize=6)
+        ax.set_title(f"{analysis.item}: {merge}", fontsize=9)
+        fig.tight_layout()
+        blocks += [("p", "Inflation 1 − σ*/σ per subspace: the share of σ_r the tasks' own projections do not call "
+                         "for (0: none; negative: σ below σ*), scale-free, so top and lower subspaces compare."),
+                   ("table", ["key class", f"mean, r ≤ {TOP_SUBSPACES}", f"mean, r > {TOP_SUBSPACES}"], rows),
+                   _plot(f"{prefix}-{merge}", f"{analysis.item}: {merge}", regime, fig)]
+    return blocks
+
+
+RENDER = {"svc_inflation": _inflation_blocks, "svc_spectrum": _svc_blocks, "svc_cross_terms": _svc_blocks,
+          "magic_projection": _projection_blocks, "magic_magnitude": _magnitude_blocks, "magic_swap": _swap_blocks,
+          "magic_sensitivity": _sensitivity_blocks, "magic_xi": _xi_blocks}
 
 
 def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tuple[list[tuple], dict]:
     """One analysis's blocks and JSON document (``entry``: its part of results/papers/analysis.json)."""
     data = entry["data"]
-    how = ("each merge read at λ = 1 with the matrix's own settings; means over the layers of each key class"
-           if analysis.kind.startswith("svc") else
-           "each merge at the scaling the default run chose for it, each task's first test images")
+    how = {"magic_magnitude": "each operation at its own scaling (below), each task's first test images",
+           "magic_sensitivity": "each specialised model probed alone (no merge)"}.get(analysis.kind, (
+        "each merge read at λ = 1 with the matrix's own settings; means over the layers of each key class"
+        if analysis.kind.startswith("svc") else
+        "each merge at the scaling the default run chose for it, each task's first test images"))
     blocks: list[tuple] = [
         ("h2", f"{analysis.id}: {analysis.item}"), ("p", f"**The paper**: {analysis.shows}."),
         ("p", f"**On the testbed**: the vision track's fine-tunes (seed {entry['seed']}, {entry['regime']} regime), "
