@@ -38,8 +38,10 @@ def test_each_item_the_papers_profile_regenerates_is_an_experiment_with_its_comm
                    for paper, items in found.items() for e in items}
     profiled = {i["id"]: i for i in ITEMS if i["status"] in ("paper", "measured")}
     assert set(profiled) == set(experiments)  # every experiment is catalogued, every such item runs
+    named = {e.id: e.item for found in (load_experiments(), load_analyses(), load_measurements())
+             for items in found.values() for e in items}
     for item_id, item in profiled.items():
-        assert item["section"] == item_id
+        assert item["section"] == item_id and named[item_id] == item["item"], item_id
         report = (REPORTS / f"{item['paper']}.md").read_text()
         assert f"## {item_id}: {item['item']}" in report, item_id
 
