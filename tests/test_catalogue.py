@@ -11,7 +11,7 @@ import pytest
 from mergecal.experiments import read
 from mergecal.pipeline.experiments import load_analyses, load_experiments, load_measurements
 from mergecal.presets import PRESETS
-from scripts import catalogue
+import scripts.catalogue as catalogue
 
 ITEMS = read("catalogue")["items"]
 REPORTS = Path("reports/papers")
