@@ -260,3 +260,16 @@ def test_a_measurement_is_read_from_its_committed_file_beside_the_printed_figure
     assert "| 7B | — | — | 517.2 | 1899 | not measured here |" in text
     assert document["rows"][0] == {"shape": "B/32", "seconds": 2.35, "peak_extra_mib": 80.0,
                                    "printed": {"seconds": 5.1, "mib": 1027.4}}
+
+
+def test_a_malformed_measurement_or_analysis_file_is_one_line(tmp_path):
+    item = ex.Measurement.model_validate({
+        "id": "svc.tab4", "item": "Table 4", "shows": "cost", "command": "make perf-svc",
+        "measured": [{"shape": "B/32", "file": "b32.json", "row": "svc (alpha=1/K)"}]})
+    (tmp_path / "b32.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(MergecalError, match=r"^b32.json: not a `mergecal perf` JSON .*KeyError"):
+        reports.measurement_section(item, tmp_path)
+    analysis = ex.Analysis.model_validate({"id": "svc.fig9", "item": "Fig. 9", "shows": "t", "kind": "svc_spectrum",
+                                           "merges": ["a"], "claims": [{"kind": "top_gap", "text": "gap"}]})
+    with pytest.raises(MergecalError, match="analysis.json: svc.fig9: not the data of a svc_spectrum analysis"):
+        reports.analysis_section(analysis, {"seed": 0, "regime": "standard", "data": {"a": {"alpha": 1}}}, "p")

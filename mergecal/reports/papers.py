@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from ..errors import MergecalError
 from ..intervals import Interval, paired_interval, stratified_interval
 from ..recipe import Recipe
 from .leaderboard import column_samples
@@ -521,10 +522,15 @@ def measurement_section(item, root) -> tuple[list[tuple], dict]:
         path = Path(root) / measured.file
         found = None
         if path.is_file():
-            data = json.loads(path.read_text())
-            found = next((r for r in data["rows"] if r["label"] == measured.row), None)
-            s = data["setting"]
-            setting = f"K = {s['tasks']}, {s['threads']} thread(s)"
+            try:
+                data = json.loads(path.read_text())
+                found = next((r for r in data["rows"] if r["label"] == measured.row), None)
+                setting = f"K = {data['setting']['tasks']}, {data['setting']['threads']} thread(s)"
+                if found is not None:
+                    found = {"seconds": float(found["seconds"]), "peak_extra_mb": float(found["peak_extra_mb"])}
+            except (ValueError, KeyError, TypeError) as err:
+                raise MergecalError(f"{measured.file}: not a `mergecal perf` JSON with `setting` and `rows` of "
+                                    f"seconds and peak_extra_mb ({type(err).__name__}: {err})") from None
         printed = item.printed.get(measured.shape, {})
         seconds = None if found is None else round(found["seconds"], 2)
         mib = None if found is None else round(found["peak_extra_mb"], 1)
@@ -899,10 +905,14 @@ def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tu
         ("h2", f"{analysis.id}: {analysis.item}"), ("p", f"**The paper**: {analysis.shows}."),
         ("p", f"**On the testbed**: the vision track's fine-tunes (seed {entry['seed']}, {entry['regime']} regime), "
               f"{how}.")]
-    blocks += RENDER[analysis.kind](analysis, data, plot_prefix, entry["regime"])
     document: dict[str, Any] = {"id": analysis.id, "item": analysis.item, "shows": analysis.shows, "claims": []}
-    for claim in analysis.claims:
-        units = analysis_claim_units(claim, analysis.merges, data)
+    try:
+        blocks += RENDER[analysis.kind](analysis, data, plot_prefix, entry["regime"])
+        units_of = [analysis_claim_units(claim, analysis.merges, data) for claim in analysis.claims]
+    except (KeyError, TypeError, IndexError, ValueError) as err:
+        raise MergecalError(f"results/papers/analysis.json: {analysis.id}: not the data of a {analysis.kind} analysis "
+                            f"({type(err).__name__}: {err}); run stages/paper_analysis.py again") from None
+    for claim, units in zip(analysis.claims, units_of):
         document["claims"].append(checked(claim, units, analysis_sentence(claim.text, verdict_counts(units),
                                                                           UNITS[claim.kind])))
     return blocks + claims_blocks(document["claims"]), document
