@@ -237,10 +237,16 @@ def merge_models(pretrained: SourceLike, finetuned: Sequence[SourceLike], method
 
 
 def require_data_free(recipe: Recipe) -> None:
-    """Reject recipe steps that need models and data (DisTaC, FSC and so DSC): only weight space streams."""
+    """Reject recipe steps that need models and data (DisTaC, FSC and so DSC) and pre-merge steps (rescale, which
+    conditions whole models): only the merge and weight space stream."""
     for step in recipe.steps:
-        if step.needs_data:
-            data_free = " and/or ".join(sorted(n for n, spec in all_calibrations().items() if not spec.needs_data))
+        if step.needs_data or step.phase == "pre":
+            data_free = " and/or ".join(sorted(n for n, spec in all_calibrations().items()
+                                               if not spec.needs_data and spec.phase == "weight"))
+            if not step.needs_data:
+                raise ParameterError(f"recipe {recipe.label!r}: step {step.name!r} conditions the fine-tuned models "
+                                     "before the merge, so it runs through the pipeline or mergecal.run_recipe; "
+                                     f"checkpoints on disk take a merge method followed by {data_free}")
             raise ParameterError(
                 f"recipe {recipe.label!r}: step {step.name!r} needs models and data, so it runs through the pipeline "
                 f"or mergecal.run_recipe; checkpoints on disk take a merge method followed by {data_free}")

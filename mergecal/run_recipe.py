@@ -69,12 +69,16 @@ def run_pre_steps(recipe: Recipe, pretrained: StateDict, finetuned: Sequence[Sta
     fine-tuned models."""
     models = list(finetuned)
     for step in recipe.phase("pre"):
+        spec = get_calibration(step.name)
+        if not spec.needs_data:  # rescale: the models alone
+            models, diagnostics[step.name] = spec.run(step.params, pretrained, models)
+            continue
         build = _require(inputs.build_task_model, "build_task_model", step.name)
         data = _require(inputs.distac_data, "distac_data", step.name)
         if len(data) != len(models):
             raise ParameterError(f"recipe step {step.name!r}: distac_data has {len(data)} entries for {len(models)} "
                                  "tasks")
-        models, diagnostics[step.name] = get_calibration(step.name).run(
+        models, diagnostics[step.name] = spec.run(
             step.params, pretrained, models, build, data, previous=diagnostics.get(step.name),
             trainable=inputs.trainable, progress=inputs.progress, device=inputs.device)
     return models

@@ -30,6 +30,7 @@ def run(stage: Callable, argv: list[str] | None = None, *, threads: bool = False
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--task")
     parser.add_argument("--variant")
+    parser.add_argument("--regime", help="a regime of the papers' profile (vision.paper_regimes)")
     parser.add_argument("--seed", type=int, help="a per-seed stage's fine-tuning seed (one of params.yaml's seeds)")
     args = parser.parse_args(argv)
     root = Path(args.root).resolve()

@@ -21,6 +21,7 @@ from mergecal.recipe import Recipe, step_phase
 
 EXPECTED = {  # name: (phase, needs_data)
     "distac": ("pre", True),
+    "rescale": ("pre", False),
     "svc": ("weight", False),
     "wsc": ("weight", False),
     "fsc": ("feature", True),
@@ -126,7 +127,7 @@ def test_recipe_ids_from_a_config_list_are_unchanged():
 
 @pytest.mark.parametrize("text,error,message", [
     ("tie", UnknownNameError, ("unknown recipe step 'tie'; choose one of: consensus, dare, distac, dsc, dsc_a, fsc, "
-                               "iso_c, iso_cts, svc, task_arithmetic, ties, tsv_m, weight_averaging, wsc")),
+                               "iso_c, iso_cts, rescale, svc, task_arithmetic, ties, tsv_m, weight_averaging, wsc")),
     ("ties->dsc(wcs={})", ParameterError, "recipe: dsc takes 'wsc' and 'fsc' parameter groups, not 'wcs'"),
     ("ties->dsc(fsc=3)", ParameterError, "recipe: dsc: 'fsc' must be a mapping of parameters"),
     ("ties->dsc_a(wsc={alpha: 1})", ParameterError,

@@ -221,7 +221,8 @@ def _check_state_dicts(pretrained: StateDict, finetuned: StateDict) -> list[str]
 def distill_task_vector(build_model: Callable[[dict[str, torch.Tensor]], nn.Module], pretrained: StateDict,
                         finetuned: StateDict, unlabeled: Any, params: DistacParams | Mapping[str, Any],
                         trainable: Callable[[str], bool] | None = None, progress: bool = True,
-                        device: str | torch.device = "cpu", norm_every: int = 10
+                        device: str | torch.device = "cpu", norm_every: int = 10,
+                        observe: Callable[[nn.Module], Mapping[str, float]] | None = None
                         ) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     """Condition the task vector ``finetuned - pretrained`` by distillation (DisTaC, Algorithm 1).
 
@@ -240,6 +241,11 @@ def distill_task_vector(build_model: Callable[[dict[str, torch.Tensor]], nn.Modu
     ``step``, ``loss``, ``kl``, ``reg``, ``lr`` (the step's learning rate, ``learning_rate``), plus ``tau_norm`` =
     ||theta - theta_pre|| over the float keys every ``norm_every`` steps and at the last step. ``pretrained``
     and ``finetuned`` are never modified.
+
+    ``observe(student)``, when given, measures the student (in eval mode, without gradients; e.g. its test accuracy
+    and entropy: the paper's Fig. 2) at the anchor, as a record of step 0 first in the history, and at every step
+    that records ``tau_norm``; its figures join that step's record. It draws no random numbers, so the result is the
+    same bits with or without it.
     """
     params = as_distac_params(params)
     if params.kappa is None:
@@ -307,7 +313,16 @@ def distill_task_vector(build_model: Callable[[dict[str, torch.Tensor]], nn.Modu
                 total += float((live[key].detach().float() - base).double().pow(2).sum())
             return math.sqrt(total)
 
+        def observed() -> dict[str, float]:
+            student.eval()
+            with torch.no_grad():
+                figures = dict(observe(student))
+            student.train()
+            return figures
+
         history: list[dict[str, float]] = []
+        if observe is not None:
+            history.append({"step": 0, "tau_norm": tau_norm(), **observed()})
         batches = _input_batches(unlabeled, params)
         bar = tqdm(range(1, params.steps + 1), desc="distac", unit="step", disable=not progress)
         for step in bar:
@@ -329,6 +344,8 @@ def distill_task_vector(build_model: Callable[[dict[str, torch.Tensor]], nn.Modu
             record = {"step": step, "loss": loss.item(), "kl": kl.item(), "reg": float(reg.detach()), "lr": lr}
             if step % norm_every == 0 or step == params.steps:
                 record["tau_norm"] = tau_norm()
+                if observe is not None:
+                    record.update(observed())
                 bar.set_postfix(kl=f"{record['kl']:.4g}", tau_norm=f"{record['tau_norm']:.4g}")
             history.append(record)
 
@@ -408,12 +425,15 @@ def condition_model(step: DistacStepParams, kappa: float, build_model: Callable[
 def condition_models(step: DistacStepParams, pretrained: StateDict, finetuned: Sequence[StateDict],
                      build_task_model: Callable[[int, StateDict], nn.Module], data: Sequence[Any], *,
                      trainable: Callable[[str], bool] | None = None, progress: bool = False,
-                     device: str | torch.device | None = None) -> tuple[list[StateDict], dict]:
+                     device: str | torch.device | None = None, norm_every: int = 10,
+                     observe: Callable[[int, nn.Module], Mapping[str, float]] | None = None
+                     ) -> tuple[list[StateDict], dict]:
     """DisTaC as a pre-merge step over K fine-tuned models: kappa per model (norm matching unless the step fixes
     kappa), the models it conditions (every one, or with ``apply_to="largest_norm"`` the one whose task vector is
     longest, the first on ties: the one norm matching shrinks), each distilled on its own unlabeled ``data[t]``
     (read only for the models conditioned). Returns the models, conditioned where chosen, and a report
-    ``{"kappas", "conditioned": [t], "history": {t: per-step records}}``."""
+    ``{"kappas", "conditioned": [t], "history": {t: per-step records}}``. ``observe(t, student)``: model t's
+    ``distill_task_vector`` observer (its trajectory), every ``norm_every`` steps."""
     from ..task_vectors import task_vector
 
     if len(data) != len(finetuned):
@@ -423,6 +443,7 @@ def condition_models(step: DistacStepParams, pretrained: StateDict, finetuned: S
     for t in targets:
         models[t], report["history"][t] = condition_model(
             step, kappas[t], lambda sd, t=t: build_task_model(t, sd), pretrained, models[t], data[t],
-            trainable=trainable, progress=progress, device=device)
+            trainable=trainable, progress=progress, device=device, norm_every=norm_every,
+            observe=None if observe is None else (lambda student, t=t: observe(t, student)))
         report["conditioned"].append(t)
     return models, report

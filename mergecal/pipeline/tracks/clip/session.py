@@ -54,6 +54,7 @@ class CellModels:
     sensitive: list[str] | None = None  # the probed magnitude-sensitive keys (WSC, FSC)
     sensitivity_file: Path | None = None
     distac: dict | None = None  # the DisTaC stage's {"kappas", "conditioned"}, when the chain starts with it
+    rescale: dict | None = None  # the rescaling's {"kappas", "rescaled"}, when the chain starts with it
 
 
 class _ReloadedModels:
@@ -121,6 +122,8 @@ def session(models: CellModels, cell: Cell, recipe: Recipe, grid: tuple[float, .
             artifacts["scaling_curve"] = curve
         if models.distac is not None:
             artifacts["distac"] = models.distac
+        if models.rescale is not None:
+            artifacts["rescale"] = models.rescale
         artifacts["task_vectors"] = {t: {"norm": models.norms[t], "entropy": reference[t]["entropy"]} for t in tasks}
         return CellResult(metrics, logged, artifacts, per_example_results(tasks, test))
 

@@ -8,8 +8,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from .....calibrations.probing import SensitivityRanking
+from .....calibrations.registry import get_calibration
 from .....checkpoint import load_state_dict
 from .....data.vision import load_split
+from .....errors import MergecalError
 from .....recipe import Recipe
 from .....task_vectors import task_vector
 from ....cells import (Cell, CellResult, base_params, finetuned_reference, per_example_results, per_seed, summaries,
@@ -19,8 +21,7 @@ from ...protocol import Session
 from ..family import check_distac_file
 from ..session import CellModels, recipe_cells
 from ..session import session as family_session
-from .stages import (VisionModels, distac_params, evaluate_tasks, paths_for, preprocessed,
-                     regime_variants, task_split)
+from .stages import VisionModels, distac_params, evaluate_tasks, paths_for, preprocessed, regime_files, task_split
 
 NAME = "vision"
 
@@ -45,8 +46,8 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
              "reference": paths.task_vectors(cell.regime) / "diagnostics.json"}
     if cell.merge == "zeroshot":
         return files
-    for task, variant in regime_variants(params.vision, cell.regime).items():
-        files[f"finetuned.{task}"] = paths.finetuned(variant, task)
+    for task, path in regime_files(paths, params.vision, cell.regime).items():
+        files[f"finetuned.{task}"] = path
     if cell.recipe.startswith("distac"):
         for task in cell.tasks:
             files[f"distac.{task}"] = paths.distac(cell.regime) / f"{task}.safetensors"
@@ -91,8 +92,8 @@ def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params,
     reference = json.loads((paths.task_vectors(cell.regime) / "diagnostics.json").read_text())
 
     pre_steps = recipe.phase("pre")
-    distac = None
-    if pre_steps:  # DisTaC ran once in its DVC stage with exactly these parameters (checked here)
+    distac = rescale = None
+    if pre_steps and pre_steps[0].name == "distac":  # it ran once in its DVC stage with these parameters (checked)
         states = []
         for task in tasks:
             path = paths.distac(cell.regime) / f"{task}.safetensors"
@@ -102,9 +103,16 @@ def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params,
         distac = {"kappas": info["kappas"], "conditioned": info["conditioned"]}
     else:
         states = models.finetuned(cell.regime)
+    pre_visual = models.visual_pretrained()
+    for step in pre_steps[1 if distac else 0:]:  # a data-free step (rescale) runs here, on what came before it
+        spec = get_calibration(step.name)
+        if spec.needs_data:
+            raise MergecalError(f"{cell.label}: {step.name!r} after another pre-merge step: only a chain's first "
+                                "step reads DisTaC's stage")
+        states, report = spec.run(step.params, pre_visual, states)
+        rescale = {"kappas": report["kappas"], "rescaled": [tasks[t] for t in report["rescaled"]]}
     sensitivity_path = paths.sensitivity(cell.regime) if uses_sensitivity(cell.recipe) else None
     sensitive = SensitivityRanking.load(sensitivity_path).sensitive if sensitivity_path else None
-    pre_visual = models.visual_pretrained()
     norms = {t: float(sum(v.double().pow(2).sum() for v in task_vector(s, pre_visual).values()) ** 0.5)
              for t, s in zip(tasks, states)}
 
@@ -122,5 +130,6 @@ def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params,
 
     return family_session(CellModels(tasks, reference, base_params(cell), pre_visual, states, norms,
                                      models.model({}), lambda: models.model({}), score, fsc_data=fsc_data,
-                                     sensitive=sensitive, sensitivity_file=sensitivity_path, distac=distac),
+                                     sensitive=sensitive, sensitivity_file=sensitivity_path, distac=distac,
+                                     rescale=rescale),
                           cell, recipe, grid, device=device)

@@ -7,7 +7,8 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from .....config_types import ConfigValueError, PositiveReal
-from .....regimes import OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime
+from .....errors import ParameterError
+from .....regimes import OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime, check_regime
 from ....params_base import Strict, _check_dataclass, _distinct
 
 
@@ -31,6 +32,9 @@ class VisionTrack(Strict):
     task_set: str = Field(default_factory=lambda: _library_default("data.vision", "SuiteConfig", "task_set"))
     tasks: list[str] | None = None  # None: every task of the task set
     regimes: list[Regime] = Field(default_factory=lambda: list(REGIMES))
+    # the papers' profile's regimes (`make paper`; mergecal.regimes: norm_mismatch_<task>, mixup, focal,
+    # label_smoothing_<alpha>): each built by its own stage, never by the default run
+    paper_regimes: list[str] = Field(default_factory=list)
     # fine-tuned for every task (DVC stage `finetune`); `norm_mismatch` adds one task at a higher lr
     finetune_variants: list[Objective] = Field(
         default_factory=lambda: ["standard", "low_confidence"])
@@ -77,7 +81,7 @@ class VisionTrack(Strict):
             self.norm_mismatch_task = self.tasks[0]
         return self
 
-    @field_validator("regimes", "finetune_variants")
+    @field_validator("regimes", "finetune_variants", "paper_regimes")
     @classmethod
     def _lists(cls, values: list[str]) -> list[str]:
         return _distinct(values, "entries")
@@ -93,6 +97,13 @@ class VisionTrack(Strict):
                 raise ValueError(f"regime {regime!r} needs {OBJECTIVE_OF_REGIME[regime]!r} in finetune_variants")
         if "norm_mismatch" in self.regimes and self.norm_mismatch_task not in self.tasks:
             raise ValueError(f"norm_mismatch_task {self.norm_mismatch_task!r} is not one of the track's tasks")
+        for regime in self.paper_regimes:
+            if regime in self.regimes:
+                raise ConfigValueError("paper_regimes", f"{regime!r} is already in regimes (the default run's)")
+            try:
+                check_regime(regime, self.tasks, self.norm_mismatch_task)
+            except ParameterError as err:
+                raise ConfigValueError("paper_regimes", str(err)) from None
         if "task_set" in self.data:
             raise ConfigValueError("data.task_set", "set the task set once, as 'task_set' of the track")
         self.data = _check_dataclass(SuiteConfig, self.data, "data")

@@ -13,10 +13,13 @@ Layout under the repository root (every file is a DVC output, written atomically
       task_vectors/<regime>/diagnostics.json      norms and reference accuracies (no tau files)
       distac/<regime>/<task>.safetensors, distac.json
       sensitivity/<regime>.json
+      regimes/<regime>/                           a regime of the papers' profile (``vision.paper_regimes``, `make
+        finetuned/<task>.safetensors (+ .json)      paper`): the fine-tunes the default run has not made,
+        task_vectors/diagnostics.json, distac/      its diagnostics and DisTaC (each step's trajectory in distac.json)
 
 A regime is the set of K fine-tuned models merged together: ``standard`` and ``low_confidence`` use their
 variant for every task; ``norm_mismatch`` uses ``standard`` except its one task fine-tuned at
-``vision.norm_mismatch_lr_multiplier`` x the lr (``mergecal.regimes``).
+``vision.norm_mismatch_lr_multiplier`` x the lr; the papers' regimes are named in ``mergecal.regimes``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from .....checkpoint import atomic_write_text, load_state_dict, save_state_dict
 from .....data.vision import PROBE_TASK, TASKS, SuiteConfig, build_vision_suite, load_split, validation_indices
 from .....errors import CheckpointError
 from .....methods.base import build_params
-from .....regimes import DISTAC_PRESETS
+from .....regimes import distac_preset, finetune_overrides
+from .....regimes import variants as variants_of_regime
 from .....task_vectors import relative_norms, task_vector
 from .....train.finetune import FinetuneConfig
 from .....train.finetune import finetune as finetune_clip
@@ -60,6 +64,8 @@ class VisionPaths:
     root: Path
     backbone: str
     seed: int = 0  # the fine-tuning seed whose models (and what is built from them) these paths name
+    profile: tuple[str, ...] = ()  # the papers' profile's regimes (their files under regimes/<regime>/)
+    built: frozenset = frozenset()  # the (task, variant) fine-tunes of the default run (under finetuned/)
 
     @property
     def data(self) -> Path:
@@ -82,28 +88,51 @@ class VisionPaths:
         return seed_dir(self.models, self.seed)
 
     def finetuned(self, variant: str, task: str) -> Path:
+        """A fine-tune of the default run."""
         return self.seeded / "finetuned" / variant / f"{task}.safetensors"
 
+    def regime_dir(self, regime: str) -> Path:
+        """Where a regime of the papers' profile keeps what it builds."""
+        return self.seeded / "regimes" / regime
+
+    def model(self, regime: str, task: str, variant: str) -> Path:
+        """Task ``task``'s model in ``regime`` (fine-tuned as ``variant``): the default run's fine-tune where it
+        made one, else the profile regime's own."""
+        if (task, variant) in self.built or regime not in self.profile:
+            return self.finetuned(variant, task)
+        return self.regime_dir(regime) / "finetuned" / f"{task}.safetensors"
+
     def task_vectors(self, regime: str) -> Path:
+        if regime in self.profile:
+            return self.regime_dir(regime) / "task_vectors"
         return self.seeded / "task_vectors" / regime
 
     def distac(self, regime: str) -> Path:
+        if regime in self.profile:
+            return self.regime_dir(regime) / "distac"
         return self.seeded / "distac" / regime
 
     def sensitivity(self, regime: str) -> Path:
+        if regime in self.profile:  # the profile probes none: a cell that reads it finds no file
+            return self.regime_dir(regime) / "sensitivity.json"
         return self.seeded / "sensitivity" / f"{regime}.json"
 
 
 def paths_for(params: Params, root: str | Path = ".", seed: int | None = None) -> VisionPaths:
     """The track's paths, with the models of fine-tuning seed ``seed`` (None: the first of ``params.seeds``)."""
-    return VisionPaths(Path(root), params.vision.backbone, fine_tuning_seed(params, seed))
+    track = params.vision
+    return VisionPaths(Path(root), track.backbone, fine_tuning_seed(params, seed), tuple(track.paper_regimes),
+                       frozenset(finetune_runs(track)))
 
 
 def regime_variants(track: VisionTrack, regime: str) -> dict[str, str]:
-    """Which fine-tuned variant each task contributes to a regime."""
-    if regime == "norm_mismatch":
-        return {t: ("norm_mismatch" if t == track.norm_mismatch_task else "standard") for t in track.tasks}
-    return {t: regime for t in track.tasks}
+    """Which fine-tuned variant each task contributes to a regime (``mergecal.regimes.variants``)."""
+    return variants_of_regime(regime, track.tasks, track.norm_mismatch_task)
+
+
+def regime_files(paths: VisionPaths, track: VisionTrack, regime: str) -> dict[str, Path]:
+    """Each task's model file in a regime, in task order."""
+    return {task: paths.model(regime, task, variant) for task, variant in regime_variants(track, regime).items()}
 
 
 # ---------------------------------------------------------------------------------------------- data and models
@@ -164,9 +193,10 @@ def pretrain(params: Params, root: str | Path = ".", *, device: str = "cpu", pro
 
 
 def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *, seed: int | None = None,
-             device: str = "cpu", progress: bool = True) -> dict:
-    """Fine-tune one task in one variant (Ilharco et al.: image encoder only, frozen zero-shot head) with
-    fine-tuning seed ``seed`` (None: the first of ``params.seeds``)."""
+             device: str = "cpu", progress: bool = True, out: Path | None = None) -> dict:
+    """Fine-tune one task in one variant (Ilharco et al.: image encoder only, frozen zero-shot head;
+    ``mergecal.regimes.finetune_overrides``) with fine-tuning seed ``seed`` (None: the first of ``params.seeds``),
+    written to ``out`` (default: the default run's ``finetuned/<variant>/<task>``)."""
     # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
     from .....backbones.open_clip_vit import load_clip
 
@@ -174,11 +204,7 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
     if task not in track.tasks:
         raise CheckpointError(f"finetune: task {task!r} is not in vision.tasks ({', '.join(track.tasks)})")
     values = {"seed": paths.seed, **track.finetune}
-    if variant == "norm_mismatch":
-        values["lr"] = FinetuneConfig(**values).lr * track.norm_mismatch_lr_multiplier
-        values["regime"] = "standard"
-    else:
-        values["regime"] = variant
+    values.update(finetune_overrides(variant, FinetuneConfig(**values).lr, track.norm_mismatch_lr_multiplier))
     config = FinetuneConfig(**values)
     model = load_clip(track.arch, paths.pretrained)
     head = load_state_dict(paths.heads)[task]
@@ -194,26 +220,35 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
                 "final_loss": history["loss"][-1],
                 "val_accuracy": history.get("val_accuracy", [None])[-1],
                 "layout": "open_clip state dict, image encoder keys only (the rest equals pretrained)"}
-    out = paths.finetuned(variant, task)
+    out = out or paths.finetuned(variant, task)
     save_state_dict(visual, out, {"mergecal": json.dumps(metadata)})
     atomic_write_text(out.with_suffix(".json"), json.dumps(metadata, indent=2))
     return metadata
 
 
 def finetune_runs(track: VisionTrack) -> list[tuple[str, str]]:
-    """Every (task, variant) the track fine-tunes: each task in each variant, plus the norm-mismatch task."""
+    """Every (task, variant) the default run fine-tunes: each task in each variant, plus the norm-mismatch task."""
     return [*((t, v) for v in track.finetune_variants for t in track.tasks),
             (track.norm_mismatch_task, "norm_mismatch")]
 
 
+def regime_runs(track: VisionTrack, regime: str) -> list[tuple[str, str]]:
+    """The (task, variant) fine-tunes a regime of the papers' profile adds to the default run's."""
+    built = set(finetune_runs(track))
+    return [(t, v) for t, v in regime_variants(track, regime).items() if (t, v) not in built]
+
+
 def finetune_all(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
-                 workers: int = 1, progress: bool = True, log=print) -> dict:
-    """Every fine-tune of the track, then ``finetuned.json``: each model's metadata, the figures a reader of the
-    repository wants. On the CPU each fine-tune runs on one torch thread, so its bits do not depend on the
+                 workers: int = 1, progress: bool = True, log=print, regime: str | None = None) -> dict:
+    """Every fine-tune of the default run, then ``finetuned.json``: each model's metadata, the figures a reader of
+    the repository wants; with ``regime`` (one of ``vision.paper_regimes``), the fine-tunes that regime adds, in
+    its own directory. On the CPU each fine-tune runs on one torch thread, so its bits do not depend on the
     machine's cores, and ``workers`` of them run at once, each worker a process of its own (one start-up and one
     import of open_clip per worker; two one-thread fine-tunes side by side train ~1.5x faster than one on two
     threads). On a GPU they run one after another in this process."""
-    runs = finetune_runs(params.vision)
+    paths = paths_for(params, root, seed)
+    runs = finetune_runs(params.vision) if regime is None else regime_runs(params.vision, regime)
+    outs = {(t, v): (paths.finetuned(v, t) if regime is None else paths.model(regime, t, v)) for t, v in runs}
     metadata: dict[tuple[str, str], dict] = {}
 
     def done(task: str, variant: str, meta: dict, seconds: float) -> None:
@@ -225,26 +260,28 @@ def finetune_all(params: Params, root: str | Path = ".", *, seed: int | None = N
         spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch thread pool inherited
         with ProcessPoolExecutor(min(workers, len(runs)), mp_context=spawn, initializer=pin_threads,
                                  initargs=(1,)) as pool:
-            futures = {pool.submit(_timed_finetune, params, task, variant, str(root), seed, device): (task, variant)
-                       for task, variant in runs}
+            futures = {pool.submit(_timed_finetune, params, task, variant, str(root), seed, device,
+                                   out=outs[task, variant]): (task, variant) for task, variant in runs}
             for future in as_completed(futures):
                 done(*futures[future], *future.result())
     else:
         if device == "cpu":
             pin_threads(1)
         for task, variant in runs:
-            done(task, variant, *_timed_finetune(params, task, variant, str(root), seed, device, progress))
+            done(task, variant, *_timed_finetune(params, task, variant, str(root), seed, device, progress,
+                                                 out=outs[task, variant]))
     summary: dict[str, dict] = {}
     for task, variant in runs:  # the runs' order, whichever finished first
         summary.setdefault(variant, {})[task] = metadata[task, variant]
-    atomic_write_text(paths_for(params, root, seed).seeded / "finetuned.json", json.dumps(summary, indent=2))
+    if regime is None:
+        atomic_write_text(paths.seeded / "finetuned.json", json.dumps(summary, indent=2))
     return summary
 
 
 def _timed_finetune(params: Params, task: str, variant: str, root: str, seed: int | None, device: str,
-                    progress: bool = False) -> tuple[dict, float]:
+                    progress: bool = False, out: Path | None = None) -> tuple[dict, float]:
     start = time.perf_counter()
-    meta = finetune(params, task, variant, root, seed=seed, device=device, progress=progress)
+    meta = finetune(params, task, variant, root, seed=seed, device=device, progress=progress, out=out)
     return meta, time.perf_counter() - start
 
 
@@ -268,8 +305,7 @@ class VisionModels:
 
     def finetuned(self, regime: str) -> list[dict[str, torch.Tensor]]:
         """Image-encoder states of the regime's K models (task order of the track)."""
-        return [load_state_dict(self.paths.finetuned(variant, task))
-                for task, variant in regime_variants(self.track, regime).items()]
+        return [load_state_dict(path) for path in regime_files(self.paths, self.track, regime).values()]
 
     def model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
@@ -303,16 +339,17 @@ def evaluate_tasks(model: torch.nn.Module, heads: dict[str, torch.Tensor], data_
     return out
 
 
-def task_vectors(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu") -> dict:
-    """Per regime, ``diagnostics.json``: each task vector's norms (tau = theta_ft - theta_0, image encoder; the
-    vectors themselves are not written, since cells, DisTaC and probing compute them from the checkpoints as they
-    stream), and the reference figures every cell is normalised by: the task's own fine-tuned accuracy
-    (validation and test), prediction entropy and ECE."""
+def task_vectors(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
+                 regimes: list[str] | None = None) -> dict:
+    """Per regime (``regimes``, default the track's), ``diagnostics.json``: each task vector's norms (tau =
+    theta_ft - theta_0, image encoder; the vectors themselves are not written, since cells, DisTaC and probing
+    compute them from the checkpoints as they stream), and the reference figures every cell is normalised by:
+    the task's own fine-tuned accuracy (validation and test), prediction entropy and ECE."""
     track, models = params.vision, VisionModels(params, root, seed)
     pre_visual = models.visual_pretrained()
     batch = params.benchmark.evaluation.batch_size
     report = {}
-    for regime in track.regimes:
+    for regime in track.regimes if regimes is None else regimes:
         out_dir = models.paths.task_vectors(regime)
         diagnostics = {}
         for task, state in zip(track.tasks, models.finetuned(regime)):
@@ -333,40 +370,98 @@ def task_vectors(params: Params, root: str | Path = ".", *, seed: int | None = N
 
 
 def distac_params(params: Params, regime: str):
-    """The DisTaC step of a regime: the paper's preset for it (``DISTAC_PRESETS``) unless ``distac.preset`` names
-    one, with the shared overrides of params.yaml's ``distac`` section."""
+    """The DisTaC step of a regime: the paper's preset for it (``mergecal.regimes.distac_preset``) unless
+    ``distac.preset`` names one, with the shared overrides of params.yaml's ``distac`` section."""
     values = dict(params.distac)
-    values.setdefault("preset", DISTAC_PRESETS[regime])
+    values.setdefault("preset", distac_preset(regime))
     return build_params(DistacStepParams, "distac", values)
 
 
+def trajectory_observer(models: "VisionModels", tasks: list[str], device: str):
+    """DisTaC's ``observe``: the student's test accuracy and mean prediction entropy on task t (the paper's
+    Fig. 2)."""
+    splits = [task_split(models.paths.data, task, "test") for task in tasks]
+    inputs = [(preprocessed(images, models.track.arch), torch.as_tensor(labels, dtype=torch.long))
+              for images, labels in splits]
+
+    def observe(t: int, student: torch.nn.Module) -> dict[str, float]:
+        x, y = inputs[t]
+        logits = torch.cat([student(x[i:i + 256].to(device)).float().cpu() for i in range(0, len(y), 256)])
+        log_p = torch.log_softmax(logits, dim=-1)
+        entropy = float(-(log_p.exp() * log_p).sum(-1).mean())
+        return {"accuracy": float((logits.argmax(-1) == y).float().mean()), "entropy": entropy}
+
+    return observe
+
+
+def _condition_regime(params: Params, models: "VisionModels", regime: str, *, device: str, progress: bool,
+                      observe=None) -> tuple:
+    """DisTaC over one regime's K models: (the step, the K states, conditioned where chosen, its report)."""
+    track, samples = params.vision, params.benchmark.evaluation.distac_samples
+    step = distac_params(params, regime)
+    states = [models.full_state(s) for s in models.finetuned(regime)]
+    data = [preprocessed(task_split(models.paths.data, task, "train", max_items=samples)[0], track.arch)
+            for task in track.tasks]
+    heads = [models.heads[task] for task in track.tasks]
+    conditioned, done = condition_models(
+        step, models.pretrained, states,
+        lambda t, sd: TaskHeadModel(models.model({k: v for k, v in sd.items() if is_visual(k)}), heads[t]),
+        data, trainable=is_visual, progress=progress, device=device, observe=observe)
+    return step, conditioned, done
+
+
+def _trajectories(tasks: list[str], done: dict) -> dict:
+    """Step 0 and every norm_every-th record (those with a tau_norm) of each conditioned model."""
+    return {tasks[t]: [r for r in h if "tau_norm" in r] for t, h in done["history"].items()}
+
+
 def distac(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
-           progress: bool = True) -> dict:
+           progress: bool = True, regimes: list[str] | None = None, trajectory: bool = False) -> dict:
     """DisTaC-condition each regime's fine-tuned models (unlabeled train images of each task) once, for every
-    cell whose chain starts with ``distac``. Unconditioned tasks are written unchanged, so a cell reads K files."""
+    cell whose chain starts with ``distac``. Unconditioned tasks are written unchanged, so a cell reads K files.
+    ``regimes``: default the track's. ``trajectory``: distac.json keeps every 10th step of each conditioned
+    model, with its test accuracy and entropy (``trajectory_observer``), beside the last step."""
     track, models = params.vision, VisionModels(params, root, seed)
-    samples = params.benchmark.evaluation.distac_samples
+    observe = trajectory_observer(models, track.tasks, device) if trajectory else None
     report = {}
-    for regime in track.regimes:
-        step = distac_params(params, regime)
-        states = [models.full_state(s) for s in models.finetuned(regime)]
-        data = [preprocessed(task_split(models.paths.data, task, "train", max_items=samples)[0], track.arch)
-                for task in track.tasks]
-        heads = [models.heads[task] for task in track.tasks]
-        conditioned, done = condition_models(
-            step, models.pretrained, states,
-            lambda t, sd: TaskHeadModel(models.model({k: v for k, v in sd.items() if is_visual(k)}), heads[t]),
-            data, trainable=is_visual, progress=progress, device=device)
+    for regime in track.regimes if regimes is None else regimes:
+        step, conditioned, done = _condition_regime(params, models, regime, device=device, progress=progress,
+                                                    observe=observe)
         out_dir = models.paths.distac(regime)
         info = {"params": step.model_dump(), "kappas": done["kappas"],
                 "conditioned": [track.tasks[t] for t in done["conditioned"]],
                 "history": {track.tasks[t]: h[-1] if h else {} for t, h in done["history"].items()}}
+        if trajectory:
+            info["trajectory"] = _trajectories(track.tasks, done)
         for task, state in zip(track.tasks, conditioned):
             visual = {k: v.contiguous() for k, v in state.items() if is_visual(k)}
             save_state_dict(visual, out_dir / f"{task}.safetensors", {"distac": step.model_dump_json()})
         atomic_write_text(out_dir / "distac.json", json.dumps(info, indent=2, default=str))
         report[regime] = info
     return report
+
+
+def distac_trajectories(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
+                        regimes: list[str]) -> dict:
+    """The trajectories of DisTaC as the default run's ``distac`` stage ran it (which keeps the last step alone):
+    each regime conditioned again with ``trajectory_observer``, and every conditioned model checked against the
+    stage's file, bit for bit (the observer changes nothing). Returns {regime: {"kappas", "conditioned",
+    "trajectory"}}."""
+    track, models = params.vision, VisionModels(params, root, seed)
+    observe = trajectory_observer(models, track.tasks, device)
+    out = {}
+    for regime in regimes:
+        _, conditioned, done = _condition_regime(params, models, regime, device=device, progress=False,
+                                                 observe=observe)
+        for t in done["conditioned"]:
+            path = models.paths.distac(regime) / f"{track.tasks[t]}.safetensors"
+            stored = load_state_dict(path)
+            if any(not torch.equal(stored[k], conditioned[t][k]) for k in stored):
+                raise CheckpointError(f"{path}: DisTaC run again with its trajectory differs from the distac stage's "
+                                      "model (rerun `dvc repro distac` on this machine's threads)")
+        out[regime] = {"kappas": done["kappas"], "conditioned": [track.tasks[t] for t in done["conditioned"]],
+                       "trajectory": _trajectories(track.tasks, done)}
+    return out
 
 
 def probe(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
