@@ -68,7 +68,7 @@ run: $(STAMP)
 # cells they reuse; one report per paper under reports/papers/. A plain `make run` / `dvc repro` never runs them.
 paper: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro papers/dvc.yaml
-	@echo "papers: $(CURDIR)/reports/papers/svc.html, $(CURDIR)/reports/papers/magic.html (and .md)"
+	@echo "papers: $(CURDIR)/reports/papers/{svc,magic,distac}.html (and .md)"
 
 # SVC's own time and peak memory at ViT-B/32 and ViT-L/14 shapes, K = 8, one thread (the SVC paper's Table 4;
 # reports/papers/svc.md reads the two files, which make paper never rewrites: a measurement is not reproducible)

@@ -36,6 +36,12 @@ MEANING = {
 HOW = """## The papers' profile: `make paper`
 
 `make paper` (`dvc repro papers/dvc.yaml`) runs after the default run and reuses every cell it shares with it:
+- **regimes** of the papers (`vision.paper_regimes` in params.yaml, `mergecal/regimes.py`): DisTaC's norm mismatch
+  with each other task lengthened in turn (`norm_mismatch_<task>`), label smoothing 0.01 (`label_smoothing_0.01`),
+  `mixup` and `focal`: each one stage `paper_regime@<seed>-<regime>`, cached on its own, that fine-tunes only what
+  the default run has not (a norm-mismatch regime: its one lengthened task), writes its diagnostics and runs DisTaC
+  with each step's test accuracy, entropy and norm (its trajectory) under `models/<backbone>/seeds/<seed>/regimes/`;
+  stage `paper_trajectories` repeats the default run's DisTaC with the same observer (bit for bit its models).
 - **experiments** (`experiments:` in `mergecal/experiments/svc.yaml` and `magic.yaml`): a track, its regimes, the
   merges, a base chain and its variants, listed (`variants: {row: "{merge}>svc(space='row')"}`) or swept
   (`sweep:` a parameter's `values` in `{value}`, each task's index in `{index}` with `over: tasks`, or the first N
@@ -44,9 +50,16 @@ HOW = """## The papers' profile: `make paper`
   base at the variants' scaling or, `base_scaling: searched`, the board's tuned merge). They run as cells of the
   benchmark: the tracks' own cells, ids and cache (a variant the matrix runs is that cell), through the same Prefect
   flow and MLflow store (`mergecal/pipeline/experiments.py`, stage `paper_cells`).
+- **comparisons** (`comparisons:` in `distac.yaml`): the same merges and chains across settings, a setting one
+  regime or the mean of several (the norm mismatch over its eight configurations, each configuration shown too), each
+  paired with the reference setting (the paper's Original) on the same test examples; claims `gain`, `loss` or `par`
+  (not below the reference: the paired interval reaches 0) within a setting or against another. `rescale>{merge}`
+  is DisTaC's kappa alone (`mergecal/calibrations/rescale.py`, the paper's Fig. 8).
 - **analyses** (`analyses:`): figures computed from the vision track's models rather than from cells: the SVC
   paper's spectra and cross terms (`mergecal/analysis/svc_spectrum.py`), MAGIC's feature magnitudes, layer swaps,
-  per-task sensitivity and FSC coefficients (`mergecal/analysis/magic_features.py`; stage `paper_analysis`).
+  per-task sensitivity and FSC coefficients (`mergecal/analysis/magic_features.py`), DisTaC's norms, entropies,
+  trajectories, kappa sweep, reliability diagrams and per-layer norms (`mergecal/analysis/distac_figures.py`,
+  `mergecal/pipeline/distac_analysis.py`; stage `paper_analysis`).
 - **measurements** (`measurements:`): a method's own cost, measured once by its `make` target (`make perf-svc`) into
   a committed file the report reads; `make paper` never times anything.
 - **reports** (stage `paper_reports`): `reports/papers/<paper>.{md,html,json}` and their plots, committed like the

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mergecal.experiments import read
-from mergecal.pipeline.experiments import load_analyses, load_experiments, load_measurements
+from mergecal.pipeline.experiments import load_analyses, load_comparisons, load_experiments, load_measurements
 from mergecal.presets import PRESETS
 import scripts.catalogue as catalogue
 
@@ -34,22 +34,22 @@ def test_every_item_is_listed_once_with_its_statuses_detail():
 
 
 def test_each_item_the_papers_profile_regenerates_is_an_experiment_with_its_committed_report_section():
-    experiments = {e.id: paper for found in (load_experiments(), load_analyses(), load_measurements())
-                   for paper, items in found.items() for e in items}
+    loaded = (load_experiments(), load_analyses(), load_measurements(), load_comparisons())
+    experiments = {e.id: paper for found in loaded for paper, items in found.items() for e in items}
     profiled = {i["id"]: i for i in ITEMS if i["status"] in ("paper", "measured")}
     assert set(profiled) == set(experiments)  # every experiment is catalogued, every such item runs
-    named = {e.id: e.item for found in (load_experiments(), load_analyses(), load_measurements())
-             for items in found.values() for e in items}
+    named = {e.id: e.item for found in loaded for items in found.values() for e in items}
     for item_id, item in profiled.items():
         assert item["section"] == item_id and named[item_id] == item["item"], item_id
         report = (REPORTS / f"{item['paper']}.md").read_text()
         assert f"## {item_id}: {item['item']}" in report, item_id
 
 
-@pytest.mark.parametrize("paper", ["svc", "magic"])
+@pytest.mark.parametrize("paper", ["svc", "magic", "distac"])
 def test_every_claim_of_a_committed_report_has_its_computed_sentence(paper):
     report = (REPORTS / f"{paper}.md").read_text()
-    for experiment in load_experiments((paper,))[paper] + load_analyses((paper,))[paper]:
+    for experiment in (load_experiments((paper,))[paper] + load_analyses((paper,))[paper]
+                       + load_comparisons((paper,))[paper]):
         for claim in experiment.claims:
             assert f"“{claim.text}”: " in report, (experiment.id, claim.text)
 

@@ -23,7 +23,7 @@ def experiment(**values) -> ex.Experiment:
 
 def test_the_packaged_experiments_are_valid_and_name_their_papers():
     found = ex.load_experiments()
-    assert set(found) == {"svc", "magic"}
+    assert set(found) == {"svc", "magic", "distac"}
     ids = [e.id for paper in found.values() for e in paper]
     assert len(ids) == len(set(ids)) and all(i.split(".")[0] in found for i in ids)
 
@@ -102,7 +102,8 @@ def test_a_paper_without_analyses_or_measurements_loads_none_and_an_id_is_listed
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"merges": ["task_arithmetic"]}, "give either variants or a sweep"),
+    ({"merges": ["task_arithmetic"], "variants": {"x": "{merge}>svc"},
+      "sweep": {"parameter": "a", "chain": "{merge}>svc(alpha={value})", "values": [1]}}, "not both"),
     ({"merges": ["task_arithmetic"], "variants": {"x": "{merge}>nope"}}, "nope"),
     ({"merges": ["task_arithmetic"], "sweep": {"parameter": "a", "chain": "{merge}>svc", "values": [1]}},
      "has no {value}"),
@@ -128,7 +129,7 @@ def test_a_bad_experiment_is_one_line_naming_its_file_and_id(monkeypatch, values
 
 @pytest.mark.parametrize("change, message", [
     ({"merges": ["ties", "adamerging"]}, "merge 'adamerging' is not in params.yaml's benchmark.merges"),
-    ({"regimes": ["mixup"]}, "regime 'mixup' is not among vision.regimes"),
+    ({"regimes": ["mixups"]}, "regime 'mixups' is not among vision.regimes or paper_regimes"),
     ({"track": "text"}, None),
 ])
 def test_an_experiment_outside_the_configured_matrix_is_refused(change, message):

@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from ..calibrations.probing import SensitivityRanking
 from ..errors import MergecalError
 from ..experiments import PAPERS, read
-from .cells import REFERENCES, Cell
+from .cells import REFERENCES, Cell, uses_sensitivity
 from .chains import fixed_chain
 from .config import FixedScaling, Params, _check_chain
 from .params_base import Strict, _distinct
@@ -110,8 +110,8 @@ class Experiment(Strict):
 
     @model_validator(mode="after")
     def _chains(self) -> "Experiment":
-        if bool(self.variants) == (self.sweep is not None):
-            raise ValueError("give either variants or a sweep")
+        if self.variants and self.sweep is not None:
+            raise ValueError("give variants or a sweep, not both")
         if self.plot == "heatmap" and (self.sweep is None or self.sweep.over != "tasks"):
             raise ValueError("plot: heatmap is for a sweep over tasks")
         fixed = self.scaling if isinstance(self.scaling, dict) else {}
@@ -160,8 +160,11 @@ class AnalysisClaim(Strict):
 
     kind: Literal["top_gap", "top_concentrated", "both_signs", "positive_cross", "smaller_magnitude", "follows_weight",
                   "opposite_to_weight", "own_layer_gains", "own_layer_gains_most", "similar_layers",
-                  "between_tasks"]
+                  "between_tasks", "larger_norm", "higher_entropy", "above_start", "entropy_falls",
+                  "below_zero_shot", "shrink_better", "over_confident", "under_confident", "best_calibrated",
+                  "every_layer_larger"]
     text: str
+    setting: str | None = None  # the one setting a claim is about (distac_trajectory's, distac_reliability's regime)
 
 
 class Analysis(Strict):
@@ -172,8 +175,11 @@ class Analysis(Strict):
     item: str
     shows: str
     kind: Literal["svc_inflation", "svc_spectrum", "svc_cross_terms", "magic_projection", "magic_magnitude",
-                  "magic_swap", "magic_sensitivity", "magic_xi"]
-    merges: list[str] = Field(min_length=1)  # magic_magnitude: its operations (trim, sum, disjoint)
+                  "magic_swap", "magic_sensitivity", "magic_xi", "distac_norms", "distac_entropy",
+                  "distac_trajectory", "distac_kappa", "distac_reliability", "distac_layer_norms"]
+    # magic_magnitude: its operations (trim, sum, disjoint); distac_reliability: its regimes; distac_layer_norms:
+    # the parameters shown (weight, bias); the other distac analyses: none ([none])
+    merges: list[str] = Field(min_length=1)
     regime: str = "standard"
     claims: list[AnalysisClaim] = Field(default_factory=list)
 
@@ -191,7 +197,11 @@ CLAIMS_OF = {"svc_inflation": ("top_concentrated",), "svc_spectrum": ("top_gap",
              "svc_cross_terms": ("positive_cross",), "magic_projection": ("smaller_magnitude",),
              "magic_magnitude": ("follows_weight", "opposite_to_weight"),
              "magic_swap": ("own_layer_gains", "own_layer_gains_most"), "magic_sensitivity": ("similar_layers",),
-             "magic_xi": ("between_tasks",)}
+             "magic_xi": ("between_tasks",), "distac_norms": ("larger_norm",), "distac_entropy": ("higher_entropy",),
+             "distac_trajectory": ("above_start", "entropy_falls"),
+             "distac_kappa": ("below_zero_shot", "shrink_better"),
+             "distac_reliability": ("over_confident", "under_confident", "best_calibrated"),
+             "distac_layer_norms": ("every_layer_larger",)}
 
 
 class Measured(Strict):
@@ -214,6 +224,79 @@ class Measurement(Strict):
     printed: dict[str, dict[str, float]] = Field(default_factory=dict)  # shape -> {seconds, mib}
     printed_where: str = ""
     command: str
+
+
+class ComparisonClaim(Strict):
+    """A statement of the paper checked across settings: ``gain`` / ``loss`` / ``par``: ``chain`` in each of
+    ``settings`` (default every setting but the reference) above / below / not below (the paired interval reaches 0
+    or above) ``than`` (a chain) in ``than_setting`` (default the same setting; ``reference``: the comparison's
+    reference), per merge and seed."""
+
+    kind: Literal["gain", "loss", "par"]
+    text: str
+    chain: str
+    than: str
+    settings: list[str] = Field(default_factory=list)
+    than_setting: str | None = None
+    merges: list[str] = Field(default_factory=list)
+
+
+class Comparison(Strict):
+    """The same merges and chains across settings, a setting being one regime or the mean of several (DisTaC's
+    norm mismatch, each task lengthened in turn): DisTaC's tables and figures. Each chain in each setting is
+    paired with the ``reference`` setting's (the paper's Original) on the same test examples."""
+
+    id: str
+    item: str
+    shows: str
+    track: str = "vision"
+    merges: list[str] = Field(min_length=1)
+    settings: dict[str, list[str]] = Field(min_length=2)  # name -> regimes (several: their mean, each shown too)
+    reference: str
+    chains: dict[str, str] = Field(min_length=1)  # name -> chain; the first is the merge alone ("{merge}")
+    plot: Literal["bars", "line", "members", "none"] = "none"
+    values: dict[str, float] = Field(default_factory=dict)  # a line plot's x of each setting
+    axis: str = ""
+    claims: list[ComparisonClaim] = Field(default_factory=list)
+    # the paper's printed numbers (percent): {merge: {"<setting>/<chain>": value}}
+    printed: dict[str, dict[str, float]] = Field(default_factory=dict)
+    printed_where: str = ""
+
+    @model_validator(mode="after")
+    def _names(self) -> "Comparison":
+        if self.reference not in self.settings:
+            raise ValueError(f"reference {self.reference!r} is not one of the settings")
+        if next(iter(self.chains.values())) != MERGE_ALONE:
+            raise ValueError("chains: the first is the merge alone, '{merge}'")
+        regimes = [r for rs in self.settings.values() for r in rs]
+        if not all(self.settings.values()) or len(set(regimes)) != len(regimes):
+            raise ValueError("settings: each lists regimes, none twice")
+        if self.plot == "line" and set(self.values) != set(self.settings):
+            raise ValueError("plot: line takes a value (its x) for every setting")
+        for claim in self.claims:
+            settings = [*claim.settings, *([claim.than_setting] if claim.than_setting else [])]
+            bad = [n for n in settings if n not in self.settings] + [
+                c for c in (claim.chain, claim.than) if c not in self.chains] + [
+                m for m in claim.merges if m not in self.merges]
+            if bad:
+                raise ValueError(f"claims: {bad[0]!r} is no setting, chain or merge of the comparison")
+        for merge, printed in self.printed.items():
+            keys = [k.split("/", 1) for k in printed]
+            if merge not in self.merges or any(len(k) != 2 or k[0] not in self.settings or k[1] not in self.chains
+                                               for k in keys):
+                raise ValueError(f"printed.{merge}: a merge of the comparison, its keys <setting>/<chain>")
+        return self
+
+    @property
+    def regimes(self) -> list[str]:
+        return [r for rs in self.settings.values() for r in rs]
+
+    def as_experiment(self) -> Experiment:
+        """The comparison's cells as an experiment: every regime, the merge alone as the base, the other chains as
+        variants (named as the comparison names them)."""
+        names = list(self.chains)
+        return Experiment(id=self.id, item=self.item, shows=self.shows, track=self.track, regimes=self.regimes,
+                          merges=self.merges, variants={n: self.chains[n] for n in names[1:]})
 
 
 @dataclass(frozen=True)
@@ -286,6 +369,11 @@ def load_analyses(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Analysis]]
     return _entries(papers, "analyses", Analysis)
 
 
+def load_comparisons(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Comparison]]:
+    """Every paper's comparisons across settings (``comparisons:``), validated, their chains too."""
+    return _entries(papers, "comparisons", Comparison, lambda c: _check_variants(c.as_experiment()))
+
+
 def load_measurements(papers: tuple[str, ...] = PAPERS) -> dict[str, list[Measurement]]:
     """Every paper's measurements (``measurements:``), validated."""
     return _entries(papers, "measurements", Measurement)
@@ -316,13 +404,19 @@ def narrowed_params(params: Params, experiment: Experiment, chains: list[str] | 
     missing = [m for m in experiment.merges if m not in params.benchmark.merges]
     if missing:
         raise MergecalError(f"{where}: merge {missing[0]!r} is not in params.yaml's benchmark.merges")
-    regimes = getattr(section, "regimes", ["standard"])
+    regimes = [*getattr(section, "regimes", ["standard"]), *getattr(section, "paper_regimes", [])]
     absent = [r for r in experiment.regimes if r not in regimes]
     if absent:
-        raise MergecalError(f"{where}: regime {absent[0]!r} is not among {experiment.track}.regimes {regimes}")
+        raise MergecalError(f"{where}: regime {absent[0]!r} is not among {experiment.track}.regimes or "
+                            f"paper_regimes {regimes}")
     tasks = tuple(section.tasks)
     found = variants(experiment, tasks)
     chains = chains or list(dict.fromkeys(v.chain for v in found[1:]))
+    profile = [r for r in experiment.regimes if r in getattr(section, "paper_regimes", [])]
+    probed = [c for c in [experiment.base, *chains] if uses_sensitivity(c.replace(MERGE_ALONE, "task_arithmetic"))]
+    if profile and probed:
+        raise MergecalError(f"{where}: chain {probed[0]!r} reads the probe, which the papers' regime {profile[0]!r} "
+                            "does not run")
     update: dict[str, Any] = {"merges": {m: params.benchmark.merges[m] for m in experiment.merges}}
     scaling = experiment.scaling_of(experiment.merges[0])
     if scaling is None:  # calibrated chains take the scaling their merge alone chose: it runs too
@@ -404,7 +498,8 @@ def _group_cells(params: Params, experiment: Experiment, found: list[Variant]) -
 def paper_cells(params: Params, root=None, papers: tuple[str, ...] = PAPERS) -> tuple[list[Cell], list[ExperimentCell]]:
     """Every experiment's cells once (a cell two experiments share, or that the matrix runs, is one cell), and
     each experiment's cells (``root``: the checkout, for the sweeps that read its probe's rankings)."""
-    listed = [c for found in load_experiments(papers).values() for e in found
-              for c in experiment_cells(params, e, root)]
+    every = [*(e for found in load_experiments(papers).values() for e in found),
+             *(c.as_experiment() for found in load_comparisons(papers).values() for c in found)]
+    listed = [c for e in every for c in experiment_cells(params, e, root)]
     cells = list(dict.fromkeys(c.cell for c in listed))
     return cells, listed

@@ -23,6 +23,7 @@ from ..analysis.svc_spectrum import figure_data
 from ..errors import MergecalError
 from ..task_vectors import TaskVectorSet
 from .config import Params
+from .distac_analysis import ANALYSES as DISTAC_ANALYSES
 from .tracks.clip.built.stages import VisionModels, preprocessed, task_split
 
 DIGITS = 6
@@ -173,7 +174,7 @@ def magic_xi(params: Params, models, merges: list[str], regime: str, root: Path)
 ANALYSES: dict[str, Callable[..., dict[str, Any]]] = {
     "svc_inflation": svc_spectrum, "svc_spectrum": svc_spectrum, "svc_cross_terms": svc_cross_terms,
     "magic_projection": magic_projection, "magic_magnitude": magic_magnitude, "magic_swap": magic_swap,
-    "magic_sensitivity": magic_sensitivity, "magic_xi": magic_xi}
+    "magic_sensitivity": magic_sensitivity, "magic_xi": magic_xi, **DISTAC_ANALYSES}
 
 
 def analysis_document(params: Params, root: str | Path, analyses: list) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from ..errors import MergecalError
 from ..intervals import Interval, paired_interval, stratified_interval
 from ..recipe import Recipe
+from . import paper_distac
 from .leaderboard import column_samples
 from .plots import Plot, to_svg
 from .write import CSS, _figure
@@ -108,15 +109,16 @@ def overall(counts: Mapping[str, int]) -> str:
     return "is inconclusive"
 
 
-def sentence(text: str, counts: Mapping[str, int], unit: str, unmeasured: int = 0) -> str:
+def sentence(text: str, counts: Mapping[str, int], unit: str, unmeasured: int = 0,
+             rule: str = "paired 95 % interval excludes 0 on the paper's side") -> str:
     """The claim and what the testbed shows, computed from the verdict counts (``unmeasured``: units without a
-    cell or its per-example scores, outside the counts)."""
+    cell or its per-example scores, outside the counts; ``rule``: when a unit agrees)."""
     total = sum(counts.get(v, 0) for v in VERDICTS)
     missing = f" ({unmeasured} not measured)" if unmeasured else ""
     if not total:
         return f"“{text}”: no cell of the testbed measured it{missing}."
-    return (f"“{text}”: the testbed {overall(counts)} — {counts.get('agrees', 0)} of {total} {unit} agree (paired "
-            f"95 % interval excludes 0 on the paper's side), {counts.get('disagrees', 0)} disagree, "
+    return (f"“{text}”: the testbed {overall(counts)} — {counts.get('agrees', 0)} of {total} {unit} agree "
+            f"({rule}), {counts.get('disagrees', 0)} disagree, "
             f"{counts.get('inconclusive', 0)} inside the noise{missing}.")
 
 
@@ -456,6 +458,25 @@ def experiment_groups(experiment, listed, ids: Mapping, outcomes: Mapping[str, O
     return [groups[k] for k in sorted(groups, key=lambda k: (experiment.regimes.index(k[0]), k[1]))]
 
 
+def comparison_scores(comparison, listed, ids: Mapping, outcomes: Mapping[str, Outcome]) -> dict:
+    """A comparison's outcomes per fine-tuning seed (``paper_comparisons.Scores``), seeds in order."""
+    from .paper_comparisons import Scores
+
+    names = {"base": next(iter(comparison.chains))}
+    found: dict[int, tuple[tuple, dict, dict]] = {}
+    for entry in (e for e in listed if e.experiment == comparison.id):
+        cell = entry.cell
+        tasks, by_cell, finetuned = found.setdefault(cell.seed, (cell.tasks, {}, {}))
+        outcome = outcomes.get(ids[cell])
+        if outcome is None or entry.variant == "zeroshot":
+            continue
+        if entry.variant == "finetuned":
+            finetuned[cell.regime] = {k: v for k, v in outcome.metrics.items() if k.startswith("acc.")}
+        else:
+            by_cell[cell.regime, cell.merge, names.get(entry.variant, entry.variant)] = outcome
+    return {seed: Scores(*found[seed]) for seed in sorted(found)}
+
+
 def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
                         analysis: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``<paper>.md``, ``.html``, ``.json`` and ``plots/<item>-*.svg`` under ``out_dir`` for every paper of
@@ -467,14 +488,16 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
     from ..checkpoint import atomic_write_text
     from ..experiments import read
     from ..pipeline.cells import matrix_ids
-    from ..pipeline.experiments import load_analyses, load_experiments, load_measurements, paper_cells, variants
+    from ..pipeline.experiments import (load_analyses, load_comparisons, load_experiments, load_measurements,
+                                        paper_cells, variants)
+    from .paper_comparisons import comparison_section
     from .plots import slug
 
     out = Path(out_dir)
     cells, listed = paper_cells(params, root)
     ids = dict(zip(cells, matrix_ids(cells, params, root)))
     order = {item["id"]: i for i, item in enumerate(read("catalogue")["items"])}
-    analyses, measurements = load_analyses(), load_measurements()
+    analyses, measurements, comparisons = load_analyses(), load_measurements(), load_comparisons()
     files: dict[str, str] = {}
     for paper, experiments in load_experiments().items():
         about = read(paper)["paper"]
@@ -496,6 +519,10 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
             sections.append((item.id, blocks, document))
         for item in measurements.get(paper, []):
             sections.append((item.id, *measurement_section(item, Path(root))))
+        for item in comparisons.get(paper, []):
+            blocks, document = comparison_section(item, comparison_scores(item, listed, ids, outcomes), slug(item.id),
+                                                  sentence=sentence)
+            sections.append((item.id, blocks, document))
         sections.sort(key=lambda s: order.get(s[0], len(order)))
         blocks = paper_blocks(about["title"], about["arxiv"], [b for _, b, _ in sections])
         for plot in plots_of(blocks):
@@ -699,10 +726,15 @@ UNITS = {"top_gap": "(merge, key class) units", "both_signs": "(merge, key class
          "between_tasks": "(merge, layer, task) units"}
 
 
+UNITS.update(paper_distac.UNITS)
+
+
 def analysis_claim_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[dict]:
     """Each unit's verdict on an analysis claim (``UNITS`` says what a unit is for each kind)."""
     if claim.kind in ("top_gap", "top_concentrated", "both_signs", "positive_cross"):  # the SVC analyses
         return _svc_units(claim, merges, data)
+    if claim.kind in paper_distac.UNITS:
+        return paper_distac.claim_units(claim, merges, data)
     return _magic_units(claim, merges, data)
 
 
@@ -890,14 +922,15 @@ def _inflation_blocks(analysis, data, prefix, regime) -> list[tuple]:
 
 RENDER = {"svc_inflation": _inflation_blocks, "svc_spectrum": _svc_blocks, "svc_cross_terms": _svc_blocks,
           "magic_projection": _projection_blocks, "magic_magnitude": _magnitude_blocks, "magic_swap": _swap_blocks,
-          "magic_sensitivity": _sensitivity_blocks, "magic_xi": _xi_blocks}
+          "magic_sensitivity": _sensitivity_blocks, "magic_xi": _xi_blocks, **paper_distac.RENDER}
 
 
 def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tuple[list[tuple], dict]:
     """One analysis's blocks and JSON document (``entry``: its part of results/papers/analysis.json)."""
     data = entry["data"]
     how = {"magic_magnitude": "each operation at its own scaling (below), each task's first test images",
-           "magic_sensitivity": "each specialised model probed alone (no merge)"}.get(analysis.kind, (
+           "magic_sensitivity": "each specialised model probed alone (no merge)",
+           **paper_distac.HOW}.get(analysis.kind, (
         "each merge read at λ = 1 with the matrix's own settings; means over the layers of each key class"
         if analysis.kind.startswith("svc") else
         "each merge at the scaling the default run chose for it, each task's first test images"))
