@@ -231,17 +231,18 @@ def test_a_profile_norm_mismatch_adds_only_its_lengthened_task(params, paths):
 
     track = params.vision
     seeded = Path("root") / "models" / track.backbone / "seeds" / "0"
+    profile = Path("root") / "models" / track.backbone / "papers" / "seeds" / "0"
     regime = "norm_mismatch_objects"
     files = regime_files(paths, track, regime)
     assert list(files) == track.tasks
-    assert files["objects"] == seeded / "regimes" / regime / "finetuned" / "objects.safetensors"
+    assert files["objects"] == profile / regime / "finetuned" / "objects.safetensors"
     for task in track.tasks:
         if task != "objects":  # the default run's standard fine-tunes, shared
             assert files[task] == seeded / "finetuned" / "standard" / f"{task}.safetensors"
     assert regime_runs(track, regime) == [("objects", "norm_mismatch")]
-    assert paths.task_vectors(regime) == seeded / "regimes" / regime / "task_vectors"
-    assert paths.distac(regime) == seeded / "regimes" / regime / "distac"
-    assert paths.sensitivity(regime) == seeded / "regimes" / regime / "sensitivity.json"
+    assert paths.task_vectors(regime) == profile / regime / "task_vectors"
+    assert paths.distac(regime) == profile / regime / "distac"
+    assert paths.sensitivity(regime) == profile / regime / "sensitivity.json"
 
 
 @pytest.mark.parametrize("regime", ["mixup", "focal", "label_smoothing_0.01"])
@@ -249,13 +250,13 @@ def test_a_profile_loss_regime_fine_tunes_every_task_in_its_own_directory(params
     from mergecal.pipeline.tracks.clip.built.stages import regime_files, regime_runs
 
     track = params.vision
-    seeded = Path("root") / "models" / track.backbone / "seeds" / "0"
+    profile = Path("root") / "models" / track.backbone / "papers" / "seeds" / "0"
     assert regime_runs(track, regime) == [(t, regime) for t in track.tasks]
     assert len(regime_runs(track, regime)) == 8
     files = regime_files(paths, track, regime)
-    assert files == {t: seeded / "regimes" / regime / "finetuned" / f"{t}.safetensors" for t in track.tasks}
-    assert paths.task_vectors(regime) == seeded / "regimes" / regime / "task_vectors"
-    assert paths.distac(regime) == seeded / "regimes" / regime / "distac"
+    assert files == {t: profile / regime / "finetuned" / f"{t}.safetensors" for t in track.tasks}
+    assert paths.task_vectors(regime) == profile / regime / "task_vectors"
+    assert paths.distac(regime) == profile / regime / "distac"
 
 
 def test_every_profile_regimes_files_are_distinct_from_the_default_runs(params, paths):
@@ -281,7 +282,8 @@ def test_seed_and_root_are_in_every_path(params):
     track = params.vision
     other = paths_for(params, "/elsewhere", seed=2)
     seeded = Path("/elsewhere") / "models" / track.backbone / "seeds" / "2"
+    profile = Path("/elsewhere") / "models" / track.backbone / "papers" / "seeds" / "2"
     assert regime_files(other, track, "norm_mismatch_objects")["objects"] == (
-        seeded / "regimes" / "norm_mismatch_objects" / "finetuned" / "objects.safetensors")
+        profile / "norm_mismatch_objects" / "finetuned" / "objects.safetensors")
     standard = regime_files(other, track, "standard")
     assert standard["objects"] == seeded / "finetuned" / "standard" / "objects.safetensors"

@@ -93,6 +93,9 @@ def distac_trajectory(params: Params, models: VisionModels, merges, regime: str,
         for name in names:
             diagnostics = _diagnostics(models, name)
             for task, records in trajectory_of(name).items():
+                if task in histories:  # norm matching shrank another regime's task too: not the paper's setting
+                    raise MergecalError(f"analysis distac_trajectory: DisTaC conditioned {task!r} in two regimes of "
+                                        f"{setting}")
                 histories[task] = records
                 teacher[task] = diagnostics[task]["test_accuracy"]
                 initial[task] = records[0]["tau_norm"]

@@ -81,10 +81,15 @@ class VisionTrack(Strict):
             self.norm_mismatch_task = self.tasks[0]
         return self
 
-    @field_validator("regimes", "finetune_variants", "paper_regimes")
+    @field_validator("regimes", "finetune_variants")
     @classmethod
     def _lists(cls, values: list[str]) -> list[str]:
         return _distinct(values, "entries")
+
+    @field_validator("paper_regimes")
+    @classmethod
+    def _profile(cls, values: list[str]) -> list[str]:
+        return _distinct(values, "entries", at_least=0)
 
     @model_validator(mode="after")
     def _check(self) -> "VisionTrack":

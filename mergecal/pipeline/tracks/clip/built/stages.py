@@ -13,9 +13,9 @@ Layout under the repository root (every file is a DVC output, written atomically
       task_vectors/<regime>/diagnostics.json      norms and reference accuracies (no tau files)
       distac/<regime>/<task>.safetensors, distac.json
       sensitivity/<regime>.json
-      regimes/<regime>/                           a regime of the papers' profile (``vision.paper_regimes``, `make
-        finetuned/<task>.safetensors (+ .json)      paper`): the fine-tunes the default run has not made,
-        task_vectors/diagnostics.json, distac/      its diagnostics and DisTaC (each step's trajectory in distac.json)
+    models/<backbone>/papers/seeds/<s>/<regime>/  a regime of the papers' profile (``vision.paper_regimes``, `make
+      finetuned/<task>.safetensors (+ .json)      paper`): the fine-tunes the default run has not made,
+      task_vectors/diagnostics.json, distac/      its diagnostics and DisTaC (each step's trajectory in distac.json)
 
 A regime is the set of K fine-tuned models merged together: ``standard`` and ``low_confidence`` use their
 variant for every task; ``norm_mismatch`` uses ``standard`` except its one task fine-tuned at
@@ -92,8 +92,9 @@ class VisionPaths:
         return self.seeded / "finetuned" / variant / f"{task}.safetensors"
 
     def regime_dir(self, regime: str) -> Path:
-        """Where a regime of the papers' profile keeps what it builds."""
-        return self.seeded / "regimes" / regime
+        """Where a regime of the papers' profile keeps what it builds: outside ``seeds/``, which the default run's
+        benchmark reads whole (a profile's output there would put its stage upstream of the default run)."""
+        return seed_dir(self.models / "papers", self.seed) / regime
 
     def model(self, regime: str, task: str, variant: str) -> Path:
         """Task ``task``'s model in ``regime`` (fine-tuned as ``variant``): the default run's fine-tune where it
