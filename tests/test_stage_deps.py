@@ -39,6 +39,20 @@ def test_dvc_lock_holds_an_entry_for_each_stage_and_no_other():
     assert not stages - locked, f"stages dvc.lock has no entry for (run them once): {sorted(stages - locked)}"
 
 
+def test_no_stage_of_the_papers_profile_is_upstream_of_the_default_run():
+    """`make run` (`dvc repro`) must never run papers/dvc.yaml's stages: a profile output inside a path a default
+    stage depends on (`models/<backbone>/seeds`, which the benchmark reads whole) would make its stage upstream."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(REPO)) as repo:
+        graph = repo.index.graph
+        default = [s for s in graph if not s.addressing.startswith("papers/")]
+        upstream = {u.addressing for s in default for u in nx.descendants(graph, s)}
+    profile = sorted(a for a in upstream if a.startswith("papers/"))
+    assert "finetune@0" in upstream and not profile, f"the default run would run {profile}"
+
+
 def test_every_run_time_import_of_the_project_is_in_lazy_imports():
     """A module that imports by a computed name hides its deps from `ast`: LAZY_IMPORTS must say where the names
     are, and each of its rules must still find modules."""

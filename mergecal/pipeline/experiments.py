@@ -8,6 +8,9 @@ matrix (the merge's grid searched, a calibration at the scaling its merge chose)
 track's own (``Track.cells`` of the params the experiment narrows), so a variant that the default matrix runs is
 that matrix cell, id and cache included, and every variant is paired with its base on the same test examples.
 ``claims`` are the paper's statements a report checks against the paired intervals (``mergecal.reports.papers``).
+A comparison (``comparisons:``, DisTaC's tables and figures) runs the same merges and chains in several settings,
+a setting one regime or the mean of several, each paired with a reference setting; its cells are an experiment's
+(``Comparison.as_experiment``).
 """
 
 from __future__ import annotations
@@ -189,6 +192,9 @@ class Analysis(Strict):
         wrong = [c.kind for c in self.claims if c.kind not in allowed]
         if wrong:
             raise ValueError(f"claims: {wrong[0]!r} is no claim on a {self.kind} analysis ({', '.join(allowed)})")
+        unset = [c.kind for c in self.claims if c.kind in SETTING_CLAIMS and c.setting is None]
+        if unset:
+            raise ValueError(f"claims: a {unset[0]} claim names its `setting`")
         return self
 
 
@@ -202,6 +208,10 @@ CLAIMS_OF = {"svc_inflation": ("top_concentrated",), "svc_spectrum": ("top_gap",
              "distac_kappa": ("below_zero_shot", "shrink_better"),
              "distac_reliability": ("over_confident", "under_confident", "best_calibrated"),
              "distac_layer_norms": ("every_layer_larger",)}
+
+
+#: the claims about one setting of their analysis (``AnalysisClaim.setting``)
+SETTING_CLAIMS = ("above_start", "entropy_falls", "over_confident", "under_confident", "best_calibrated")
 
 
 class Measured(Strict):
@@ -229,8 +239,7 @@ class Measurement(Strict):
 class ComparisonClaim(Strict):
     """A statement of the paper checked across settings: ``gain`` / ``loss`` / ``par``: ``chain`` in each of
     ``settings`` (default every setting but the reference) above / below / not below (the paired interval reaches 0
-    or above) ``than`` (a chain) in ``than_setting`` (default the same setting; ``reference``: the comparison's
-    reference), per merge and seed."""
+    or above) ``than`` (a chain) in ``than_setting`` (default the same setting), per merge and seed."""
 
     kind: Literal["gain", "loss", "par"]
     text: str
