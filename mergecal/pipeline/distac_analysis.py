@@ -57,12 +57,15 @@ def _diagnostics(models: VisionModels, regime: str) -> dict[str, Any]:
 
 
 def distac_norms(params: Params, models: VisionModels, merges, regime: str, root: Path) -> dict[str, Any]:
-    """Per task: its task vector's norm in ``regime`` (the base lr) and when lengthened, and their ratio."""
+    """Per task: its task vector's norm in ``regime`` (the base lr) and when lengthened, their ratio, and each
+    fine-tune's test accuracy."""
     base = _diagnostics(models, regime)
     out = {}
     for task in params.vision.tasks:
-        longer = _diagnostics(models, lengthened_regime(params, task))[task]["norm"]
-        out[task] = {"standard": base[task]["norm"], "lengthened": longer, "ratio": longer / base[task]["norm"]}
+        longer = _diagnostics(models, lengthened_regime(params, task))[task]
+        out[task] = {"standard": base[task]["norm"], "lengthened": longer["norm"],
+                     "ratio": longer["norm"] / base[task]["norm"], "standard_accuracy": base[task]["test_accuracy"],
+                     "lengthened_accuracy": longer["test_accuracy"]}
     return {"tasks": list(params.vision.tasks), "norms": out,
             "lr_multiplier": params.vision.norm_mismatch_lr_multiplier}
 

@@ -145,7 +145,9 @@ def comparison_section(comparison, seeds: Mapping[int, Scores], plot_prefix: str
                         cells.append(lines)
                         member_rows.setdefault(f"{name}/{merge}/{chain}", {})[regime] = found
                     member_table.append(cells)
-            blocks += [("p", f"`{name}`, each regime of its mean:"),
+            blocks += [("p", f"`{name}`, each regime of its mean; each regime's own fine-tunes (the normalization's "
+                             "denominators), mean test accuracy and the lowest task: " + "; ".join(
+                                 _denominators(scores, r) for r in regimes) + "."),
                        ("table", ["merge", "chain", *[f"`{r}`" for r in regimes]], member_table)]
         document["seeds"].append({"seed": seed, "rows": rows, "members": member_rows})
         figure = _figure(comparison, scores, seed)
@@ -174,6 +176,14 @@ def comparison_section(comparison, seeds: Mapping[int, Scores], plot_prefix: str
         blocks += [("p", "**The paper's claims, checked on the testbed:**"),
                    ("ul", [c["sentence"] for c in document["claims"]])]
     return blocks, document
+
+
+def _denominators(scores: Scores, regime: str) -> str:
+    found = {t: scores.finetuned.get(regime, {}).get(f"acc.{t}") for t in scores.tasks}
+    if any(v is None for v in found.values()):
+        return f"`{regime}` —"
+    lowest = min(found, key=found.get)
+    return f"`{regime}` {100 * np.mean(list(found.values())):.1f} %, `{lowest}` {100 * found[lowest]:.1f} %"
 
 
 def _entry(scores: Scores, regimes, reference_regimes, merge: str, chain: str, is_reference: bool, merge_chain: str,

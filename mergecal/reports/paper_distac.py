@@ -18,6 +18,10 @@ def _fmt(value: float | None, digits: str = ".3g") -> str:
     return "—" if value is None else format(value, digits)
 
 
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}"
+
+
 def _plot(stem: str, title: str, regime: str, fig: Figure) -> tuple:
     return ("plot", Plot(stem, "paper", ("vision", "", regime), title, to_svg(fig, stem)))
 
@@ -30,8 +34,8 @@ def _verdict(sign: float | None) -> str:
 
 def _norms_blocks(analysis, data, prefix: str, regime: str) -> list[tuple]:
     tasks, norms = data["tasks"], data["norms"]
-    rows = [[[f"`{t}`"], [_fmt(norms[t]["standard"])], [_fmt(norms[t]["lengthened"])], [f"{norms[t]['ratio']:.2f}×"]]
-            for t in tasks]
+    rows = [[[f"`{t}`"], [_fmt(norms[t]["standard"])], [_fmt(norms[t]["lengthened"])], [f"{norms[t]['ratio']:.2f}×"],
+             [_pct(norms[t].get("standard_accuracy"))], [_pct(norms[t].get("lengthened_accuracy"))]] for t in tasks]
     fig = Figure(figsize=(6.4, 3.2))
     ax = fig.add_subplot()
     x = np.arange(len(tasks))
@@ -42,8 +46,11 @@ def _norms_blocks(analysis, data, prefix: str, regime: str) -> list[tuple]:
     ax.legend(fontsize=7)
     fig.tight_layout()
     return [("p", f"Each task's task-vector norm fine-tuned at the base lr and at {data['lr_multiplier']:g}× it (the "
-                  "regime that lengthens that task)."),
-            ("table", ["task", "base lr", f"{data['lr_multiplier']:g}× lr", "ratio"], rows),
+                  "regime that lengthens that task), and each fine-tune's own test accuracy: the paper's lengthened "
+                  "models stay as accurate (its Table 1's Individual row), so a low one here is a fine-tune the "
+                  "multiple broke, whose merge's normalized accuracy divides by it."),
+            ("table", ["task", "norm, base lr", f"norm, {data['lr_multiplier']:g}× lr", "ratio",
+                       "test accuracy (%), base lr", f"test accuracy (%), {data['lr_multiplier']:g}× lr"], rows),
             _plot(prefix, f"{analysis.item}: task-vector norms", regime, fig)]
 
 
@@ -226,6 +233,11 @@ def claim_units(claim, merges: Sequence[str], data: Mapping[str, Any]) -> list[d
                 for r in data["rows"] if r["kind"] == chosen]
     raise KeyError(kind)
 
+
+#: claims decided by an interval rather than an exact quantity: how (``papers.analysis_sentence``)
+BASIS = {kind: "the gap's 95 % interval over the test examples: above 0 over-confident, below 0 under-confident, "
+               "holding 0 undecided; one set of fine-tunes"
+         for kind in ("over_confident", "under_confident")}
 
 UNITS = {"larger_norm": "tasks", "higher_entropy": "tasks", "above_start": "conditioned models",
          "entropy_falls": "conditioned models", "below_zero_shot": "tasks", "shrink_better": "tasks",

@@ -588,14 +588,17 @@ NOISE = 1e-3  # a gap smaller than this share of its singular value counts as no
 STRONG = 0.5  # MAGIC's "strong consistency" of two tasks' layer sensitivities: Spearman's rho at least this
 
 
-def analysis_sentence(text: str, counts: Mapping[str, int], unit: str) -> str:
-    """A claim on an analysis: the units that agree or disagree, counted (no sampling: no interval)."""
+EXACT = ("an exact quantity of one set of fine-tunes: no interval; another seed's fine-tunes are another draw")
+
+
+def analysis_sentence(text: str, counts: Mapping[str, int], unit: str, basis: str = EXACT) -> str:
+    """A claim on an analysis: the units that agree or disagree, counted (``basis``: by default no sampling, no
+    interval)."""
     total = sum(counts.get(v, 0) for v in VERDICTS)
     if not total:
         return f"“{text}”: nothing on the testbed measures it."
     return (f"“{text}”: on the testbed's models it {overall(counts)} — {counts.get('agrees', 0)} of {total} {unit} "
-            f"agree, {counts.get('disagrees', 0)} disagree, {counts.get('inconclusive', 0)} undecided (an exact "
-            "quantity of one set of fine-tunes: no interval; another seed's fine-tunes are another draw).")
+            f"agree, {counts.get('disagrees', 0)} disagree, {counts.get('inconclusive', 0)} undecided ({basis}).")
 
 
 def _spectrum_figure(title: str, classes: Mapping[str, Any]) -> Figure:
@@ -946,8 +949,9 @@ def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tu
         raise MergecalError(f"results/papers/analysis.json: {analysis.id}: not the data of a {analysis.kind} analysis "
                             f"({type(err).__name__}: {err}); run stages/paper_analysis.py again") from None
     for claim, units in zip(analysis.claims, units_of):
+        basis = paper_distac.BASIS.get(claim.kind, EXACT)
         document["claims"].append(checked(claim, units, analysis_sentence(claim.text, verdict_counts(units),
-                                                                          UNITS[claim.kind])))
+                                                                          UNITS[claim.kind], basis)))
     return blocks + claims_blocks(document["claims"]), document
 
 
