@@ -26,7 +26,7 @@ from mergecal.cli import main
 from mergecal.errors import CheckpointError, OutputError, ParameterError
 from mergecal.methods import get_merge_method
 from mergecal.methods.ties import TiesCore, trim
-from mergecal.recipe import Recipe
+from mergecal.recipe import Recipe, step_phase
 from mergecal.run_recipe import run_recipe
 from mergecal.task_vectors import TaskVectorSet
 
@@ -867,14 +867,15 @@ DATA_FREE = sorted(n for n, spec in all_calibrations().items() if not spec.needs
 @pytest.mark.parametrize("calibration", [None, *DATA_FREE])
 @pytest.mark.parametrize("method", sorted(MERGE_METHODS))
 def test_a_zero_size_key_passes_through_every_merge_and_calibration(pretrained, finetuned, method, calibration):
-    assert DATA_FREE == ["svc", "wsc"]  # the registry's data-free steps (a new one joins this test by itself)
+    assert DATA_FREE == ["rescale", "svc", "wsc"]  # the registry's data-free steps (a new one joins by itself)
     models = [with_empty_key(m) for m in finetuned]
     if calibration is None:
         merged = merge_models(with_empty_key(pretrained), models, method)
         expected = merge_models(pretrained, finetuned, method)
-    else:
-        merged = run_recipe(f"{method}>{calibration}", with_empty_key(pretrained), models).state_dict
-        expected = run_recipe(f"{method}>{calibration}", pretrained, finetuned).state_dict
+    else:  # a pre-merge step (rescale) before the merge, the others after it
+        recipe = f"{calibration}>{method}" if step_phase(calibration) == "pre" else f"{method}>{calibration}"
+        merged = run_recipe(recipe, with_empty_key(pretrained), models).state_dict
+        expected = run_recipe(recipe, pretrained, finetuned).state_dict
     empty = merged.pop("visual.empty.weight")
     assert empty.shape == (0, 6) and empty.dtype == torch.float16
     assert merged.keys() == expected.keys()
