@@ -40,7 +40,8 @@ HOW = """## The papers' profile: `make paper`
   with each other task lengthened in turn (`norm_mismatch_<task>`), label smoothing 0.01 (`label_smoothing_0.01`),
   `mixup` and `focal`: each one stage `paper_regime@<seed>-<regime>`, cached on its own, that fine-tunes only what
   the default run has not (a norm-mismatch regime: its one lengthened task), writes its diagnostics and runs DisTaC
-  with each step's test accuracy, entropy and norm (its trajectory) under `models/<backbone>/papers/seeds/<seed>/<regime>/`;
+  with each step's test accuracy, entropy and norm (its trajectory) under
+  `models/<backbone>/papers/seeds/<seed>/<regime>/`;
   stage `paper_trajectories` repeats the default run's DisTaC with the same observer (bit for bit its models).
 - **experiments** (`experiments:` in `mergecal/experiments/svc.yaml` and `magic.yaml`): a track, its regimes, the
   merges, a base chain and its variants, listed (`variants: {row: "{merge}>svc(space='row')"}`) or swept
