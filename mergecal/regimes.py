@@ -6,8 +6,8 @@ The default run's three:
 
 * ``standard``: every task fine-tuned with the base learning rate and plain cross-entropy;
 * ``norm_mismatch``: as standard, except one task fine-tuned at a multiple of the learning rate, so that its task
-  vector's norm is several times the others' (the pipeline's ``vision.norm_mismatch_lr_multiplier``: the one
-  home of that multiple);
+  vector's norm is several times the others' (the pipeline's ``vision.norm_mismatch_lr_multiplier``, one multiple
+  or one per task: the one home of that multiple);
 * ``low_confidence``: every task fine-tuned with a loss that leaves the model under-confident (the trainer's
   ``low_confidence`` objective, with the track's ``low_confidence_loss``).
 

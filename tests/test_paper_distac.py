@@ -23,12 +23,14 @@ def _kinds(blocks):
 
 
 def test_norms_and_entropy_claims_count_the_tasks_on_their_side():
-    data = {"tasks": ["a", "b"], "lr_multiplier": 10.0,
-            "norms": {"a": {"standard": 1.0, "lengthened": 6.0, "ratio": 6.0},
-                      "b": {"standard": 2.0, "lengthened": 1.0, "ratio": 0.5}}}
+    data = {"tasks": ["a", "b"],
+            "norms": {"a": {"standard": 1.0, "lengthened": 6.0, "ratio": 6.0, "lr_multiplier": 10.0},
+                      "b": {"standard": 2.0, "lengthened": 1.0, "ratio": 0.5, "lr_multiplier": 3.0}}}
     units = analysis_claim_units(AnalysisClaim(kind="larger_norm", text="t"), ["none"], data)
     assert [u["verdict"] for u in units] == ["agrees", "disagrees"]
-    assert _kinds(paper_distac.RENDER["distac_norms"](Item(), data, "p", "standard")) == ["p", "table", "plot"]
+    blocks = paper_distac.RENDER["distac_norms"](Item(), data, "p", "standard")
+    assert _kinds(blocks) == ["p", "table", "plot"]
+    assert [row[1] for row in blocks[1][2]] == [["10×"], ["3×"]]  # each task's own lr multiple
     entropy = {"tasks": ["a"], "entropy": {"a": {"standard": 0.01, "low_confidence": 0.5}}}
     units = analysis_claim_units(AnalysisClaim(kind="higher_entropy", text="t"), ["none"], entropy)
     assert [u["verdict"] for u in units] == ["agrees"]

@@ -287,3 +287,35 @@ def test_seed_and_root_are_in_every_path(params):
         profile / "norm_mismatch_objects" / "finetuned" / "objects.safetensors")
     standard = regime_files(other, track, "standard")
     assert standard["objects"] == seeded / "finetuned" / "standard" / "objects.safetensors"
+
+
+def test_the_lr_multiple_is_one_for_every_task_or_one_per_task(params):
+    assert vision_track().lr_multiplier("digits") == vision_track().lr_multiplier("symbols") == 10.0
+    per_task = vision_track(norm_mismatch_lr_multiplier={"symbols": 10, "greek": 3},
+                            paper_regimes=["norm_mismatch_greek"])
+    assert (per_task.lr_multiplier("symbols"), per_task.lr_multiplier("greek")) == (10.0, 3.0)
+    with pytest.raises(ParameterError, match="no multiple for task 'digits'"):
+        per_task.lr_multiplier("digits")
+    track = params.vision  # the repository's: every lengthened task has its own (pilot P27)
+    assert track.lr_multiplier(track.norm_mismatch_task) == 10.0
+    assert track.lr_multiplier("greek") == 3.0
+
+
+def test_a_lengthened_fine_tune_runs_at_its_tasks_multiple(params, monkeypatch, tmp_path):
+    from mergecal.pipeline.tracks.clip.built import stages
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def config(**values):
+        seen.append(values["lr"])
+        if len(seen) == 2:  # the config the fine-tune would run with
+            raise Stop
+        return FinetuneConfig(**values)
+
+    monkeypatch.setattr(stages, "FinetuneConfig", config)
+    with pytest.raises(Stop):
+        stages.finetune(params, "greek", "norm_mismatch", tmp_path)
+    assert seen[1] == pytest.approx(params.vision.finetune["lr"] * 3.0)

@@ -57,17 +57,16 @@ def _diagnostics(models: VisionModels, regime: str) -> dict[str, Any]:
 
 
 def distac_norms(params: Params, models: VisionModels, merges, regime: str, root: Path) -> dict[str, Any]:
-    """Per task: its task vector's norm in ``regime`` (the base lr) and when lengthened, their ratio, and each
-    fine-tune's test accuracy."""
+    """Per task: its task vector's norm in ``regime`` (the base lr) and when lengthened (at its lr multiple), their
+    ratio, and each fine-tune's test accuracy."""
     base = _diagnostics(models, regime)
     out = {}
     for task in params.vision.tasks:
         longer = _diagnostics(models, lengthened_regime(params, task))[task]
         out[task] = {"standard": base[task]["norm"], "lengthened": longer["norm"],
                      "ratio": longer["norm"] / base[task]["norm"], "standard_accuracy": base[task]["test_accuracy"],
-                     "lengthened_accuracy": longer["test_accuracy"]}
-    return {"tasks": list(params.vision.tasks), "norms": out,
-            "lr_multiplier": params.vision.norm_mismatch_lr_multiplier}
+                     "lengthened_accuracy": longer["test_accuracy"], "lr_multiplier": params.vision.lr_multiplier(task)}
+    return {"tasks": list(params.vision.tasks), "norms": out}
 
 
 def distac_entropy(params: Params, models: VisionModels, merges, regime: str, root: Path) -> dict[str, Any]:

@@ -34,23 +34,25 @@ def _verdict(sign: float | None) -> str:
 
 def _norms_blocks(analysis, data, prefix: str, regime: str) -> list[tuple]:
     tasks, norms = data["tasks"], data["norms"]
-    rows = [[[f"`{t}`"], [_fmt(norms[t]["standard"])], [_fmt(norms[t]["lengthened"])], [f"{norms[t]['ratio']:.2f}×"],
-             [_pct(norms[t].get("standard_accuracy"))], [_pct(norms[t].get("lengthened_accuracy"))]] for t in tasks]
+    rows = [[[f"`{t}`"], [f"{norms[t]['lr_multiplier']:g}×"], [_fmt(norms[t]["standard"])],
+             [_fmt(norms[t]["lengthened"])], [f"{norms[t]['ratio']:.2f}×"], [_pct(norms[t].get("standard_accuracy"))],
+             [_pct(norms[t].get("lengthened_accuracy"))]] for t in tasks]
     fig = Figure(figsize=(6.4, 3.2))
     ax = fig.add_subplot()
     x = np.arange(len(tasks))
     ax.bar(x - 0.2, [norms[t]["standard"] for t in tasks], 0.4, label="base lr", color="#999")
-    ax.bar(x + 0.2, [norms[t]["lengthened"] for t in tasks], 0.4, label=f"{data['lr_multiplier']:g}× lr", color="C0")
+    ax.bar(x + 0.2, [norms[t]["lengthened"] for t in tasks], 0.4, label="lengthened (lr multiple)", color="C0")
     ax.set_xticks(x, tasks, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("task-vector norm")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    return [("p", f"Each task's task-vector norm fine-tuned at the base lr and at {data['lr_multiplier']:g}× it (the "
-                  "regime that lengthens that task), and each fine-tune's own test accuracy: the paper's lengthened "
-                  "models stay as accurate (its Table 1's Individual row), so a low one here is a fine-tune the "
-                  "multiple broke, whose merge's normalized accuracy divides by it."),
-            ("table", ["task", "norm, base lr", f"norm, {data['lr_multiplier']:g}× lr", "ratio",
-                       "test accuracy (%), base lr", f"test accuracy (%), {data['lr_multiplier']:g}× lr"], rows),
+    return [("p", "Each task's task-vector norm fine-tuned at the base lr and lengthened (at its lr multiple, "
+                  "`vision.norm_mismatch_lr_multiplier`: the regime that lengthens that task), and each fine-tune's "
+                  "own test accuracy: the paper's lengthened models stay as accurate (its Table 1's Individual row), "
+                  "so a low one here is a fine-tune the multiple broke, whose merge's normalized accuracy divides by "
+                  "it."),
+            ("table", ["task", "lr multiple", "norm, base lr", "norm, lengthened", "ratio",
+                       "test accuracy (%), base lr", "test accuracy (%), lengthened"], rows),
             _plot(prefix, f"{analysis.item}: task-vector norms", regime, fig)]
 
 

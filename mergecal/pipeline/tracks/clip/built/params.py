@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from .....config_types import ConfigValueError, PositiveReal
 from .....errors import ParameterError
-from .....regimes import OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime, check_regime
+from .....regimes import OBJECTIVE_OF_REGIME, REGIMES, Objective, Regime, check_regime, lengthened_task
 from ....params_base import Strict, _check_dataclass, _distinct
 
 
@@ -39,7 +39,9 @@ class VisionTrack(Strict):
     finetune_variants: list[Objective] = Field(
         default_factory=lambda: ["standard", "low_confidence"])
     norm_mismatch_task: str | None = None  # None: the first task
-    norm_mismatch_lr_multiplier: PositiveReal = 10.0
+    # the lr multiple of a lengthened task: one for every task, or one per task (each task a norm-mismatch regime
+    # lengthens must be named; lr_multiplier(task) reads it)
+    norm_mismatch_lr_multiplier: float | dict[str, float] = 10.0
     data: dict[str, Any] = Field(default_factory=dict)
     pretrain: dict[str, Any] = Field(default_factory=dict)
     finetune: dict[str, Any] = Field(default_factory=dict)
@@ -81,6 +83,21 @@ class VisionTrack(Strict):
             self.norm_mismatch_task = self.tasks[0]
         return self
 
+    @field_validator("norm_mismatch_lr_multiplier", mode="before")
+    @classmethod
+    def _multiples(cls, value: Any) -> float | dict[str, float]:
+        positive = TypeAdapter(PositiveReal)
+
+        def one(multiple: Any, key: str) -> float:
+            try:
+                return positive.validate_python(multiple)
+            except ValidationError as err:
+                raise ConfigValueError(key, f"{err.errors()[0]['msg']} (got {multiple!r})") from None
+
+        if isinstance(value, dict):
+            return {str(task): one(multiple, str(task)) for task, multiple in value.items()}
+        return one(value, "")
+
     @field_validator("regimes", "finetune_variants")
     @classmethod
     def _lists(cls, values: list[str]) -> list[str]:
@@ -109,6 +126,7 @@ class VisionTrack(Strict):
                 check_regime(regime, self.tasks, self.norm_mismatch_task)
             except ParameterError as err:
                 raise ConfigValueError("paper_regimes", str(err)) from None
+        self._check_multipliers()
         if "task_set" in self.data:
             raise ConfigValueError("data.task_set", "set the task set once, as 'task_set' of the track")
         self.data = _check_dataclass(SuiteConfig, self.data, "data")
@@ -120,6 +138,30 @@ class VisionTrack(Strict):
         self.finetune = _check_dataclass(FinetuneConfig, self.finetune, "finetune")
         return self
 
+
+    def _check_multipliers(self) -> None:
+        multiples = self.norm_mismatch_lr_multiplier
+        if not isinstance(multiples, dict):
+            return
+        unknown = [t for t in multiples if t not in self.tasks]
+        if unknown:
+            raise ConfigValueError("norm_mismatch_lr_multiplier", f"{unknown[0]!r} is not one of the track's tasks "
+                                                                  f"({', '.join(self.tasks)})")
+        lengthened = [t for t in (lengthened_task(r, self.norm_mismatch_task)
+                                  for r in [*self.regimes, *self.paper_regimes]) if t is not None]
+        missing = [t for t in lengthened if t not in multiples]
+        if missing:
+            raise ConfigValueError("norm_mismatch_lr_multiplier", f"no multiple for {missing[0]!r}, which a "
+                                                                  "norm-mismatch regime lengthens")
+
+    def lr_multiplier(self, task: str) -> float:
+        """The lr multiple that lengthens ``task`` (its norm-mismatch fine-tune)."""
+        multiples = self.norm_mismatch_lr_multiplier
+        if not isinstance(multiples, dict):
+            return float(multiples)
+        if task not in multiples:
+            raise ParameterError(f"vision.norm_mismatch_lr_multiplier: no multiple for task {task!r}")
+        return float(multiples[task])
 
 
 #: its section of ``Params`` (``mergecal.pipeline.config``, key: the track's name): (type, default)

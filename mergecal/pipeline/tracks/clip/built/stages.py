@@ -19,7 +19,8 @@ Layout under the repository root (every file is a DVC output, written atomically
 
 A regime is the set of K fine-tuned models merged together: ``standard`` and ``low_confidence`` use their
 variant for every task; ``norm_mismatch`` uses ``standard`` except its one task fine-tuned at
-``vision.norm_mismatch_lr_multiplier`` x the lr; the papers' regimes are named in ``mergecal.regimes``.
+its multiple of the lr (``vision.norm_mismatch_lr_multiplier``); the papers' regimes are named in
+``mergecal.regimes``.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
     if task not in track.tasks:
         raise CheckpointError(f"finetune: task {task!r} is not in vision.tasks ({', '.join(track.tasks)})")
     values = {"seed": paths.seed, **track.finetune}
-    values.update(finetune_overrides(variant, FinetuneConfig(**values).lr, track.norm_mismatch_lr_multiplier))
+    values.update(finetune_overrides(variant, FinetuneConfig(**values).lr, track.lr_multiplier(task)))
     config = FinetuneConfig(**values)
     model = load_clip(track.arch, paths.pretrained)
     head = load_state_dict(paths.heads)[task]
