@@ -65,7 +65,7 @@ class VisionPaths:
     root: Path
     backbone: str
     seed: int = 0  # the fine-tuning seed whose models (and what is built from them) these paths name
-    profile: tuple[str, ...] = ()  # the papers' profile's regimes (their files under regimes/<regime>/)
+    profile: tuple[str, ...] = ()  # the papers' profile's regimes (their files under papers/seeds/<s>/<regime>/)
     built: frozenset = frozenset()  # the (task, variant) fine-tunes of the default run (under finetuned/)
 
     @property
