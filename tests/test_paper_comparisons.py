@@ -12,7 +12,7 @@ from mergecal.errors import MergecalError
 from mergecal.pipeline.config import load_params
 from mergecal.pipeline.experiments import Comparison, Experiment, load_comparisons, narrowed_params, paper_cells
 from mergecal.reports.paper_comparisons import Scores, claim_verdict, comparison_section
-from mergecal.reports.papers import Outcome, sentence
+from mergecal.reports.papers import Outcome
 
 PARAMS = load_params(Path("params.yaml"))
 BASE = {"id": "distac.x", "item": "Table 9", "shows": "s", "merges": ["task_arithmetic"],
@@ -98,7 +98,7 @@ def test_a_comparison_section_counts_its_claims_from_the_intervals():
                    {"kind": "par", "text": "distac restores", "chain": "distac", "than": "merge",
                     "than_setting": "original"}],
         "plot": "members"})
-    blocks, document = comparison_section(comparison, {0: _scores()}, "distac-x", sentence=sentence)
+    blocks, document = comparison_section(comparison, {0: _scores()}, "distac-x")
     first, second = document["claims"]
     assert first["counts"] == {"agrees": 1, "disagrees": 0, "inconclusive": 0}
     assert second["counts"] == {"agrees": 1, "disagrees": 0, "inconclusive": 0}  # 100 % against 100 %: par

@@ -18,13 +18,10 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..intervals import paired_interval, stratified_interval
+from .claims import VERDICTS, fmt_change, fmt_interval, interval_points, sentence, verdict
 from .plots import Plot, to_svg
 
 Samples = list[np.ndarray]
-
-
-def _points(interval) -> list[float] | None:
-    return None if interval is None else [round(100 * interval[0], 2), round(100 * interval[1], 2)]
 
 
 class Scores:
@@ -59,42 +56,23 @@ class Scores:
             return None, None
         weights = [1.0 / len(samples)] * len(samples)
         mean = sum(w * float(s.mean()) for w, s in zip(weights, samples))
-        return round(100 * mean, 2), _points(stratified_interval(samples, weights))
+        return round(100 * mean, 2), interval_points(stratified_interval(samples, weights))
 
     def change(self, a: tuple[Sequence[str], str, str], b: tuple[Sequence[str], str, str]) -> list | None:
         """The paired 95 % interval (points) of setting/merge/chain ``a`` minus ``b``."""
         mine, theirs = self.samples(*a), self.samples(*b)
         if mine is None or theirs is None:
             return None
-        return _points(paired_interval(mine, theirs, [1.0 / len(mine)] * len(mine)))
-
-
-def _fmt(v: float | None, interval: list | None) -> str:
-    if v is None:
-        return "—"
-    return f"{v:.1f} [{interval[0]:.1f}, {interval[1]:.1f}]" if interval else f"{v:.1f}"
-
-
-def _fmt_change(mid: float | None, interval: list | None, what: str) -> str:
-    if interval is None or mid is None:
-        return ""
-    mark = "▲" if interval[0] > 0 else "▼" if interval[1] < 0 else "≈"
-    return f"{what} {mid:+.1f} [{interval[0]:+.1f}, {interval[1]:+.1f}] {mark}"
+        return interval_points(paired_interval(mine, theirs, [1.0 / len(mine)] * len(mine)))
 
 
 def claim_verdict(kind: str, interval: list | None) -> str | None:
     """``gain`` / ``loss``: agrees where the interval excludes 0 on the paper's side, disagrees on the other,
     inconclusive inside; ``par`` ("restores to par"): agrees where it reaches 0 or above (not below), disagrees
     where it lies below 0."""
-    if interval is None:
-        return None
-    low, high = interval
-    if kind == "par":
-        return "agrees" if high >= 0 else "disagrees"
-    sign = 1 if low > 0 else -1 if high < 0 else 0
-    if sign == 0:
-        return "inconclusive"
-    return "agrees" if (sign > 0) == (kind == "gain") else "disagrees"
+    if kind == "par" and interval is not None:
+        return "agrees" if interval[1] >= 0 else "disagrees"
+    return verdict(interval, kind)
 
 
 RULES = {"gain": "paired 95 % interval excludes 0 on the paper's side",
@@ -102,8 +80,8 @@ RULES = {"gain": "paired 95 % interval excludes 0 on the paper's side",
          "par": "paired 95 % interval reaches 0 or above: not below the reference"}
 
 
-def comparison_section(comparison, seeds: Mapping[int, Scores], plot_prefix: str, *, sentence) -> tuple[list, dict]:
-    """A comparison's blocks and JSON document; ``sentence(text, counts, unit, unmeasured, rule)`` words a claim."""
+def comparison_section(comparison, seeds: Mapping[int, Scores], plot_prefix: str) -> tuple[list, dict]:
+    """A comparison's blocks and JSON document."""
     chains, settings, ref = list(comparison.chains), comparison.settings, comparison.reference
     described = "; ".join(f"`{name}` = " + (f"`{rs[0]}`" if len(rs) == 1 else
                                             f"the mean of {len(rs)} regimes ({', '.join(f'`{r}`' for r in rs)})")
@@ -167,7 +145,7 @@ def comparison_section(comparison, seeds: Mapping[int, Scores], plot_prefix: str
                     units.append({"seed": seed, "setting": name, "merge": merge, "chain": claim.chain,
                                   "than_setting": other, "than": claim.than, "interval": interval,
                                   "verdict": claim_verdict(claim.kind, interval)})
-        counts = {v: sum(1 for u in units if u["verdict"] == v) for v in ("agrees", "disagrees", "inconclusive")}
+        counts = {v: sum(1 for u in units if u["verdict"] == v) for v in VERDICTS}
         unit = "merges" if len({(u["seed"], u["setting"]) for u in units}) == 1 else "merge × setting rows"
         text = sentence(claim.text, counts, unit, sum(1 for u in units if u["verdict"] is None), RULES[claim.kind])
         document["claims"].append({"kind": claim.kind, "text": claim.text, "sentence": text, "counts": counts,
@@ -191,7 +169,7 @@ def _entry(scores: Scores, regimes, reference_regimes, merge: str, chain: str, i
     """One table cell: the value, its change against the reference's merge alone and against the merge alone in the
     same setting; and those figures for the JSON document."""
     v, interval = scores.value(regimes, merge, chain)
-    lines = [_fmt(v, interval)]
+    lines = [fmt_interval(v, interval)]
     found: dict[str, Any] = {"value": v, "interval": interval}
     if not is_reference:
         base, _ = scores.value(reference_regimes, merge, merge_chain)
@@ -199,14 +177,14 @@ def _entry(scores: Scores, regimes, reference_regimes, merge: str, chain: str, i
         mid = None if v is None or base is None else round(v - base, 2)
         found.update(vs_reference=mid, vs_reference_interval=delta)
         if delta:
-            lines.append(_fmt_change(mid, delta, f"vs {ref}"))
+            lines.append(f"vs {ref} {fmt_change(delta, mid)}")
     if chain != merge_chain:
         base, _ = scores.value(regimes, merge, merge_chain)
         delta = scores.change((regimes, merge, chain), (regimes, merge, merge_chain))
         mid = None if v is None or base is None else round(v - base, 2)
         found.update(vs_merge=mid, vs_merge_interval=delta)
         if delta:
-            lines.append(_fmt_change(mid, delta, "vs merge"))
+            lines.append(f"vs merge {fmt_change(delta, mid)}")
     return lines, found
 
 
@@ -216,7 +194,7 @@ def _printed_blocks(comparison, scores: Scores | None) -> list[tuple]:
         for key, paper in printed.items():
             name, chain = key.split("/", 1)
             v, interval = scores.value(comparison.settings[name], merge, chain) if scores else (None, None)
-            rows.append([[f"`{merge}`"], [f"`{name}`"], [f"`{chain}`"], [f"{paper:.1f}"], [_fmt(v, interval)]])
+            rows.append([[f"`{merge}`"], [f"`{name}`"], [f"`{chain}`"], [f"{paper:.1f}"], [fmt_interval(v, interval)]])
     return [("p", f"**Printed** in {comparison.printed_where}, on the paper's checkpoints: beside the testbed's "
                   "(first seed); values do not compare across backbones, the claims above check directions."),
             ("table", ["merge", "setting", "chain", "paper (%)", "testbed (%)"], rows)]

@@ -22,15 +22,14 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..errors import MergecalError
-from ..intervals import Interval, paired_interval, stratified_interval
+from ..intervals import paired_interval, stratified_interval
 from ..recipe import Recipe
 from . import paper_distac
+from .claims import VERDICTS, fmt_change, fmt_interval, interval_points, overall, sentence, verdict
 from .leaderboard import column_samples
 from .plots import Plot, to_svg
 from .write import CSS, _figure
 
-VERDICTS = ("agrees", "disagrees", "inconclusive")
-MARK = {"agrees": "▲", "disagrees": "▼", "inconclusive": "≈"}
 
 
 @dataclass(frozen=True)
@@ -52,17 +51,13 @@ class Group:
     outcomes: dict[str, dict[str, Outcome]] = field(default_factory=dict)  # merge -> variant -> outcome
 
 
-def _points(interval: Interval | None) -> list[float] | None:
-    return None if interval is None else [round(100 * interval[0], 2), round(100 * interval[1], 2)]
-
-
 def value(group: Group, outcome: Outcome | None, name: str = "avg_norm_acc") -> tuple[float | None, list | None]:
     """A column's value in % and its 95 % interval (None without the cell or its per-example scores)."""
     if outcome is None or name not in outcome.metrics:
         return None, None
     samples = column_samples(name, group.tasks, outcome.examples, group.finetuned)
     interval = stratified_interval(*samples) if samples is not None else None
-    return round(100 * outcome.metrics[name], 2), _points(interval)
+    return round(100 * outcome.metrics[name], 2), interval_points(interval)
 
 
 def change(group: Group, outcome: Outcome | None, other: Outcome | None, name: str = "avg_norm_acc") -> list | None:
@@ -74,52 +69,9 @@ def change(group: Group, outcome: Outcome | None, other: Outcome | None, name: s
     if mine is None or theirs is None:
         return None
     try:
-        return _points(paired_interval(mine[0], theirs[0], mine[1]))
+        return interval_points(paired_interval(mine[0], theirs[0], mine[1]))
     except ValueError:
         return None
-
-
-def verdict(interval: list | None, expected: str) -> str | None:
-    """``agrees`` / ``disagrees`` / ``inconclusive`` for an interval of a change the paper says is a ``gain``
-    (above 0) or a ``loss``; None without an interval."""
-    if interval is None:
-        return None
-    low, high = interval
-    sign = 1 if low > 0 else -1 if high < 0 else 0
-    if sign == 0:
-        return "inconclusive"
-    return "agrees" if (sign > 0) == (expected == "gain") else "disagrees"
-
-
-def overall(counts: Mapping[str, int]) -> str:
-    """The claim's word from its verdicts: agrees in direction (some agree, none disagree, no more undecided than
-    agree; else "agrees where decided, mostly inside the noise"), disagrees (the reverse), mostly agrees / mostly
-    disagrees (one side at least three times the other), mixed, or inconclusive (no unit decided)."""
-    agree, disagree, undecided = counts.get("agrees", 0), counts.get("disagrees", 0), counts.get("inconclusive", 0)
-    if agree and not disagree:
-        return "agrees in direction" if agree >= undecided else "agrees where decided, mostly inside the noise"
-    if disagree and not agree:
-        return "disagrees" if disagree >= undecided else "disagrees where decided, mostly inside the noise"
-    if agree >= 3 * disagree > 0:
-        return "mostly agrees"
-    if disagree >= 3 * agree > 0:
-        return "mostly disagrees"
-    if agree and disagree:
-        return "is mixed"
-    return "is inconclusive"
-
-
-def sentence(text: str, counts: Mapping[str, int], unit: str, unmeasured: int = 0,
-             rule: str = "paired 95 % interval excludes 0 on the paper's side") -> str:
-    """The claim and what the testbed shows, computed from the verdict counts (``unmeasured``: units without a
-    cell or its per-example scores, outside the counts; ``rule``: when a unit agrees)."""
-    total = sum(counts.get(v, 0) for v in VERDICTS)
-    missing = f" ({unmeasured} not measured)" if unmeasured else ""
-    if not total:
-        return f"“{text}”: no cell of the testbed measured it{missing}."
-    return (f"“{text}”: the testbed {overall(counts)} — {counts.get('agrees', 0)} of {total} {unit} agree "
-            f"({rule}), {counts.get('disagrees', 0)} disagree, "
-            f"{counts.get('inconclusive', 0)} inside the noise{missing}.")
 
 
 def diagonal_interval(group: Group, merge: str, targets: Sequence[str], task: str, than: str = "others"
@@ -136,7 +88,7 @@ def diagonal_interval(group: Group, merge: str, targets: Sequence[str], task: st
         scores = {task: scores[task], **dict([max(((t, s) for t, s in scores.items() if t != task),
                                                   key=lambda item: float(np.mean(item[1])))])}
     others = np.mean([np.asarray(s, dtype=np.float64) for t, s in scores.items() if t != task], axis=0)
-    return _points(paired_interval([np.asarray(scores[task], dtype=np.float64)], [others], [1.0]))
+    return interval_points(paired_interval([np.asarray(scores[task], dtype=np.float64)], [others], [1.0]))
 
 
 def claim_verdicts(experiment, groups: Sequence[Group], claim, variant_names: Sequence[str]) -> list[dict]:
@@ -232,19 +184,6 @@ def heatmap_figure(experiment, group: Group, merge: str, names: Sequence[str]) -
 # ("table", header, rows: each cell a list of lines), ("ul", items), ("plot", Plot). Text may hold `code` and
 # **bold**.
 
-def _fmt(v: float | None, interval: list | None = None) -> str:
-    if v is None:
-        return "—"
-    return f"{v:.1f}" + (f" [{interval[0]:.1f}, {interval[1]:.1f}]" if interval else "")
-
-
-def _fmt_change(interval: list | None, mid: float | None) -> str:
-    if interval is None or mid is None:
-        return ""
-    mark = "▲" if interval[0] > 0 else "▼" if interval[1] < 0 else "≈"
-    return f"{mid:+.1f} [{interval[0]:+.1f}, {interval[1]:+.1f}] {mark}"
-
-
 def protocol_text(experiment) -> str:
     """How the experiment's merges are scaled, in words."""
     fixed: dict[float, list[str]] = {}
@@ -284,13 +223,13 @@ def experiment_section(experiment, groups: Sequence[Group], names: Sequence[str]
         for merge in experiment.merges:
             outcomes = group.outcomes.get(merge, {})
             base_value, base_interval = value(group, outcomes.get("base"))
-            cells = [[f"`{merge}`"], [_fmt(base_value, base_interval)]]
+            cells = [[f"`{merge}`"], [fmt_interval(base_value, base_interval)]]
             row = {"base": {"value": base_value, "interval": base_interval}}
             for name in names:
                 v, interval = value(group, outcomes.get(name))
                 delta = change(group, outcomes.get(name), outcomes.get("base"))
                 mid = None if v is None or base_value is None else round(v - base_value, 2)
-                cells.append([_fmt(v, interval)] + ([_fmt_change(delta, mid)] if delta else []))
+                cells.append([fmt_interval(v, interval)] + ([fmt_change(delta, mid)] if delta else []))
                 row[name] = {"value": v, "interval": interval, "change": mid, "change_interval": delta}
             rows[merge] = row
             table_rows.append(cells)
@@ -520,8 +459,7 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
         for item in measurements.get(paper, []):
             sections.append((item.id, *measurement_section(item, Path(root))))
         for item in comparisons.get(paper, []):
-            blocks, document = comparison_section(item, comparison_scores(item, listed, ids, outcomes), slug(item.id),
-                                                  sentence=sentence)
+            blocks, document = comparison_section(item, comparison_scores(item, listed, ids, outcomes), slug(item.id))
             sections.append((item.id, blocks, document))
         sections.sort(key=lambda s: order.get(s[0], len(order)))
         blocks = paper_blocks(about["title"], about["arxiv"], [b for _, b, _ in sections])
