@@ -73,11 +73,33 @@ def cmd_merge(args: argparse.Namespace) -> int:
         raise ParameterError(f"unknown merge method {args.method!r}; a chain of steps is given with --recipe")
     else:
         method = args.method
-    out = merge_checkpoints(args.pretrained, args.finetuned, method, args.out, out_dtype=parse_dtype(args.dtype),
-                            device=args.device, max_shard_bytes=parse_size(args.max_shard_size), progress=True,
-                            overwrite=args.overwrite, hf_directory=False if args.weights_only else None,
-                            tokenizer_from=args.tokenizer_from, **params)
-    print(f"merged checkpoint written to {out}")
+    from .adapters import expert_kinds, merge_experts
+
+    if expert_kinds(args.finetuned) == "full" and args.as_lora is None and not args.full_model:
+        out = merge_checkpoints(args.pretrained, args.finetuned, method, args.out, out_dtype=parse_dtype(args.dtype),
+                                device=args.device, max_shard_bytes=parse_size(args.max_shard_size), progress=True,
+                                overwrite=args.overwrite, hf_directory=False if args.weights_only else None,
+                                tokenizer_from=args.tokenizer_from, **params)
+        print(f"merged checkpoint written to {out}")
+        return 0
+    # PEFT adapters as experts (mergecal.adapters): all LoRA or all IA³
+    if args.as_lora is not None and args.as_lora < 1:
+        raise ParameterError(f"--as-lora {args.as_lora}: expected a rank of at least 1")
+    result = merge_experts(args.pretrained, args.finetuned, method, args.out, as_lora=args.as_lora,
+                           full_model=args.full_model, out_dtype=parse_dtype(args.dtype), device=args.device,
+                           max_shard_bytes=parse_size(args.max_shard_size), progress=True, overwrite=args.overwrite,
+                           hf_directory=False if args.weights_only else None, tokenizer_from=args.tokenizer_from,
+                           **params)
+    if result.form == "lora":
+        keys = result.energy["keys"]
+        low = min(keys, key=lambda k: keys[k]["energy"]) if keys else None
+        lowest = f"; lowest {keys[low]['energy']:.4%} at {low}" if low is not None else ""
+        print(f"LoRA adapter (rank {args.as_lora}) written to {result.path}; energy kept "
+              f"{result.energy['overall']:.4%} overall{lowest} (per key: {result.path}/lora_energy.json)")
+    elif result.form == "ia3":
+        print(f"IA³ adapter written to {result.path}")
+    else:
+        print(f"merged checkpoint written to {result.path}")
     return 0
 
 
@@ -212,9 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Merge checkpoints key by key. The CLI reads safetensors only (a single file, a directory or a "
                     "sharded *.index.json): it never unpickles a file, since unpickling can run code. Convert a "
                     "pickled state dict once with python -c \"import torch; from safetensors.torch import save_file; "
-                    "save_file(torch.load('m.pt', weights_only=True), 'm.safetensors')\".")
+                    "save_file(torch.load('m.pt', weights_only=True), 'm.safetensors')\". The experts may instead be "
+                    "PEFT adapter directories of the base, all LoRA or all IA³ (mergecal.adapters).")
     p.add_argument("--pretrained", required=True, help="the pretrained checkpoint theta_0")
-    p.add_argument("--finetuned", required=True, nargs="+", help="the K fine-tuned checkpoints")
+    p.add_argument("--finetuned", required=True, nargs="+",
+                   help="the K fine-tuned checkpoints, or K PEFT adapter directories of the base (all LoRA or all IA³)")
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--method", help="merge method name (see `mergecal methods`)")
     how.add_argument("--recipe", help='a data-free recipe: a merge method then svc and/or wsc steps, e.g. '
@@ -235,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokenizer files from DIR instead of the base")
     p.add_argument("--weights-only", action="store_true",
                    help="write the merged weights and their index only, even for a Hugging Face base")
+    p.add_argument("--as-lora", type=int, metavar="RANK",
+                   help="when the experts are PEFT LoRA adapter directories (adapter_config.json): write the merge "
+                        "as a LoRA adapter of this rank (truncated SVD of each changed key's merged update) instead of "
+                        "the full model, and report the energy kept")
+    p.add_argument("--full-model", action="store_true",
+                   help="when the experts are PEFT IA³ adapter directories: write the base scaled by the merged "
+                        "vectors (as peft's merge_and_unload) instead of an IA³ adapter")
     p.set_defaults(func=cmd_merge)
 
     from .perf.merging import add_arguments
