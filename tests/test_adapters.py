@@ -1,4 +1,4 @@
-"""PEFT adapters as experts (mergecal/adapters.py): a LoRA expert's task vector is peft's merged delta bit for bit, an
+"""PEFT adapters as experts (mergecal/adapters/): a LoRA expert's task vector is peft's merged delta bit for bit, an
 IA³ expert merges in vector form, a merge of LoRA experts can be written back as a LoRA adapter that peft loads, and
 every adapter mergecal cannot merge faithfully is refused in one line. Tiny models built from transformers configs;
 nothing is downloaded."""
