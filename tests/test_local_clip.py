@@ -411,3 +411,19 @@ def test_an_unusable_pretrained_model_is_the_tracks_one_line_error(lab):
         assert message in report["error"] and "\n" not in report["error"] and report["tasks"] == {}
         assert not local_clip.heads_path(track, root).exists()
         assert json.loads(local_clip.references_path(track, root).read_text()) == report
+
+
+def test_a_data_free_pre_step_is_skipped_on_local_clip_with_its_reason():
+    """The track reads a chain's pre-merge step from its DisTaC stage: a `rescale>{merge}` chain (the vision
+    track's, run in the cell) is listed as skipped with why, not run into DisTaC's files."""
+    from mergecal.pipeline.tracks.clip.files import cells as local_cells
+
+    params = parse_params({"local_clip": [_oc_track()],
+                           "benchmark": {"chains": ["{merge}", "distac>{merge}", "rescale>{merge}",
+                                                    "distac>rescale>{merge}"]}})
+    recipes = [c.recipe for c in local_cells.cells(params)]
+    assert any(r.startswith("distac(") for r in recipes) and not any("rescale" in r for r in recipes)
+    skipped = local_cells.skipped(params)
+    assert skipped and all("rescale" in c.recipe for c, _ in skipped)
+    assert {reason for _, reason in skipped} == {"a pre-merge step other than a first distac runs on the vision "
+                                                 "track only"}

@@ -26,6 +26,7 @@ from .....checkpoint import SafetensorsSource, load_state_dict
 from .....errors import CheckpointError, MergecalError
 from .....recipe import Recipe
 from ....cells import (Cell, CellResult, base_params, finetuned_reference, per_example_results, per_seed,
+                       per_seed_skipped,
                        published_protocols, summaries, uses_sensitivity)
 from ....config import Params
 from .params import LocalClipTrack
@@ -47,16 +48,28 @@ def enabled(params: Params) -> bool:
     return bool(configured_tracks(params, NAME))
 
 
-def cells(params: Params) -> list[Cell]:
+def _matrix(params: Params) -> list[Cell]:
     """References, then every chain around every merge method (a DisTaC step is the track's, ``distac_step``)."""
-    out = [cell for t in configured_tracks(params, NAME)
-           for cell in recipe_cells(params, cell_track(NAME, t), t.name, t.task_set, t.task_names, "standard",
-                                    t.distac_step().model_dump(), published_protocols(params, t))]
-    return per_seed(out, params.seeds[:1])  # a lab's own checkpoints are not fine-tuned here: the first seed's
+    return [cell for t in configured_tracks(params, NAME)
+            for cell in recipe_cells(params, cell_track(NAME, t), t.name, t.task_set, t.task_names, "standard",
+                                     t.distac_step().model_dump(), published_protocols(params, t))]
+
+
+def _runs_here(cell: Cell) -> bool:
+    """Whether the track runs the cell's pre-merge steps: a first ``distac`` (its stage's models) and nothing else
+    (a data-free pre step such as ``rescale`` runs in the vision track's cells only)."""
+    pre = Recipe.parse(cell.recipe).phase("pre") if cell.recipe else []
+    return all(index == 0 and step.name == "distac" for index, step in enumerate(pre))
+
+
+def cells(params: Params) -> list[Cell]:
+    # a lab's own checkpoints are not fine-tuned here: the first seed's
+    return per_seed([c for c in _matrix(params) if _runs_here(c)], params.seeds[:1])
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
-    return []  # every chain runs
+    reason = "a pre-merge step other than a first distac runs on the vision track only"
+    return per_seed_skipped([(c, reason) for c in _matrix(params) if not _runs_here(c)], params.seeds[:1])
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
