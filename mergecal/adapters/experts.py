@@ -190,6 +190,7 @@ class _AppliedAdapter:
         return key in self.modules or key in self.biases or key in self.adapter.replacements
 
     def _merged(self, key: str) -> torch.Tensor:
+        """The touched key as the expert holds it (LoRA: base + delta; IA³: the scaled base): each kind its own."""
         raise NotImplementedError
 
     def get(self, key: str) -> torch.Tensor:
