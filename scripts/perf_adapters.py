@@ -92,16 +92,9 @@ def llama_config(*, hidden: int, intermediate: int, heads: int, vocab: int, laye
 
 def base_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape in the Hugging Face Llama layout, in the order written."""
-    h, m, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    out = {"model.embed_tokens.weight": (v, h)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (h, h),
-                p + "self_attn.v_proj.weight": (h, h), p + "self_attn.o_proj.weight": (h, h),
-                p + "mlp.gate_proj.weight": (m, h), p + "mlp.up_proj.weight": (m, h),
-                p + "mlp.down_proj.weight": (h, m),
-                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    return out | {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    from mergecal.perf.llm_checkpoints import config_shapes
+
+    return config_shapes(config)
 
 
 def lora_targets(config: dict) -> dict[str, tuple[int, int]]:

@@ -49,7 +49,12 @@ def config(size: str, layers: int | None = None) -> dict:
 
 def shapes(size: str, layers: int | None = None) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape, in the Hugging Face Llama layout (``layers``: see ``_size``)."""
-    c = _size(size, layers)
+    return config_shapes(_size(size, layers))
+
+
+def config_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape of a Llama configuration (hidden, intermediate, vocab, heads, key/value heads and
+    layers), in the Hugging Face layout and the order a writer goes through them."""
     h, m, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
     out = {"model.embed_tokens.weight": (v, h)}
