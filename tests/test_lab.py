@@ -119,11 +119,12 @@ def test_provenance_names_user_host_commit_and_params(tmp_path):
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     assert tags[tag("code_version")].startswith(head)
-    # a copy without git history (a smoke workspace) names the version it was copied from
+    # a copy without git history names the version it was copied from, marked as no commit of its own
+    # (tests/test_lab_sources.py: a smoke workspace, a git repository, never does)
     copy = tmp_path / "copy"
     (copy / ".mergecal").mkdir(parents=True)
     (copy / ".mergecal" / "source_version").write_text("0123456789ab-dirty\n")
-    assert provenance(copy, "0")[tag("code_version")] == "0123456789ab-dirty"
+    assert provenance(copy, "0")[tag("code_version")] == "copy-of-0123456789ab-dirty"
     assert provenance(tmp_path, "0")[tag("code_version")] == "unknown"
 
 
@@ -224,8 +225,8 @@ def lab_board(lab_store, tmp_path_factory):
     return out, write_lab_reports(lab_store, "mergecal", out)
 
 
-def _rows(document: dict) -> dict:
-    return document["leaderboard"]["clip-small"]["ts"]["standard"]
+def _rows(document: dict, experiment: str = "mergecal") -> dict:
+    return document["leaderboard"][experiment]["clip-small"]["ts"]["standard"]
 
 
 def test_the_lab_board_holds_both_members_rows_with_distinct_labels(lab_board):

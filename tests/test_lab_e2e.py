@@ -101,7 +101,7 @@ def board(lab, checkouts):
 
 
 def _rows(document: dict, regime: str = "standard") -> dict:
-    return document["leaderboard"]["clip-tiny"]["headroom8"][regime]
+    return document["leaderboard"]["mergecal"]["clip-tiny"]["headroom8"][regime]
 
 
 def test_one_board_holds_both_members_rows_with_provenance_and_distinct_labels(board):
@@ -289,7 +289,7 @@ def test_cells_split_across_dask_workers_of_other_hosts_and_survive_a_killed_one
             on_a = []
             while time.monotonic() < deadline and len(on_a) < 2 and flow.poll() is None:
                 on_a = [r for r in _cell_runs(lab["mlflow"], "cluster")
-                        if r.data.tags.get("mergecal.worker", "").endswith(f":{carol}")]
+                        if r.data.tags.get("mergecal.worker", "").endswith(f" root={carol}")]
                 time.sleep(0.5)
             assert len(on_a) >= 2, f"worker A computed {len(on_a)} cells\n{log.read_text()[-4000:]}"
             os.kill(worker_a.pid, signal.SIGKILL)  # mid-matrix, most likely mid-cell
@@ -304,6 +304,7 @@ def test_cells_split_across_dask_workers_of_other_hosts_and_survive_a_killed_one
     printed = log.read_text()
     left_out = [line for line in printed.splitlines() if "is left out" in line]
     assert len(left_out) == 1 and "ModuleNotFoundError" in left_out[0] and "No module named 'mergecal'" in left_out[0]
+    assert "Dask worker C (tcp://127.0.0.1:" in left_out[0]  # its --name and its address
     assert "2 of 3 worker(s) run cells" in printed
     from mlflow import MlflowClient
 
@@ -318,12 +319,14 @@ def test_cells_split_across_dask_workers_of_other_hosts_and_survive_a_killed_one
     finished = [r.data.tags["mergecal.cell_id"] for r in ok if r.info.status == "FINISHED"]
     assert sorted(finished) == sorted(row["cell_id"] for row in summary["rows"]
                                       if not row.get("skipped") and not row.get("error"))
-    workers = {r.data.tags["mergecal.worker"].partition(":")[2] for r in ok}
+    workers = {r.data.tags["mergecal.worker"].partition(" root=")[2] for r in ok}
     assert workers == {str(carol), str(clone)}  # both hosts computed cells
+    # which worker: its --name, never only its host and checkout (two workers of one host are told apart)
+    assert {r.data.tags["mergecal.worker"].split(" name=")[1].split(" ")[0] for r in ok} == {"A", "B"}
     expected = json.loads((alice / "results" / "benchmark.json").read_text())
     assert summary["rows"] == expected["rows"]  # the threads runner's results, cell for cell
     print(f"cluster: {summary['cells']} cells, {len(on_a)} on A before it was killed, "
-          f"{sum(w.endswith(str(clone)) for w in (r.data.tags['mergecal.worker'] for r in ok))} on B")
+          f"{sum(w.endswith(f' root={clone}') for w in (r.data.tags['mergecal.worker'] for r in ok))} on B")
 
 
 def test_two_members_running_one_matrix_at_once_keep_one_result_per_cell(lab, checkouts):

@@ -29,6 +29,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
+import os
+import queue
 import sys
 import time
 import uuid
@@ -45,6 +48,8 @@ from mergecal.pipeline.cells import Cell, enumerate_cells, matrix_ids, measure, 
 from mergecal.pipeline.config import Params, load_params, parse_params
 from mergecal.pipeline.devices import device_lease
 from mergecal.pipeline.prefect_api import check_server, configured_api_url
+from mergecal.pipeline.progress import Progress, progress_interval, running_cells
+from mergecal.pipeline.quiet import quietly, restore_logging
 from mergecal.pipeline.results import one_line, skipped_id, summary_row, write_results
 from mergecal.pipeline.threads import pin_threads, worker_threads
 from mergecal.pipeline.tracking import Tracker, cell_tags, provenance, tag
@@ -77,6 +82,7 @@ def _retry_unless_setup(task, task_run, state) -> bool:
 
 @task(name="cell", cache_policy=CELL_CACHE_POLICY, persist_result=True, result_serializer="json",
       retry_condition_fn=_retry_unless_setup)
+@quietly  # no inner progress bars or misleading notices in the flow's output (mergecal.pipeline.quiet)
 def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: str, invocation_id: str,
                  source: dict | None = None, run_tags: dict | None = None, store: str | None = None,
                  source_key: str | None = None) -> dict:
@@ -128,17 +134,27 @@ def engine_error(future) -> str | None:
     return f"not run on a Dask worker: {type(error).__name__}: {one_line(str(error))}"
 
 
+def dask_worker_label(address: str, name: Any) -> str:
+    """A Dask worker as its cells' ``worker`` tag names it: its ``--name`` and its address (the address alone when
+    the worker has no name of its own: Dask's default name is its address)."""
+    return address if name is None or str(name) in ("", address) else f"{name} ({address})"
+
+
 def dask_workers(address: str, api_url: str | None, store: str) -> tuple[dict[str, str], dict[str, str]]:
-    """The workers of the cluster at ``address`` that can run cells ({address: host}: they import mergecal and
-    reach the Prefect server ``api_url`` and the tracking ``store``) and those that cannot ({address: why, in one
-    line})."""
+    """The workers of the cluster at ``address`` that can run cells ({address: "name (address) on host"}: they
+    import mergecal and reach the Prefect server ``api_url`` and the tracking ``store``) and those that cannot
+    ({"name (address)": why, in one line}); a worker is named by its ``--name`` (``dask_worker_label``), which the
+    scheduler knows even for a worker that cannot import mergecal."""
     from distributed import Client
 
     with Client(address, timeout=30) as client:
         answers = client.run(preflight, api_url, store, on_error="return")
-    good = {worker: answer["host"] for worker, answer in sorted(answers.items()) if isinstance(answer, dict)}
-    left_out = {worker: one_line(f"{type(answer).__name__}: {answer}") for worker, answer in sorted(answers.items())
-                if not isinstance(answer, dict)}
+        names = {worker: info.get("name") for worker, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+    label = {worker: dask_worker_label(worker, names.get(worker)) for worker in answers}
+    good = {worker: f"{label[worker]} on {answer['host']}" for worker, answer in sorted(answers.items())
+            if isinstance(answer, dict)}
+    left_out = {label[worker]: one_line(f"{type(answer).__name__}: {answer}")
+                for worker, answer in sorted(answers.items()) if not isinstance(answer, dict)}
     if not good:
         reasons = "; ".join(f"{worker}: {why}" for worker, why in left_out.items()) or "it has no worker"
         raise MergecalError(f"runner.address {address}: no Dask worker can run cells ({reasons})")
@@ -173,6 +189,7 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
     logger = get_run_logger()
     root_path = Path(root).resolve()
     params = load_params(root_path / params_path if not Path(params_path).is_absolute() else params_path)
+    interval = progress_interval(os.environ)  # seconds between progress lines
     params_json = json.dumps(params.model_dump(mode="json"), sort_keys=True)
     params_sha256 = hashlib.sha256(params_json.encode()).hexdigest()
     run_tags = provenance(root_path, params_sha256)
@@ -217,10 +234,11 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
         for worker, why in left_out.items():
             logger.warning("Dask worker %s is left out: %s", worker, why)
         print(f"Dask cluster {params.runner.address}: {len(good)} of {len(good) + len(left_out)} worker(s) run "
-              "cells: " + ", ".join(f"{worker} ({host})" for worker, host in good.items()))
+              "cells: " + ", ".join(good.values()))
         if left_out:
             tracker.client.set_tag(parent, tag("left_out"), "; ".join(f"{w}: {why}" for w, why in left_out.items()))
             placement = dask.annotate(workers=list(good), allow_other_workers=False)
+    logging_level = logging.root.manager.disable  # what the flow's lines need (mergecal.pipeline.quiet)
     start = time.perf_counter()
     params_dict = params.model_dump(mode="json")
     # cells that choose their own scaling first; a cell calibrating a selected scaling gets its source's future
@@ -235,34 +253,55 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
             futures[i] = named.submit(keys[i], cells[i].to_dict(), params_dict, str(root_path), parent,
                                       invocation_id, source=source, run_tags=run_tags, store=tracker.shown_uri,
                                       source_key=keys[sources[i]] if sources[i] is not None else None)
-    manifest, rows, failed, cached = {}, [], 0, 0
-    for i, (key, cell, future) in enumerate(zip(keys, cells, futures), 1):
-        future.wait()
-        state = future.state
-        if state.is_final():
-            outcome = future.result(raise_on_failure=False)
-        else:  # Prefect leaves a task whose input future failed in a pending state ("NotReady") and never runs it
-            source = cells[sources[i - 1]] if sources[i - 1] is not None else None
-            outcome = (f"not run: the cell it takes its scaling from ({source.label}, {source.regime}) failed"
-                       if source is not None else engine_error(future) or f"not run (state {state.name})")
-        if state.is_completed() and isinstance(outcome, dict):
-            was_cached = state.name == "Cached" or outcome.get("from_run", False)
-            cached += was_cached
-            manifest[key] = {"status": "ok", "run_id": outcome["run_id"], "cached": was_cached, "label": cell.label,
-                             "regime": cell.regime}
-            rows.append(summary_row(cell, key, outcome["metrics"]))
-            print(f"[{i}/{len(cells)}] {cell.regime:<14} {cell.label:<40} avg {outcome['metrics']['avg_acc']:.3f}"
-                  f"{' (cached)' if was_cached else ''}")
-        else:
-            failed += 1
-            error = one_line(outcome if outcome is not None else state.message)
-            run_id = tracker.log_cell(parent_run_id=parent, invocation_id=invocation_id, cell_id=key,
-                                      tags=cell_tags(cell), params={}, metrics={}, artifacts={}, status="failed",
-                                      error=error)
-            manifest[key] = {"status": "failed", "run_id": run_id, "error": error, "label": cell.label,
-                             "regime": cell.regime}
-            rows.append(summary_row(cell, key, error=error))
-            print(f"[{i}/{len(cells)}] {cell.regime:<14} {cell.label:<40} FAILED: {error}")
+    # each cell's line as it completes (not in submission order), a progress line every `interval` seconds
+    # (mergecal.pipeline.progress); the manifest and the rows in matrix order, whatever the order of completion
+    completed: queue.SimpleQueue = queue.SimpleQueue()
+    for i, future in enumerate(futures):
+        future.add_done_callback(lambda _, i=i: completed.put(i))
+    progress = Progress(len(cells), start)
+    manifest_at, rows_at = [None] * len(cells), [None] * len(cells)
+    while progress.done < len(cells):
+        try:  # waking each second: a cell may have left logging disabled (mergecal.pipeline.quiet)
+            i = completed.get(timeout=1.0)
+        except queue.Empty:
+            i = None
+        restore_logging(logging_level)
+        if i is not None:
+            key, cell, future = keys[i], cells[i], futures[i]
+            future.wait()
+            state = future.state
+            if state.is_final():
+                outcome = future.result(raise_on_failure=False)
+            else:  # Prefect leaves a task whose input future failed pending ("NotReady") and never runs it
+                source = cells[sources[i]] if sources[i] is not None else None
+                outcome = (f"not run: the cell it takes its scaling from ({source.label}, {source.regime}) failed"
+                           if source is not None else engine_error(future) or f"not run (state {state.name})")
+            ok = state.is_completed() and isinstance(outcome, dict)
+            was_cached = ok and (state.name == "Cached" or outcome.get("from_run", False))
+            progress.record(time.perf_counter(), cached=was_cached, failed=not ok)
+            if ok:
+                manifest_at[i] = {"status": "ok", "run_id": outcome["run_id"], "cached": was_cached,
+                                  "label": cell.label, "regime": cell.regime}
+                rows_at[i] = summary_row(cell, key, outcome["metrics"])
+                line = f"avg {outcome['metrics']['avg_acc']:.3f}{' (cached)' if was_cached else ''}"
+            else:
+                error = one_line(outcome if outcome is not None else state.message)
+                run_id = tracker.log_cell(parent_run_id=parent, invocation_id=invocation_id, cell_id=key,
+                                          tags=cell_tags(cell), params={}, metrics={}, artifacts={},
+                                          status="failed", error=error)
+                manifest_at[i] = {"status": "failed", "run_id": run_id, "error": error, "label": cell.label,
+                                  "regime": cell.regime}
+                rows_at[i] = summary_row(cell, key, error=error)
+                line = f"FAILED: {error}"
+            restore_logging(logging_level)  # at once before a line: it goes through Prefect's run logger
+            print(f"[{progress.done}/{len(cells)}] {cell.regime:<14} {cell.label:<40} {line}")
+        now = time.perf_counter()
+        if progress.due(now, interval) or progress.done == len(cells):
+            restore_logging(logging_level)
+            print(progress.line(now, time.time(), running_cells(futures)))
+            progress.last_line = now
+    manifest = dict(zip(keys, manifest_at))  # in matrix order, as the loop over the futures in order built it
+    rows, failed, cached = rows_at, progress.failed, progress.cached
     skipped = skipped_cells(params) if given is None else []  # the matrix's own: given cells are all runnable
     for cell, reason in skipped:  # never computed: one run per (cell, reason), reused by every invocation
         key = skipped_id(cell, reason)
@@ -295,6 +334,7 @@ def run_benchmark(params_path: str = "params.yaml", root: str = ".", output: str
     every cell at once); ``cells`` (``Cell`` objects) instead of the matrix, under the name ``profile``."""
     root_path = Path(root).resolve()
     params = load_params(root_path / params_path if not Path(params_path).is_absolute() else params_path)
+    progress_interval(os.environ)  # a bad MERGECAL_PROGRESS_SECONDS: one line now, before the flow starts
     api_url = configured_api_url()
     if api_url:  # a lab's Prefect server: one line now rather than a traceback from inside the flow
         check_server(api_url, "benchmark")

@@ -6,6 +6,12 @@ params.yaml, else the checkout's own ``<root>/<tracking.store>/mlruns.db`` (SQLi
 artifact location, so artifacts go where the server says (``mlflow-artifacts:`` when it proxies them), never to one
 client's local path; a database URI other than the default needs ``tracking.artifacts``. Every run carries its
 provenance (user, host, code version, params digest: ``provenance``); a URI is shown only redacted (``redact``).
+The code version is always a commit of the repository the benchmark runs in (``code_version``): a repository
+without a commit yet (a fresh smoke workspace) records ``no-commit``, never the commit of the checkout it was
+copied from. A computed cell's run also names the worker that computed it, ``mergecal.worker``
+(``mergecal.pipeline.workers.worker_name``): ``host:pid``, the Dask worker's ``name=`` (its ``--name``, else its
+address) or, off Dask, the pool's ``thread=``, and last the checkout it read, ``root=``; one tag, written for people
+(``gpu1:4711 name=w1 root=/data/mergecal``), which an MLflow search matches with ``LIKE '% name=w1 %'``.
 A cell's run is created only once its result is complete, and everything is logged in a few batched calls
 right before the run is ended, so a killed benchmark leaves at most one unfinished run, which the next
 invocation marks KILLED (reports read FINISHED runs only). A cell whose id already has a FINISHED run is not
@@ -49,8 +55,11 @@ TAGS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "
 PROVENANCE = ("user", "host", "code_version", "params_sha256")
 URI_ENV = "MLFLOW_TRACKING_URI"
 SERVER_SCHEMES = ("http", "https")
-# the version of the checkout a workspace was copied from (mergecal.pipeline.workspace): a copy has no git history
+# the version of the checkout a workspace was copied from (mergecal.pipeline.workspace): where the workspace came
+# from, never its code version while it is a git repository (that is the workspace repository's own commit)
 SOURCE_VERSION = Path(".mergecal") / "source_version"
+NO_COMMIT = "no-commit"  # the code version in a git repository that has no commit yet
+COPY_OF = "copy-of-"  # the code version of a copy outside any git repository: not a commit of any repository here
 
 
 def tag(name: str) -> str:
@@ -121,21 +130,29 @@ def redact(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
-def code_version(root: str | Path = ".") -> str:
-    """The checkout's commit (12 hex digits), ``-dirty`` with uncommitted changes to tracked files; in a copy of a
-    checkout without git history (a smoke workspace), the version of the checkout it was copied from; else
-    ``unknown``."""
+def _git(root: str | Path, *args: str) -> str:
+    """``git args`` in ``root``: its output, "" when git fails or is not installed."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        sha = dirty = ""
-    if sha:
-        return sha + ("-dirty" if dirty else "")
+        return ""
+
+
+def code_version(root: str | Path = ".") -> str:
+    """The commit of the repository at ``root`` (12 hex digits), ``-dirty`` with uncommitted changes to tracked
+    files; ``no-commit`` in a repository without a commit yet (a fresh smoke workspace: its own history starts with
+    its first commit, and the checkout it was copied from is another repository). A workspace copy that is no git
+    repository of its own names the version it was copied from as ``copy-of-<version>``, which no commit filter
+    takes for a commit; else ``unknown``."""
     source = Path(root) / SOURCE_VERSION
-    return source.read_text().strip() if source.is_file() else "unknown"
+    # a copy inside another repository's tree (not a repository of its own) would take that repository's commit
+    copy = source.is_file() and _git(root, "rev-parse", "--show-toplevel") != str(Path(root).resolve())
+    if not copy and _git(root, "rev-parse", "--is-inside-work-tree") == "true":
+        sha = _git(root, "rev-parse", "--verify", "--quiet", "--short=12", "HEAD")
+        if not sha:
+            return NO_COMMIT
+        return sha + ("-dirty" if _git(root, "status", "--porcelain", "--untracked-files=no") else "")
+    return COPY_OF + source.read_text().strip() if source.is_file() else "unknown"
 
 
 def provenance(root: str | Path, params_sha256: str) -> dict[str, str]:

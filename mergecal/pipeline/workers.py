@@ -12,12 +12,17 @@ logs to the flow's tracking store; when it cannot, it fails with one line that s
   ``_PASSWORD``, or its own ``MLFLOW_TRACKING_URI`` when the store's URI holds a password). A store that is a file
   of the flow's host (the checkout's SQLite, the default) is refused on a worker that does not see that file:
   cells on several hosts need a tracking server (docs/lab.md, "More machines").
+* Who ran a cell (``worker_name``, the ``mergecal.worker`` tag of its run): this host and process, the Dask
+  worker's name (its ``--name``; Dask's default name is the worker's address) or, off Dask, the thread, and the
+  checkout it read, so that two workers of one host and checkout are told apart.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
+import threading
 from pathlib import Path
 
 from ..errors import MergecalError
@@ -36,9 +41,34 @@ def host() -> str:
     return socket.gethostname()
 
 
+def dask_worker_name() -> str | None:
+    """The name of the Dask worker this runs on (its ``--name``, else its address, Dask's default), None off
+    Dask."""
+    if "distributed" not in sys.modules:  # never imported: this process is no Dask worker
+        return None
+    from distributed import get_worker
+
+    try:
+        return str(get_worker().name)
+    except ValueError:  # a process that imported distributed (a client, a local cluster's parent) but is no worker
+        return None
+
+
 def worker_name(root: Path) -> str:
-    """Who computed a cell (the ``worker`` tag of its run): this host and the checkout it read."""
-    return f"{host()}:{root}"
+    """Who computed a cell (the ``worker`` tag of its run), apart from every other worker: ``host:pid``, then the
+    Dask worker's ``name=`` or, off Dask, the ``thread=`` (a thread of a thread pool; none in a process's main
+    thread), then the checkout it read, last: ``gpu1:4711 name=w1 root=/data/mergecal``."""
+    name = dask_worker_name()
+    thread = threading.current_thread()
+    where = (f" name={name}" if name is not None
+             else "" if thread is threading.main_thread() else f" thread={thread.name}")
+    return f"{host()}:{os.getpid()}{where} root={root}"
+
+
+def who() -> str:
+    """This worker in an error's first words: its host, and its Dask name when it is a Dask worker."""
+    name = dask_worker_name()
+    return host() if name is None else f"{host()} (Dask worker {name})"
 
 
 def worker_root(flow_root: str) -> Path:
@@ -47,7 +77,7 @@ def worker_root(flow_root: str) -> Path:
     root = Path(given or flow_root)
     if not (root / "params.yaml").is_file():
         source = f"{ROOT_ENV}={given}" if given else f"the flow's checkout {flow_root}"
-        raise WorkerSetupError(f"worker {host()}: no checkout at {source} (no params.yaml); set {ROOT_ENV} in the "
+        raise WorkerSetupError(f"worker {who()}: no checkout at {source} (no params.yaml); set {ROOT_ENV} in the "
                                "worker's environment to its clone of the lab's repository (after dvc pull)")
     return root.resolve()
 
@@ -58,10 +88,10 @@ def check_cell(cell, params, root: Path, key: str, source_key: str | None) -> No
         here = cell_id(cell, params, root, source_key)
     except (OSError, MergecalError) as err:
         reason = f"{err.filename}: {err.strerror}" if isinstance(err, OSError) and err.filename else str(err)
-        raise WorkerSetupError(f"worker {host()}: cell {cell.label} ({cell.regime}): cannot read its inputs under "
+        raise WorkerSetupError(f"worker {who()}: cell {cell.label} ({cell.regime}): cannot read its inputs under "
                                f"{root}: {reason}; dvc pull in the worker's checkout") from None
     if here != key:
-        raise WorkerSetupError(f"worker {host()}: cell {cell.label} ({cell.regime}): inputs or code under {root} "
+        raise WorkerSetupError(f"worker {who()}: cell {cell.label} ({cell.regime}): inputs or code under {root} "
                                f"differ from the flow's (cell id {here} here, {key} in the flow); check out the "
                                "flow's commit and dvc pull in the worker's checkout")
 
@@ -71,7 +101,7 @@ def cell_tracker(flow_root: str, tracking, shown_uri: str, tags: dict[str, str] 
     if "***" in shown_uri:  # a database URI with a password: the worker's own environment must name it
         uri = resolve_uri(flow_root, tracking)
         if redact(uri) != shown_uri:
-            raise WorkerSetupError(f"worker {host()}: the flow logs to {shown_uri}, this worker's "
+            raise WorkerSetupError(f"worker {who()}: the flow logs to {shown_uri}, this worker's "
                                    f"MLFLOW_TRACKING_URI / tracking.uri name {redact(uri)}; set MLFLOW_TRACKING_URI "
                                    "(with the password) in the worker's environment")
     else:
@@ -85,7 +115,7 @@ def cell_tracker(flow_root: str, tracking, shown_uri: str, tags: dict[str, str] 
 def check_store_seen(uri: str) -> None:
     """One line when the tracking store is an SQLite file this worker does not see (a file of the flow's host)."""
     if uri.startswith("sqlite:") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        raise WorkerSetupError(f"worker {host()}: the flow's tracking store {uri} is a file this worker does not "
+        raise WorkerSetupError(f"worker {who()}: the flow's tracking store {uri} is a file this worker does not "
                                "see; cells on other hosts need a tracking server (MLFLOW_TRACKING_URI or "
                                "tracking.uri, see docs/lab.md)")
 
@@ -104,7 +134,7 @@ def preflight(api_url: str | None, store: str) -> dict[str, str]:
         try:
             httpx.get(health, timeout=10).raise_for_status()
         except httpx.HTTPError as err:
-            raise WorkerSetupError(f"worker {host()}: cannot reach the flow's {what} at {url} ({err}); an "
+            raise WorkerSetupError(f"worker {who()}: cannot reach the flow's {what} at {url} ({err}); an "
                                    "ephemeral Prefect server or a 127.0.0.1 address is not reachable from other "
                                    "hosts (PREFECT_API_URL, MLFLOW_TRACKING_URI of the lab's servers)") from None
     check_store_seen(store)

@@ -67,7 +67,8 @@ def create_workspace(dest: str | Path, overrides: dict[str, Any] | None = None, 
     if overrides is None:
         overrides = smoke_overrides()
     (dest / "params.yaml").write_text(yaml.safe_dump(full_params(overrides), sort_keys=False))
-    # a copy has no history of its own: its runs name the checkout's version it was copied from (provenance)
+    # where the workspace came from; its runs' code version is its own repository's commit (``no-commit`` until
+    # the first), the source's only as ``copy-of-<version>`` in a copy without git (tracking.code_version)
     (dest / SOURCE_VERSION).parent.mkdir(parents=True, exist_ok=True)
     (dest / SOURCE_VERSION).write_text(code_version(root) + "\n")
     if git and not (dest / ".git").exists():

@@ -1,12 +1,21 @@
 """A lab's board: one leaderboard from every finished invocation of every checkout that logged to one tracking
 store (``mergecal report --lab``), each row with its provenance.
 
-A row is a cell identity: track, backbone, task set, regime, fine-tuning seed and the recipe with every
-non-default hyperparameter in its label (``mergecal.reports.labels``: ``ties(top_k=0.3)`` is never ``ties``).
+The board covers every experiment of the store (``tracking.experiment`` of each checkout that logged to it), or
+those named (``--experiment``, repeatable). A row is a cell identity: the experiment, track, backbone, task set,
+regime, fine-tuning seed and the recipe with every non-default hyperparameter in its label
+(``mergecal.reports.labels``: ``ties(top_k=0.3)`` is never ``ties``). Identities of different experiments are kept
+apart, never merged: an experiment is a lab's own partition of its results (a smoke run, a study at other sizes),
+and its cell cache is its own (``mergecal.pipeline.flow``), so the same label in two experiments may be two
+different computations. The JSON nests the tables under their experiment (``leaderboard: {experiment: {backbone:
+...}}``), and each row's provenance names it; the Markdown and HTML head each experiment's tables with its name
+when the board has more than one, and the history compares an identity with itself only, within its experiment.
 Where several runs computed one identity (other commits, other members, a rerun), the newest that finished ok is
-shown and every computation is listed in the lab history, which compares an identity with itself only. A run
-reused from the cell cache is not a computation: only the run that computed a cell counts, with the provenance
-it was logged with (user, host, commit, params digest; the date is its start).
+shown and every computation is listed in the lab history. A run reused from the cell cache is not a computation:
+only the run that computed a cell counts, with the provenance it was logged with (user, host, commit, params
+digest; the date is its start). Every finished invocation is a source, with how many cells it computed and how
+many it reused: one that computed nothing (every cell cached) is listed too, as the invocation's own provenance
+(its parent run's), and counts no computation.
 """
 
 from __future__ import annotations
@@ -21,12 +30,13 @@ import pandas as pd
 
 from ..checkpoint import atomic_write_text
 from ..errors import MergecalError, ParameterError
-from ..pipeline.tracking import PROVENANCE
+from ..pipeline.tracking import PROVENANCE, redact
 from .history import DEFAULT_METRIC, DEFAULT_THRESHOLD
 from .leaderboard import build_tables, fmt_pct, provenance_text, table_html, table_markdown, tables_json
 from .runs import FINISHED, GROUP, SEED, invocations, load_examples, load_runs, qualified
 
-IDENTITY = ("track", *GROUP, SEED, "recipe")
+EXPERIMENT = "experiment"  # the column each run's experiment name is read into (the board covers several)
+IDENTITY = (EXPERIMENT, "track", *GROUP, SEED, "recipe")
 SOURCE_FIELDS = PROVENANCE  # the provenance tags every run carries (mergecal.pipeline.tracking)
 FILES = ("lab-leaderboard.md", "lab-leaderboard.html", "lab-leaderboard.json", "lab-history.md")
 
@@ -62,32 +72,70 @@ def date(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def computations(runs: pd.DataFrame, filters: Filters = Filters()) -> pd.DataFrame:
-    """Every cell run that computed its cell (not a cache reuse) in a finished invocation, with qualified labels
-    and provenance columns (a run logged before provenance tags takes its invocation's code version), filtered."""
+def experiment_names(tracking_uri: str, wanted: tuple[str, ...] | list[str] | None = None) -> list[str]:
+    """The experiments a lab board reads: ``wanted`` (each must exist in the store), else every active experiment
+    of the store, by name."""
+    from mlflow import MlflowClient
+
+    client, names, token = MlflowClient(tracking_uri=tracking_uri), [], None
+    while True:
+        page = client.search_experiments(max_results=1000, page_token=token)
+        names += [experiment.name for experiment in page]
+        token = page.token
+        if not token:
+            break
+    if not wanted:
+        return sorted(names)
+    missing = [name for name in wanted if name not in names]
+    if missing:
+        raise MergecalError(f"--experiment {missing[0]}: no such experiment in {redact(tracking_uri)} (it has: "
+                            f"{', '.join(sorted(names)) or 'none'})")
+    return list(dict.fromkeys(wanted))
+
+
+def _narrowed(frame: pd.DataFrame, filters: Filters, *, track: bool = True) -> pd.DataFrame:
+    """The rows of ``frame`` (start_time, user, code_version and, with ``track``, track columns) the filters
+    keep."""
+    since = filters.since_ms()
+    if since is not None:
+        frame = frame[frame["start_time"] >= since]
+    if track and filters.track:
+        frame = frame[(frame["track"] == filters.track) | frame["track"].str.startswith(filters.track + ":")]
+    if filters.user:
+        frame = frame[frame["user"] == filters.user]
+    if filters.commit:
+        frame = frame[frame["code_version"].str.startswith(filters.commit)]
+    return frame
+
+
+def _finished(runs: pd.DataFrame) -> set[str]:
     table = invocations(runs)
-    finished = set(table.loc[(table["state"] == FINISHED) & (table["n_cells"] > 0), "invocation_id"])
+    return set(table.loc[table["state"] == FINISHED, "invocation_id"])
+
+
+def _parents(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[runs["kind"] == "invocation"].drop_duplicates("invocation_id").set_index("invocation_id")
+
+
+def computations(runs: pd.DataFrame, filters: Filters = Filters(), finished: set[str] | None = None
+                 ) -> pd.DataFrame:
+    """Every cell run that computed its cell (not a cache reuse) in a finished invocation, with qualified labels
+    and provenance columns (a run logged before provenance tags takes its invocation's code version), filtered.
+    ``runs``: one experiment's (``runs.load_runs``); ``finished``: its finished invocations, when known."""
+    finished = _finished(runs) if finished is None else finished
     cells = runs[(runs["kind"] == "cell") & ~runs["cached"].astype(bool) & runs["invocation_id"].isin(finished)]
     cells = cells[cells["status"].isin(["ok", "failed", "skipped"])]
-    parents = runs[runs["kind"] == "invocation"].drop_duplicates("invocation_id").set_index("invocation_id")
+    parents = _parents(runs)
     cells = cells.copy()
     for name in SOURCE_FIELDS:
         inherited = cells["invocation_id"].map(parents[name]) if len(parents) else ""
         cells[name] = cells[name].where(cells[name] != "", inherited).fillna("")
-    since = filters.since_ms()
-    if since is not None:
-        cells = cells[cells["start_time"] >= since]
-    if filters.track:
-        cells = cells[(cells["track"] == filters.track) | cells["track"].str.startswith(filters.track + ":")]
-    if filters.user:
-        cells = cells[cells["user"] == filters.user]
-    if filters.commit:
-        cells = cells[cells["code_version"].str.startswith(filters.commit)]
+    cells = _narrowed(cells, filters)
     return qualified(cells).sort_values(["start_time", "run_id"], kind="stable").reset_index(drop=True)
 
 
 def newest(done: pd.DataFrame) -> pd.DataFrame:
-    """Per identity the newest run that finished ok, else (never ok) its newest run."""
+    """Per identity (within its experiment) the newest run that finished ok, else (never ok) its newest run."""
     if done.empty:
         return done
     ranked = done.assign(_ok=(done["status"] == "ok").astype(int))
@@ -97,7 +145,35 @@ def newest(done: pd.DataFrame) -> pd.DataFrame:
 
 def provenance_of(row: pd.Series) -> dict[str, str]:
     return {**{name: str(row[name]) for name in SOURCE_FIELDS}, "date": date(int(row["start_time"])),
-            "invocation_id": str(row["invocation_id"])}
+            "invocation_id": str(row["invocation_id"]), EXPERIMENT: str(row[EXPERIMENT])}
+
+
+def sources(runs: pd.DataFrame, experiment: str, shown: pd.DataFrame, filters: Filters = Filters(),
+            finished: set[str] | None = None) -> list[dict]:
+    """Every finished invocation of one experiment's ``runs`` that the filters keep (by its own provenance, and by
+    track when it has a cell of the track, computed or reused), with how many cells it computed, how many it
+    reused from earlier runs (chains a track skips are neither: their runs are reasons, not results), and how many
+    rows of the board (``shown``) are its computations, and its ``start_time`` (ms). One that computed nothing is a
+    source too; it counts no computation."""
+    finished = _finished(runs) if finished is None else finished
+    parents = _parents(runs).reset_index()
+    parents = _narrowed(parents[parents["invocation_id"].isin(finished)], filters, track=False)
+    cells = runs[(runs["kind"] == "cell") & runs["invocation_id"].isin(set(parents["invocation_id"]))]
+    if filters.track:
+        cells = cells[(cells["track"] == filters.track) | cells["track"].str.startswith(filters.track + ":")]
+        parents = parents[parents["invocation_id"].isin(set(cells["invocation_id"]))]
+    reused = cells["cached"].astype(bool)
+    computed = cells[~reused & cells["status"].isin(["ok", "failed"])].groupby("invocation_id").size()
+    cached = cells[reused].groupby("invocation_id").size()
+    rows = shown[shown[EXPERIMENT] == experiment].groupby("invocation_id").size()
+    out = []
+    for _, parent in parents.iterrows():
+        invocation = str(parent["invocation_id"])
+        out.append({**{name: str(parent[name]) for name in SOURCE_FIELDS}, "date": date(int(parent["start_time"])),
+                    "invocation_id": invocation, EXPERIMENT: experiment,
+                    "computed": int(computed.get(invocation, 0)), "reused": int(cached.get(invocation, 0)),
+                    "rows": int(rows.get(invocation, 0)), "start_time": int(parent["start_time"])})
+    return out
 
 
 def _value(row: pd.Series, column: str) -> float | None:
@@ -108,14 +184,21 @@ def _value(row: pd.Series, column: str) -> float | None:
 def history_markdown(done: pd.DataFrame, metric: str = DEFAULT_METRIC, threshold: float = DEFAULT_THRESHOLD) -> str:
     """Every identity computed more than once, each computation with its provenance, and the regressions: an
     identity whose newer computation scores more than ``threshold`` points below the one before it (an identity
-    is compared with itself only)."""
+    is compared with itself only, within its experiment)."""
     column = f"metrics.{metric}"
+    several = done[EXPERIMENT].nunique() > 1
     lines, regressions = ["# mergecal lab history", ""], []
-    repeated = [(key, group) for key, group in done[done["status"] == "ok"].groupby(list(IDENTITY), sort=True)
-                if len(group) > 1]
+    ok = done[done["status"] == "ok"]
+    # the columns read here, as plain records sorted once (#62: a lab's store has 100+ columns, tens of thousands
+    # of runs; a Series per row and a sort per identity cost more than the rest of the board)
+    ok = ok[list(dict.fromkeys([*IDENTITY, "start_time", "run_id", "user", "host", "code_version",
+                                *([column] if column in ok.columns else [])]))].sort_values(["start_time", "run_id"])
+    repeated = [(key, group) for key, group in ok.groupby(list(IDENTITY), sort=True) if len(group) > 1]
     for key, group in repeated:
-        rows = [r for _, r in group.sort_values(["start_time", "run_id"]).iterrows()]
-        title = f"{' · '.join(str(k) for k in key[:-1])} · `{key[-1]}`"
+        rows = group.to_dict("records")
+        # the experiment leads the title only where the board has several
+        named = key[:-1] if several else key[1:-1]
+        title = f"{' · '.join(str(k) for k in named)} · `{key[-1]}`"
         lines += [f"## {title}", "", f"| date | user | host | commit | {metric} |", "|---|---|---|---|---:|"]
         lines += [f"| {date(r['start_time'])} | {r['user']} | {r['host']} | `{r['code_version']}` | "
                   f"{fmt_pct(_value(r, column))} |" for r in rows]
@@ -132,54 +215,70 @@ def history_markdown(done: pd.DataFrame, metric: str = DEFAULT_METRIC, threshold
     return "\n".join(lines[:2] + head + [""] + lines[2:]) + "\n"
 
 
-def _sources(shown: pd.DataFrame) -> list[dict]:
-    """One entry per invocation whose runs the board shows: its provenance and how many rows."""
-    out = []
-    for invocation, group in shown.groupby("invocation_id", sort=False):
-        first = group.iloc[0]
-        out.append({**provenance_of(first), "rows": int(len(group)), "invocation_id": str(invocation)})
-    return sorted(out, key=lambda s: (s["date"], s["invocation_id"]))
-
-
-def _sources_markdown(sources: list[dict]) -> list[str]:
-    lines = ["| invocation | user | host | commit | date | rows shown |", "|---|---|---|---|---|---:|"]
-    lines += [f"| `{s['invocation_id']}` | {s['user']} | {s['host']} | `{s['code_version']}` | {s['date']} | "
-              f"{s['rows']} |" for s in sources]
+def _sources_markdown(listed: list[dict]) -> list[str]:
+    lines = ["| experiment | invocation | user | host | commit | date | computed | reused | rows shown |",
+             "|---|---|---|---|---|---|---:|---:|---:|"]
+    lines += [f"| {s[EXPERIMENT]} | `{s['invocation_id']}` | {s['user']} | {s['host']} | `{s['code_version']}` | "
+              f"{s['date']} | {s['computed']} | {s['reused']} | {s['rows']} |" for s in listed]
     return lines
 
 
-def write_lab_reports(tracking_uri: str, experiment: str, out_dir: str | Path, filters: Filters = Filters(), *,
-                      metric: str = DEFAULT_METRIC, threshold: float = DEFAULT_THRESHOLD) -> dict[str, Path]:
-    """Write the lab's board (``FILES``) under ``out_dir``; returns {name: path}."""
+def _sources_html(listed: list[dict]) -> list[str]:
+    esc = html.escape
+    heads = ("experiment", "invocation", "user", "host", "commit", "date", "computed", "reused", "rows shown")
+    body = ["<table><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr>"]
+    body += [f"<tr><td>{esc(s[EXPERIMENT])}</td><td><code>{esc(s['invocation_id'])}</code></td>"
+             f"<td>{esc(s['user'])}</td><td>{esc(s['host'])}</td><td><code>{esc(s['code_version'])}</code></td>"
+             f"<td>{esc(s['date'])}</td><td>{s['computed']}</td><td>{s['reused']}</td><td>{s['rows']}</td></tr>"
+             for s in listed]
+    return body + ["</table>"]
+
+
+def write_lab_reports(tracking_uri: str, experiments: str | list[str] | tuple[str, ...] | None, out_dir: str | Path,
+                      filters: Filters = Filters(), *, metric: str = DEFAULT_METRIC,
+                      threshold: float = DEFAULT_THRESHOLD) -> dict[str, Path]:
+    """Write the lab's board (``FILES``) under ``out_dir`` from the ``experiments`` of the store (one name, several,
+    or None: every experiment); returns {name: path}."""
     out = Path(out_dir)
-    runs = load_runs(tracking_uri, experiment)
-    done = computations(runs, filters)
-    if done.empty:
-        raise MergecalError(f"lab board: no finished cell runs in experiment {experiment!r} (filters: "
-                            f"{filters.describe()})")
+    names = experiment_names(tracking_uri, [experiments] if isinstance(experiments, str) else experiments)
+    read = {name: load_runs(tracking_uri, name) for name in names}
+    read = {name: runs for name, runs in read.items() if not runs.empty}
+    finished = {name: _finished(runs) for name, runs in read.items()}
+    found = [computations(runs, filters, finished[name]).assign(**{EXPERIMENT: name}) for name, runs in read.items()]
+    found = [frame for frame in found if not frame.empty]
+    if not found:
+        raise MergecalError(f"lab board: no finished cell runs in {_covered(names)} (filters: {filters.describe()})")
+    done = pd.concat(found, ignore_index=True)
     shown = newest(done)
+    every = [s for name, runs in read.items() for s in sources(runs, name, shown, filters, finished[name])]
+    listed = [{k: v for k, v in s.items() if k != "start_time"}  # in time order; the date says when
+              for s in sorted(every, key=lambda s: (s["start_time"], s[EXPERIMENT], s["invocation_id"]))]
     ok = shown[shown["status"] == "ok"]
     examples = {rid: load_examples(tracking_uri, uri) for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
-    tables = build_tables(shown, examples)
+    tables = {name: build_tables(group, examples) for name, group in shown.groupby(EXPERIMENT, sort=True)}
+    several = len(tables) > 1
     provenance = {row["run_id"]: provenance_of(row) for _, row in shown.iterrows()}
-    sources = _sources(shown)
-    users = sorted({s["user"] for s in sources})
-    summary = (f"{len(shown)} rows from {len(sources)} invocation(s) by {', '.join(users)}; filters: "
-               f"{filters.describe()}. A row is the newest computation of its cell identity; each row's provenance "
-               "is in lab-leaderboard.json and in the HTML's tooltips, earlier computations in lab-history.md.")
-    document = {"filters": {k: v for k, v in vars(filters).items() if v}, "sources": sources,
-                "leaderboard": tables_json(tables, provenance)}
-    markdown = ["# mergecal lab leaderboard", "", summary, "", "## Sources", "", *_sources_markdown(sources), ""]
-    markdown += [table_markdown(t) for t in tables]
+    users = sorted({s["user"] for s in listed})
+    idle = sum(1 for s in listed if not s["computed"])
+    summary = (f"{len(shown)} rows of {len(tables)} experiment(s) ({', '.join(tables)}) from {len(listed)} "
+               f"invocation(s) by {', '.join(users)}" + (f", {idle} of which computed nothing (every cell reused)"
+                                                        if idle else "") +
+               f"; filters: {filters.describe()}. A row is the newest computation of its cell identity in its "
+               "experiment; each row's provenance is in lab-leaderboard.json and in the HTML's tooltips, earlier "
+               "computations in lab-history.md.")
+    document = {"filters": {k: v for k, v in vars(filters).items() if v},
+                "experiments": list(tables), "sources": listed,
+                "leaderboard": {name: tables_json(group, provenance) for name, group in tables.items()}}
+    markdown = ["# mergecal lab leaderboard", "", summary, "", "## Sources", "", *_sources_markdown(listed), ""]
     esc = html.escape
-    body = ["<h1>mergecal lab leaderboard</h1>", f'<p class="meta">{esc(summary)}</p>',
-            "<h2>Sources</h2>", "<table><tr><th>invocation</th><th>user</th><th>host</th><th>commit</th><th>date</th>"
-            "<th>rows shown</th></tr>"]
-    body += [f"<tr><td><code>{esc(s['invocation_id'])}</code></td><td>{esc(s['user'])}</td><td>{esc(s['host'])}</td>"
-             f"<td><code>{esc(s['code_version'])}</code></td><td>{esc(s['date'])}</td><td>{s['rows']}</td></tr>"
-             for s in sources]
-    body.append("</table>")
-    body += [table_html(t, provenance) for t in tables]
+    body = ["<h1>mergecal lab leaderboard</h1>", f'<p class="meta">{esc(summary)}</p>', "<h2>Sources</h2>",
+            *_sources_html(listed)]
+    for name, group in tables.items():
+        if several:  # one experiment: the tables as a checkout's board shows them
+            markdown += [f"## Experiment `{name}`", ""]
+            body.append(f"<h2>Experiment <code>{esc(name)}</code></h2>")
+        markdown += [table_markdown(t) for t in group]
+        body += [table_html(t, provenance) for t in group]
     from .write import _page  # the leaderboard's page frame and style
 
     written = {
@@ -193,4 +292,12 @@ def write_lab_reports(tracking_uri: str, experiment: str, out_dir: str | Path, f
     return written
 
 
-__all__ = ["Filters", "computations", "newest", "write_lab_reports", "provenance_text"]
+def _covered(names: list[str]) -> str:
+    """The experiments a board read, for its one-line error."""
+    if len(names) == 1:
+        return f"experiment {names[0]!r}"
+    return f"experiments {', '.join(map(repr, names))}" if names else "the store (it has no experiment)"
+
+
+__all__ = ["Filters", "computations", "experiment_names", "newest", "sources", "write_lab_reports",
+           "provenance_text"]
