@@ -123,7 +123,7 @@ LAB_FILTERS = ("since", "track", "user", "commit")
 
 def cmd_report(args: argparse.Namespace) -> int:
     root, params, uri = _pipeline(args)
-    given = [f"--{name}" for name in LAB_FILTERS if getattr(args, name) is not None]
+    given = [f"--{name}" for name in (*LAB_FILTERS, "experiment") if getattr(args, name) is not None]
     if args.lab:
         from .reports.lab import Filters, write_lab_reports
 
@@ -131,7 +131,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise ParameterError("--invocation: a lab board reads every finished invocation; filter it with "
                                  "--since, --track, --user or --commit")
         filters = Filters(**{name: getattr(args, name) for name in LAB_FILTERS})
-        written = write_lab_reports(uri, params.tracking.experiment, args.out or root / "reports" / "lab", filters,
+        # every experiment of the store unless named: the lab's board is every checkout's, whatever it logs to
+        written = write_lab_reports(uri, args.experiment, args.out or root / "reports" / "lab", filters,
                                     threshold=args.threshold)
     elif given:
         raise ParameterError(f"{given[0]}: a filter of the lab board; add --lab")
@@ -168,6 +169,20 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     from .pipeline.workspace import checkout_root
 
+    if args.status or args.clear_stale:  # about the deployment on the server: no checkout needed
+        from .pipeline.schedule import START_SERVER, clear_stale, status
+
+        flag = "--status" if args.status else "--clear-stale"
+        given = [name for name in ("pool", "publish_dir", "no_git_pull", "no_dvc_pull", "no_dvc_push", "no_publish")
+                 if getattr(args, name)]
+        if given:
+            raise MergecalError(f"schedule {flag}: --{given[0].replace('_', '-')} sets up a deployment; give it with "
+                                "--cron or --interval")
+        api_url = os.environ.get("PREFECT_API_URL")
+        if not api_url:
+            raise MergecalError(f"schedule {flag}: set PREFECT_API_URL to the lab's Prefect server ({START_SERVER})")
+        print(status(api_url) if args.status else clear_stale(api_url))
+        return 0
     root = checkout_root(args.root)  # before anything is served: the reruns need the checkout's pipeline
     from .pipeline.schedule import START_SERVER, check_cron, register, serve
 
@@ -183,7 +198,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         print(f"deployment mergecal-rerun/scheduled-benchmark ({deployment_id}) on work pool {args.pool!r}; on the "
               f"machine that runs it: prefect worker start --pool {args.pool}")
         return 0
-    serve(args.cron, root, api_url, interval=args.interval, parameters=parameters)
+    print(serve(args.cron, root, api_url, interval=args.interval, parameters=parameters))
     return 0
 
 
@@ -289,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--track", help="with --lab: one track (vision, text, llm, local_clip or local_clip:<name>, ...)")
     p.add_argument("--user", help="with --lab: runs computed by this user")
     p.add_argument("--commit", help="with --lab: runs computed at this commit (a prefix)")
+    p.add_argument("--experiment", action="append",
+                   help="with --lab: only this MLflow experiment (repeatable; default: every experiment of the store)")
     p.add_argument("--threshold", type=float, default=1.0, help="regression threshold in points (default 1)")
     p.set_defaults(func=cmd_report)
 
@@ -306,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     when = p.add_mutually_exclusive_group(required=True)
     when.add_argument("--cron", help='cron schedule, e.g. "0 3 * * 1"')
     when.add_argument("--interval", type=float, help="every this many seconds")
+    when.add_argument("--status", action="store_true",
+                      help="list the deployment's runs that hold or wait for its concurrency slot (state, age, id) "
+                           "and the command that clears a stale one; changes nothing")
+    when.add_argument("--clear-stale", action="store_true",
+                      help="cancel the runs --status calls stale, which gives their slot back")
     p.add_argument("--pool", help="register the deployment on this Prefect work pool (run by `prefect worker start "
                                   "--pool NAME`) instead of serving it from this process")
     p.add_argument("--no-git-pull", action="store_true", help="do not git pull --ff-only first")
