@@ -170,20 +170,20 @@ def test_leaderboard_markdown(report):
     # a skipped chain is neither a computed cell nor a failure
     assert "8 cells computed, 1 not ok; skipped chains (not supported on their track): 1." in md and "Results `" in md
     assert "inv-2" not in md and "sha1" not in md and "2026" not in md  # nothing of the run: see the history
-    assert "| recipe | cars | dtd | avg | norm. avg |" in md
+    assert "| recipe | avg | norm. avg | cars | dtd |" in md  # the averages first
     # references first, then each base merge followed by its calibrated variants
     block = md.split("· standard\n", 1)[1].split("\n## ", 1)[0]
     order = [line.split("`")[1] for line in block.splitlines() if line.startswith("| `")]
     assert order == ["zeroshot", "finetuned", "task_arithmetic", "task_arithmetic>svc", "tsv_m", "distac>tsv_m>svc>dsc"]
-    assert _row(md, "finetuned") == ["90.0", "80.0", "85.0", "100.0"]  # reference: never bold
-    assert _row(md, "task_arithmetic") == ["67.8", "60.0", "63.9", "79.0"]
-    assert _row(md, "task_arithmetic>svc") == ["71.2 (+3.4)", "58.0 (-2.0)", "64.6 (+0.7)", "82.0 (+3.0)"]
+    assert _row(md, "finetuned") == ["85.0", "100.0", "90.0", "80.0"]  # reference: never bold
+    assert _row(md, "task_arithmetic") == ["63.9", "79.0", "67.8", "60.0"]
+    assert _row(md, "task_arithmetic>svc") == ["64.6 (+0.7)", "82.0 (+3.0)", "71.2 (+3.4)", "58.0 (-2.0)"]
     # these cells logged no per-example results: no intervals, no significance mark, nothing significantly best
-    assert _row(md, "distac>tsv_m>svc>dsc") == ["80.0 (+7.0)", "63.0 (-1.0)", "71.5 (+3.0)", "93.0 (+8.0)"]
-    assert _row(md, "tsv_m") == ["73.0", "64.0", "68.5", "85.0"]
+    assert _row(md, "distac>tsv_m>svc>dsc") == ["71.5 (+3.0)", "93.0 (+8.0)", "80.0 (+7.0)", "63.0 (-1.0)"]
+    assert _row(md, "tsv_m") == ["68.5", "85.0", "73.0", "64.0"]
     assert "- `ties>wsc` (failed, cell `ties>wsc-standard-hash`): " + ERROR in md
     assert "Skipped chains (not supported on this track):\n\n- `ties>dsc`: " + SKIP in md
-    assert _row(md, "tsv_m", "norm_mismatch") == ["50.0", "50.0", "50.0", "60.0"]  # a single row: no runner-up
+    assert _row(md, "tsv_m", "norm_mismatch") == ["50.0", "60.0", "50.0", "50.0"]  # a single row: no runner-up
     assert ("![mergecal-vit-tiny · vision2 · standard — MAGIC magnitude sensitivity per key]"
             "(plots/sensitivity__mergecal-vit-tiny__vision2__standard.svg)") in md
 
@@ -193,7 +193,7 @@ def test_leaderboard_json(report):
     data = json.loads((out / "leaderboard.json").read_text())
     rows = data["leaderboard"]["mergecal-vit-tiny"]["vision2"]["standard"]
     assert data["results"]["n_computed"] == 8 and data["results"]["n_failed"] == 1
-    assert data["results"]["n_skipped"] == 1 and set(data) == {"results", "leaderboard", "warnings"}
+    assert data["results"]["n_skipped"] == 1 and set(data) == {"results", "leaderboard", "summary", "warnings"}
     assert data["warnings"] == []  # no stability document: nothing flagged
     assert rows["task_arithmetic>svc"]["values"]["acc.cars"] == pytest.approx(0.712)
     assert rows["task_arithmetic>svc"]["delta_points"]["acc.cars"] == pytest.approx(3.4)
@@ -277,7 +277,7 @@ def test_deterministic_and_older_invocation(store, report, tmp_path):
     runs = load_runs(store)
     md = "\n".join(table_markdown(t) for t in build_tables(cells_of(runs, "inv-1")))
     assert "Failed cells" not in md
-    assert _row(md, "ties>wsc") == ["70.0", "61.0", "65.5", "83.0"]  # no base ties row: no delta
+    assert _row(md, "ties>wsc") == ["65.5", "83.0", "70.0", "61.0"]  # no base ties row: no delta
     # without diagnostics only the per-task scores are plotted (they come from the metrics)
     assert {p.kind for p in diagnostic_plots(cells_of(runs, "inv-1"), {})} == {"task_scores"}
 
@@ -370,17 +370,32 @@ def test_ui_stop_kills_whole_group():
     assert not ui.group_alive(proc.pid)
 
 
-def test_testbed_health_opens_the_leaderboard_before_any_table(store, tmp_path):
+def test_the_summary_opens_the_leaderboard_then_the_testbed_health_then_the_tables(store, tmp_path):
+    """#62: what the run found first, with the testbed's verdict linking to its section; the diagnostics (#30) still
+    come before any table."""
     from mergecal.reports.write import markdown_html
 
     testbed = ("## Testbed health (clip-tiny, seed 0): NOT healthy\n\n| criterion | holds |\n|---|---|\n"
                "| average fine-tuned accuracy (%) | **no** |\n")
     write_reports(store, "mergecal", tmp_path, testbed=testbed)
     markdown = (tmp_path / "leaderboard.md").read_text()
-    assert markdown.index("## Testbed health") < markdown.index("| `tsv_m` |")
+    assert markdown.index("# mergecal leaderboard\n\nResults `") == 0
+    assert markdown.index("## What this run found") < markdown.index("## Testbed health") < markdown.index(
+        "| `tsv_m` |")
+    assert ("Diagnostics: [Testbed health (clip-tiny, seed 0): NOT healthy]"
+            "(#testbed-health-clip-tiny-seed-0-not-healthy).") in markdown
+    # no cell of this store kept per-example results: the changes are there, the verdicts are not
+    assert "| `svc` | ▲0 ≈0 ▼0 ?1 · +0.7 |" in markdown
+    assert "“SVC improves the merges it calibrates”: no cell of the testbed measured it (1 not measured)." in markdown
     page = (tmp_path / "leaderboard.html").read_text()
     assert "<h2>Testbed health (clip-tiny, seed 0): NOT healthy</h2>" in page
-    assert page.index('id="testbed"') < page.index("tsv_m")
+    first_table = page.index('<section id="mergecal-vit-tiny-vision2-standard">')
+    assert page.index('id="summary"') < page.index('id="testbed"') < first_table
+    assert '<a href="#mergecal-vit-tiny-vision2-standard">mergecal-vit-tiny · vision2 · standard</a>' in page
+    assert '<a href="#testbed">Testbed health (clip-tiny, seed 0): NOT healthy</a>' in page
+    summary = json.loads((tmp_path / "leaderboard.json").read_text())["summary"]
+    svc = next(c for c in summary["calibrations"] if c["calibration"] == "svc")
+    assert svc["unmeasured"] == ["task_arithmetic>svc"] and svc["median_points"] == pytest.approx(0.7)
     html_table = markdown_html(testbed)
     assert html_table.count("<tr>") == 2 and "<th>criterion</th>" in html_table and "<td>no</td>" in html_table
 
@@ -408,7 +423,12 @@ def test_an_unstable_track_is_flagged_under_the_testbed_health_and_under_each_of
     for regime in ("standard", "norm_mismatch"):  # every table of the track, right under its title
         assert f"## mergecal-vit-tiny · vision2 · {regime}\n\n{warning}\n\n| recipe |" in markdown
     page = (tmp_path / "leaderboard.html").read_text()
-    assert page.index('id="testbed"') < page.index('id="stability"') < page.index("tsv_m")
+    assert page.index('id="testbed"') < page.index('id="stability"') < page.index(
+        '<section id="mergecal-vit-tiny-vision2-standard">')
+    # the summary says so too, and marks the flagged tables
+    assert "[Track stability: 2 of 2 tables flagged unstable (mergecal-vit-tiny · vision2 · standard; " \
+           "mergecal-vit-tiny · vision2 · norm_mismatch)](#track-stability)." in markdown
+    assert "[mergecal-vit-tiny · vision2 · standard ⚠](#mergecal-vit-tiny--vision2--standard)" in markdown
     assert "<li>vision (mergecal-vit-tiny · vision2): task_arithmetic" in page and ": UNSTABLE</li>" in page
     assert page.count('<p class="warning">Warning: Rows of this track move by up to 9.0 points') == 2
 

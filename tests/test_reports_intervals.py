@@ -82,9 +82,9 @@ def test_significant_and_not_significant_deltas_render_differently(table):
     md = table_markdown(table)
     line = next(line for line in md.splitlines() if line.startswith("| `task_arithmetic>svc` |"))
     cells = [c.strip() for c in line.strip("|").split("|")][1:]
-    assert cells[0] == "**70.0 (+20.0▲)**"  # significantly best in its column too
-    assert cells[1] == "51.0 (+1.0≈)"
-    assert cells[2] == "**60.5 [55.8, 64.8] (+10.5▲)**"  # the averages show their interval
+    assert cells[0] == "**60.5 [55.8, 64.8] (+10.5▲)**"  # the averages (first) show their interval
+    assert cells[2] == "**70.0 (+20.0▲)**"  # significantly best in its column too
+    assert cells[3] == "51.0 (+1.0≈)"
     html = table_html(table)
     assert '<span class="delta pos"' in html and '<span class="delta ns"' in html and '<span class="delta neg"' in html
     assert "paired 95% interval" in html

@@ -15,11 +15,14 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from ..regimes import REGIMES
 from ..intervals import Interval, paired_interval, significance, stratified_interval
 from .runs import GROUP, SEED, metric, seeds_of
+
+Paired = tuple[tuple[np.ndarray, ...], tuple[float, ...]]  # per-task per-example differences and their weights
 
 REFERENCES = ("zeroshot", "finetuned")
 MERGE_ORDER = ("weight_averaging", "task_arithmetic", "ties", "dare", "consensus", "tsv_m", "iso_c", "iso_cts")
@@ -49,6 +52,9 @@ class Row:
     delta_intervals: dict[str, Interval] = field(default_factory=dict)  # column -> paired 95 % interval (points)
     ill_posed: str = ""  # why the row is shown but never ranked ("" when it is well-posed)
     recipe_id: str = ""  # the cell's canonical recipe (every parameter of every step; "" for a reference)
+    # the averages' per-example differences against the base merge (``Paired``): what mergecal.reports.summary
+    # resamples jointly across rows; not part of a row's identity
+    paired: dict[str, Paired] = field(default_factory=dict, compare=False, repr=False)
 
     def significance(self, name: str) -> str:
         """``gain`` / ``loss`` when the delta's paired interval excludes 0, else ``none`` (always for an
@@ -80,8 +86,9 @@ class Table:
 
     @property
     def columns(self) -> list[tuple[str, str]]:
-        """(metric name, header) of every value column."""
-        return [(f"acc.{t}", t) for t in self.tasks] + list(SUMMARY)
+        """(metric name, header) of every value column as shown: the averages first, right after the row's name,
+        where they are read first (and stay on screen when the tasks' columns do not), then the tasks."""
+        return list(SUMMARY) + [(f"acc.{t}", t) for t in self.tasks]
 
     @property
     def title(self) -> str:
@@ -190,6 +197,16 @@ def column_samples(name: str, tasks: tuple[str, ...], examples: Examples | None,
     return None
 
 
+def paired_differences(row: tuple[list, list[float]] | None, other: tuple[list, list[float]] | None) -> Paired | None:
+    """``row``'s per-example scores minus ``other``'s, per task, with ``row``'s weights (None without per-example
+    results on both or when they were not scored on the same examples)."""
+    if row is None or other is None or len(row[0]) != len(other[0]) \
+            or any(len(a) != len(b) for a, b in zip(row[0], other[0])):
+        return None
+    return (tuple(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64) for a, b in zip(row[0], other[0])),
+            tuple(row[1]))
+
+
 def paired_points(row: tuple[list, list[float]] | None, other: tuple[list, list[float]] | None) -> Interval | None:
     """The paired interval of ``row`` minus ``other`` in points (None without per-example results on both or
     when they were not scored on the same examples)."""
@@ -257,17 +274,18 @@ def build_tables(cells: pd.DataFrame, examples: dict[str, Examples | None] | Non
                 continue
             values, role, mine = {n: metric(r, n) for n in names}, _role(r), samples[r["recipe"]]
             intervals = {n: stratified_interval(*mine[n]) for n in names if mine[n] is not None}
-            deltas, delta_intervals = {}, {}
+            deltas, delta_intervals, paired = {}, {}, {}
             ref = base.get(_base_key(r["merge"], r["calibration"])) if role == "calibrated" else None
             if ref is not None:
                 ref_values, theirs = {n: metric(ref, n) for n in names}, samples[ref["recipe"]]
                 deltas = {n: None if values[n] is None or ref_values[n] is None else 100.0 * (values[n] - ref_values[n])
                           for n in names}
                 delta_intervals = {n: i for n in names if (i := paired_points(mine[n], theirs[n])) is not None}
+                paired = {n: d for n, _ in SUMMARY if (d := paired_differences(mine[n], theirs[n])) is not None}
             rows.append(Row(r["recipe"], r["merge"], r["calibration"], role, r["cell_id"], r["run_id"],
                             bool(r["cached"]), values, deltas, intervals, delta_intervals,
                             ill_posed(r["merge"], r["calibration"]) if role != "reference" else "",
-                            r.get("recipe_id") if isinstance(r.get("recipe_id"), str) else ""))
+                            r.get("recipe_id") if isinstance(r.get("recipe_id"), str) else "", paired))
         tables.append(Table(*key, tasks, tuple(rows), tuple(failures), significant_best(rows, names, samples),
                             several_seeds=len(seeds) > 1))
     return tables
@@ -336,6 +354,11 @@ def provenance_text(source: dict[str, str]) -> str:
             f"{source.get('date') or '?'}")
 
 
+def _avg_class(name: str) -> str:
+    """The class of an average's header (the page's style sets the averages off from the tasks)."""
+    return ' class="avg"' if name in dict(SUMMARY) else ""
+
+
 def table_html(table: Table, provenance: dict[str, dict[str, str]] | None = None) -> str:
     """The table as HTML; ``provenance`` (run id -> ``provenance_text``'s fields, a lab's board) puts each row's
     provenance in its recipe cell's tooltip."""
@@ -343,15 +366,16 @@ def table_html(table: Table, provenance: dict[str, dict[str, str]] | None = None
     out = [f"<h2>{esc(table.title)}</h2>"] + ([f'<p class="warning">Warning: {esc(table.warning)}</p>']
                                               if table.warning else [])
     out += ["<table>", "<thead><tr><th>recipe</th>"
-            + "".join(f"<th>{esc(h)}</th>" for _, h in table.columns) + "</tr></thead>", "<tbody>"]
+            + "".join(f"<th{_avg_class(n)}>{esc(h)}</th>" for n, h in table.columns) + "</tr></thead>", "<tbody>"]
     for row in table.rows:
         source = (provenance or {}).get(row.run_id)
         tip = f' title="{esc(provenance_text(source))}"' if source else ""
         tds = [f'<td class="recipe"{tip}>{esc(row.recipe)}</td>']
         for name, _ in table.columns:
             value, delta = row.values.get(name), row.deltas.get(name)
-            classes = ["num"] + (["best"] if _is_best(table, row, name) else []) + (["ill-posed"] if row.ill_posed
-                                                                                      else [])
+            classes = (["num"] + (["avg"] if name in dict(SUMMARY) else []) + (["best"] if _is_best(table, row, name)
+                                                                              else [])
+                       + (["ill-posed"] if row.ill_posed else []))
             text = esc(fmt_pct(value) + ("†" if row.ill_posed else ""))
             if name in dict(SUMMARY) and name in row.intervals:
                 text += f' <span class="ci">{esc(fmt_interval(row.intervals[name]).strip())}</span>'

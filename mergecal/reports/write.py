@@ -30,6 +30,10 @@ from .runs import SEED, cells_of, invocations, load_diagnostics, load_examples, 
 from .seeds import documents_by_seed, rows_json, seed_rows
 from .seeds import markdown as seeds_markdown
 from .stability import section_markdown, table_warning
+from .summary import Summary, heading_anchor, summarize
+from .summary import markdown as summary_markdown
+from .summary import to_html as summary_html
+from .summary import to_json as summary_json
 
 HISTORY_FILES = ("history.md", "history.html")  # beside the leaderboard, not DVC outputs
 
@@ -66,6 +70,13 @@ figure { display: inline-block; margin: 0.5em; vertical-align: top; }
 figure img { max-width: 100%; }
 figcaption { font-size: 0.8em; color: #555; }
 p.meta { color: #555; }
+th.avg + th:not(.avg), td.avg + td:not(.avg) { border-left: 2px solid #888; }
+section#summary { border: 1px solid #ccc; background: #fafafa; padding: 0 1em; margin-bottom: 1.5em; }
+ul.claims li { margin: 0.3em 0; }
+table.summary th { font-weight: normal; font-size: 0.9em; }
+table.summary td.recipe { white-space: nowrap; }
+table.summary td.num { text-align: center; }
+p.status { color: #444; }
 """
 
 
@@ -129,12 +140,44 @@ def markdown_html(text: str) -> str:
     return "\n".join(out)
 
 
+def _testbed_heading(testbed: str | None) -> str | None:
+    """The testbed report's verdict: its first heading ("Testbed health (...): healthy")."""
+    return next((line[3:].strip() for line in (testbed or "").splitlines() if line.startswith("## ")), None)
+
+
+def _stability_verdict(tables: list[Table]) -> str:
+    flagged = [t.title for t in tables if t.warning]
+    if not flagged:
+        return f"Track stability: no table flagged unstable ({len(tables)} tables)"
+    return f"Track stability: {len(flagged)} of {len(tables)} tables flagged unstable ({'; '.join(flagged)})"
+
+
+def _status_markdown(testbed: str | None, stability: str | None, tables: list[Table]) -> list[str]:
+    """The diagnostics' verdicts in a line each, linking to their sections below the summary."""
+    heading = _testbed_heading(testbed)
+    lines = [f"Diagnostics: [{heading}](#{heading_anchor(heading)})."] if heading else []
+    if stability:
+        lines += [f"[{_stability_verdict(tables)}](#track-stability)."]
+    return [" ".join(lines)] if lines else []
+
+
+def _status_html(testbed: str | None, stability: str | None, tables: list[Table]) -> list[str]:
+    esc, heading = html.escape, _testbed_heading(testbed)
+    parts = [f'Diagnostics: <a href="#testbed">{esc(heading)}</a>.'] if heading else []
+    if stability:
+        parts += [f'<a href="#stability">{esc(_stability_verdict(tables))}</a>.']
+    return [f'<p class="status">{" ".join(parts)}</p>'] if parts else []
+
+
 def _html_page(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None,
-               stability: str | None = None, across_seeds: str | None = None, published: str | None = None) -> str:
+               stability: str | None = None, across_seeds: str | None = None, published: str | None = None,
+               summary: Summary | None = None) -> str:
     esc = html.escape
     anchors = [(slug(t.title), t.title) for t in tables]
-    body = ["<h1>mergecal leaderboard</h1>", f'<p class="meta">{esc(_meta_line(meta).replace("`", ""))}</p>',
-            f"<p>{esc(LEGEND)}</p>"]
+    body = ["<h1>mergecal leaderboard</h1>", f'<p class="meta">{esc(_meta_line(meta).replace("`", ""))}</p>']
+    if summary:  # what the run found opens the page; the diagnostics and the tables follow
+        body.append(summary_html(summary, _status_html(testbed, stability, tables)).rstrip("\n"))
+    body.append(f"<p>{esc(LEGEND)}</p>")
     if testbed:
         body.append(f'<section id="testbed">\n{markdown_html(testbed)}</section>')
     if stability:
@@ -169,8 +212,12 @@ def _page(title: str, body: list[str]) -> str:
 
 
 def _markdown(meta: dict, tables: list[Table], plots: list[Plot], testbed: str | None = None,
-              stability: str | None = None, across_seeds: str | None = None, published: str | None = None) -> str:
-    parts = ["# mergecal leaderboard", "", _meta_line(meta), "", LEGEND.replace("is marked", "is in bold"), ""]
+              stability: str | None = None, across_seeds: str | None = None, published: str | None = None,
+              summary: Summary | None = None) -> str:
+    parts = ["# mergecal leaderboard", "", _meta_line(meta), ""]
+    if summary:  # what the run found opens the board; the diagnostics and the tables follow
+        parts += [summary_markdown(summary, _status_markdown(testbed, stability, tables))]
+    parts += [LEGEND.replace("is marked", "is in bold"), ""]
     if testbed:
         parts += [testbed]
     if stability:
@@ -191,10 +238,12 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
                   stability: dict | None = None, published: dict[str, list[list]] | None = None) -> dict[str, Path]:
     """Write leaderboard.md/.html/.json and plots/*.svg for ``invocation`` (default: the latest with cells),
     and history.md/.html over every invocation, under ``out_dir``; returns {relative name: path}.
-    ``testbed`` (the testbed-health Markdown of ``mergecal.pipeline.testbed``) opens the leaderboard, before
-    any calibration row. SVGs in plots/ that this report did not produce are removed, so the directory
-    matches the report. ``published``: {backbone: per paper, the published rows its preset reproduces}
-    (``mergecal.published.for_tracks``): each of its standard-regime tables gets one comparison per paper."""
+    The leaderboard opens with what the run found (``mergecal.reports.summary``: each calibration's verdicts
+    across the merges it calibrates, the median change, the headline claims); ``testbed`` (the testbed-health
+    Markdown of ``mergecal.pipeline.testbed``) follows it, before any table. SVGs in plots/ that this report did
+    not produce are removed, so the directory matches the report. ``published``: {backbone: per paper, the
+    published rows its preset reproduces} (``mergecal.published.for_tracks``): each of its standard-regime tables
+    gets one comparison per paper."""
     out = Path(out_dir)
     runs = load_runs(tracking_uri, experiment)
     chosen = pick_invocation(runs, invocation)
@@ -206,6 +255,7 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
     tables = [replace(t, warning=table_warning(stability, t.backbone, t.task_set, t.regime))
               for t in build_tables(cells, examples)]
     section = section_markdown(stability) if stability else None
+    summary = summarize(tables)
     seeds = seeds_of(cells)
     # with several fine-tuning seeds the diagnostic plots show the first seed's cells (one series per recipe)
     shown = cells[cells[SEED] == seeds[0]] if len(seeds) > 1 else cells
@@ -220,7 +270,7 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
     for stale in sorted((out / "plots").glob("*.svg")):
         if f"plots/{stale.name}" not in written:
             stale.unlink()
-    document = {"results": meta, "leaderboard": tables_json(tables),
+    document = {"results": meta, "leaderboard": tables_json(tables), "summary": summary_json(summary),
                 # the stability verdicts the tables carry (reports/stability.json has the figures)
                 "warnings": [{"backbone": t.backbone, "task_set": t.task_set, "regime": t.regime, "seed": t.seed,
                               "warning": t.warning} for t in tables if t.warning]}
@@ -238,10 +288,10 @@ def write_reports(tracking_uri: str, experiment: str = "mergecal", out_dir: str 
                                                     json.dumps(document, indent=2, sort_keys=True) + "\n")
     written["leaderboard.md"] = atomic_write_text(out / "leaderboard.md",
                                                   _markdown(meta, tables, plots, testbed, section, across,
-                                                            shown_published))
+                                                            shown_published, summary))
     written["leaderboard.html"] = atomic_write_text(out / "leaderboard.html",
                                                     _html_page(meta, tables, plots, testbed, section, across,
-                                                               shown_published))
+                                                               shown_published, summary))
     written["history.md"] = atomic_write_text(out / "history.md", history_markdown(runs, metric, threshold))
     history_body = ['<p><a href="leaderboard.html">Leaderboard</a></p>', history_html(runs, metric, threshold)]
     written["history.html"] = atomic_write_text(out / "history.html", _page(
