@@ -28,7 +28,9 @@ def stage(params, root, args):
         outcomes[row["cell_id"]] = Outcome(metrics, load_examples(uri, row["artifact_uri"]))
     analysis_file = root / "results" / "papers" / "analysis.json"  # stages/paper_analysis.py
     analysis = json.loads(analysis_file.read_text()) if analysis_file.is_file() else None
-    written = write_paper_reports(params, root, outcomes, root / "reports" / "papers", analysis)
+    significance_file = root / "results" / "papers" / "significance.json"  # stages/paper_significance.py
+    significance = json.loads(significance_file.read_text()) if significance_file.is_file() else None
+    written = write_paper_reports(params, root, outcomes, root / "reports" / "papers", analysis, significance)
     print(f"{len(written)} files under {root / 'reports' / 'papers'} from {len(outcomes)} cells of invocation "
           f"{invocation}: " + ", ".join(n for n in written if not n.startswith("plots/")))
 

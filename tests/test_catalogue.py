@@ -10,6 +10,7 @@ import pytest
 
 from mergecal.experiments import read
 from mergecal.pipeline.experiments import load_analyses, load_comparisons, load_experiments, load_measurements
+from mergecal.pipeline.paper_significance import load_significance
 from mergecal.presets import PRESETS
 import scripts.catalogue as catalogue
 
@@ -19,8 +20,8 @@ REPORTS = Path("reports/papers")
 
 def test_every_item_is_listed_once_with_its_statuses_detail():
     ids = [i["id"] for i in ITEMS]
-    assert len(ids) == len(set(ids)) == 53
-    assert {p: sum(i["paper"] == p for i in ITEMS) for p in catalogue.PAPERS} == {"svc": 21, "magic": 19,
+    assert len(ids) == len(set(ids)) == 55
+    assert {p: sum(i["paper"] == p for i in ITEMS) for p in catalogue.PAPERS} == {"svc": 22, "magic": 20,
                                                                                    "distac": 13}
     for item in ITEMS:
         assert {"id", "paper", "item", "shows", "claim", "needs", "status"} <= item.keys(), item["id"]
@@ -34,7 +35,7 @@ def test_every_item_is_listed_once_with_its_statuses_detail():
 
 
 def test_each_item_the_papers_profile_regenerates_is_an_experiment_with_its_committed_report_section():
-    loaded = (load_experiments(), load_analyses(), load_measurements(), load_comparisons())
+    loaded = (load_experiments(), load_analyses(), load_measurements(), load_comparisons(), load_significance())
     experiments = {e.id: paper for found in loaded for paper, items in found.items() for e in items}
     profiled = {i["id"]: i for i in ITEMS if i["status"] in ("paper", "measured")}
     assert set(profiled) == set(experiments)  # every experiment is catalogued, every such item runs
@@ -49,7 +50,7 @@ def test_each_item_the_papers_profile_regenerates_is_an_experiment_with_its_comm
 def test_every_claim_of_a_committed_report_has_its_computed_sentence(paper):
     report = (REPORTS / f"{paper}.md").read_text()
     for experiment in (load_experiments((paper,))[paper] + load_analyses((paper,))[paper]
-                       + load_comparisons((paper,))[paper]):
+                       + load_comparisons((paper,))[paper] + load_significance((paper,))[paper]):
         for claim in experiment.claims:
             assert f"“{claim.text}”: " in report, (experiment.id, claim.text)
 

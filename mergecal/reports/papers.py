@@ -417,11 +417,13 @@ def comparison_scores(comparison, listed, ids: Mapping, outcomes: Mapping[str, O
 
 
 def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
-                        analysis: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                        analysis: Mapping[str, Any] | None = None,
+                        significance: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``<paper>.md``, ``.html``, ``.json`` and ``plots/<item>-*.svg`` under ``out_dir`` for every paper of
     ``mergecal/experiments``, its sections in the catalogue's order: the experiments from ``outcomes`` (by cell id;
-    a missing cell shows as —, outside every count) and the analyses from ``analysis`` (results/papers/analysis.json;
-    an analysis it lacks is said to be missing). SVGs in ``plots/`` that no report drew are removed."""
+    a missing cell shows as —, outside every count), the analyses from ``analysis`` (results/papers/analysis.json)
+    and the significance tests from ``significance`` (results/papers/significance.json; an analysis or a test it
+    lacks is said to be missing). SVGs in ``plots/`` that no report drew are removed."""
     from pathlib import Path
 
     from ..checkpoint import atomic_write_text
@@ -429,6 +431,7 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
     from ..pipeline.cells import matrix_ids
     from ..pipeline.experiments import (load_analyses, load_comparisons, load_experiments, load_measurements,
                                         paper_cells, variants)
+    from ..pipeline.paper_significance import load_significance
     from .paper_comparisons import comparison_section
     from .plots import slug
 
@@ -437,6 +440,7 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
     ids = dict(zip(cells, matrix_ids(cells, params, root)))
     order = {item["id"]: i for i, item in enumerate(read("catalogue")["items"])}
     analyses, measurements, comparisons = load_analyses(), load_measurements(), load_comparisons()
+    tests = load_significance()
     files: dict[str, str] = {}
     for paper, experiments in load_experiments().items():
         about = read(paper)["paper"]
@@ -460,6 +464,14 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
             sections.append((item.id, *measurement_section(item, Path(root))))
         for item in comparisons.get(paper, []):
             blocks, document = comparison_section(item, comparison_scores(item, listed, ids, outcomes), slug(item.id))
+            sections.append((item.id, blocks, document))
+        for item in tests.get(paper, []):
+            if significance is None or item.id not in significance:
+                sections.append((item.id, [("h2", f"{item.id}: {item.item}"), (
+                    "p", "Not computed: results/papers/significance.json has no entry for it.")],
+                                 {"id": item.id, "missing": True}))
+                continue
+            blocks, document = significance_section(item, significance[item.id], slug(item.id))
             sections.append((item.id, blocks, document))
         sections.sort(key=lambda s: order.get(s[0], len(order)))
         blocks = paper_blocks(about["title"], about["arxiv"], [b for _, b, _ in sections])
@@ -895,3 +907,124 @@ def analysis_section(analysis, entry: Mapping[str, Any], plot_prefix: str) -> tu
 
 def _fmt_value(value: float | None) -> str:
     return "—" if value is None else f"{value:.4g}"
+
+
+# ------------------------------------------------------------------------------------------------- significance
+# MAGIC's all-subsets test of a calibration (results/papers/significance.json, mergecal.pipeline.paper_significance):
+# each subset of the experts a pair of cells, each with its paired interval; the t-test over the subsets.
+
+SIGNIFICANCE_LEVEL = 0.05  # a t-test agrees with the paper where its two-sided p is below this, t on its side
+
+
+def _t_test_verdict(summary: Mapping[str, Any]) -> str | None:
+    if summary.get("t") is None or summary.get("p") is None:
+        return None
+    if summary["p"] >= SIGNIFICANCE_LEVEL:
+        return "inconclusive"
+    return "agrees" if summary["t"] > 0 else "disagrees"
+
+
+def _fmt_p(p: float | None) -> str:
+    return "—" if p is None else f"{p:.2g}"
+
+
+def _fmt_t(t: float | None) -> str:
+    return "—" if t is None else f"{t:.2f}"
+
+
+def significance_claim_units(claim, entry: Mapping[str, Any]) -> list[dict]:
+    """Each unit's verdict on a significance claim: per subset, its paired interval (``subsets``); the t-test over
+    the subsets (``t_test``: one unit)."""
+    if claim.kind == "subsets":
+        return [{"tasks": row["tasks"], "change": round(row["calibrated"] - row["base"], 4),
+                 "interval": row["interval"], "verdict": verdict(row["interval"], "gain")} for row in entry["subsets"]]
+    summary = entry["summary"]
+    return [{"t": summary["t"], "p": summary["p"], "n": summary["n"], "verdict": _t_test_verdict(summary)}]
+
+
+def significance_sentence(claim, units: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> str:
+    """The sentence under a significance claim (``claims.sentence``: the counts and their rule)."""
+    counts, unmeasured = verdict_counts(units), sum(1 for u in units if u["verdict"] is None)
+    if claim.kind == "subsets":
+        return sentence(claim.text, counts, "subsets", unmeasured)
+    return sentence(claim.text, counts, "paired t-tests over the subsets", unmeasured,
+                    rule=f"two-sided p below {SIGNIFICANCE_LEVEL:g} with t on the paper's side: t = "
+                         f"{_fmt_t(summary['t'])}, p = {_fmt_p(summary['p'])} over {summary['n']} subsets")
+
+
+def by_size(entry: Mapping[str, Any]) -> list[dict]:
+    """Per number of experts merged: the subsets, each side's mean and the calibration's mean change (points) and
+    how many subsets it improves."""
+    out = []
+    for size in sorted({len(r["tasks"]) for r in entry["subsets"]}):
+        rows = [r for r in entry["subsets"] if len(r["tasks"]) == size]
+        changes = [r["calibrated"] - r["base"] for r in rows]
+        out.append({"experts": size, "subsets": len(rows),
+                    "base": round(float(np.mean([r["base"] for r in rows])), 2),
+                    "calibrated": round(float(np.mean([r["calibrated"] for r in rows])), 2),
+                    "change": round(float(np.mean(changes)), 2), "improved": sum(c > 0 for c in changes),
+                    "worse": sum(c < 0 for c in changes)})
+    return out
+
+
+def differences_figure(title: str, entry: Mapping[str, Any]) -> Figure:
+    """Each subset's paired change (calibrated minus base, points) against the number of experts it merges, the
+    subsets of one size spread side by side, their mean marked."""
+    fig = Figure(figsize=(6.0, 3.4))
+    ax = fig.add_subplot()
+    for size in sorted({len(r["tasks"]) for r in entry["subsets"]}):
+        changes = [r["calibrated"] - r["base"] for r in entry["subsets"] if len(r["tasks"]) == size]
+        offsets = np.linspace(-0.3, 0.3, len(changes)) if len(changes) > 1 else np.zeros(1)
+        ax.scatter(size + offsets, changes, s=6, color="C0", alpha=0.6, linewidths=0)
+        ax.plot([size - 0.35, size + 0.35], [np.mean(changes)] * 2, color="C3", linewidth=1.5)
+    ax.axhline(0, color="#888", linewidth=0.8)
+    ax.set_xlabel("experts merged (subset size)", fontsize=8)
+    ax.set_ylabel("change: calibrated − merge (points)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def significance_section(test, entry: Mapping[str, Any], plot_prefix: str) -> tuple[list[tuple], dict]:
+    """One significance test's blocks and JSON document (``entry``: its part of results/papers/significance.json)."""
+    try:
+        summary, sizes = entry["summary"], by_size(entry)
+        n, k = summary["n"], len(entry["tasks"])
+        base, calibrated = entry["base"], entry["calibrated"]
+        units_of = [significance_claim_units(claim, entry) for claim in test.claims]
+        fig = differences_figure(f"{test.item}: {calibrated} − {base}, {entry['regime']}", entry)
+    except (KeyError, TypeError, IndexError, ValueError) as err:
+        raise MergecalError(f"results/papers/significance.json: {test.id}: not a significance test's data "
+                            f"({type(err).__name__}: {err}); run stages/paper_significance.py again") from None
+    blocks: list[tuple] = [
+        ("h2", f"{test.id}: {test.item}"), ("p", f"**The paper**: {test.shows}."),
+        ("p", f"**On the testbed**: the vision track's fine-tunes (seed {entry['seed']}, {entry['regime']} regime): "
+              f"every subset of at least {entry['min_size']} of its {k} experts ({n} subsets) merged as `{base}` "
+              f"and as `{calibrated}` (λ = {entry['scaling']:g} fixed, no search), each the benchmark's own cell "
+              "on the subset's tasks; a subset's value is its average accuracy over its own tasks (%), its change "
+              "the calibrated merge's minus the merge's, with the paired 95 % interval over its test examples."),
+        ("table", ["subsets", "merge (mean %)", "calibrated (mean %)", "mean change (points)", "t", "p",
+                   "improved", "worse", "equal"],
+         [[[str(n)], [f"{summary['mean_base']:.1f}"], [f"{summary['mean_calibrated']:.1f}"],
+           [f"{summary['mean_difference']:+.2f}"], [_fmt_t(summary["t"])], [_fmt_p(summary["p"])],
+           [f"{summary['improved']} ({summary['improved_share']:.0%})"],
+           [f"{summary['worse']} ({summary['worse_share']:.0%})"], [str(summary["equal"])]]]),
+        ("p", "Per number of experts merged (the paired two-sided t-test above is over every subset, each subset "
+              "one pair):"),
+        ("table", ["experts", "subsets", "merge (mean %)", "calibrated (mean %)", "mean change (points)",
+                   "improved", "worse"],
+         [[[str(s["experts"])], [str(s["subsets"])], [f"{s['base']:.1f}"], [f"{s['calibrated']:.1f}"],
+           [f"{s['change']:+.2f}"], [str(s["improved"])], [str(s["worse"])]] for s in sizes]),
+        _plot(plot_prefix, f"{test.item}: each subset's change", entry["regime"], fig)]
+    if test.printed:
+        printed = ", ".join(f"{name} = {_fmt_p(value) if name == 'p' else f'{value:g}'}"
+                            for name, value in test.printed.items())
+        blocks.append(("p", f"**Printed** in {test.printed_where}: {printed}; on other checkpoints and another "
+                            "backbone, so the direction compares with the testbed's, the values do not."))
+    document: dict[str, Any] = {"id": test.id, "item": test.item, "shows": test.shows, "base": base,
+                                "calibrated": calibrated, "summary": dict(summary), "by_size": sizes,
+                                "printed": dict(test.printed) or None, "claims": []}
+    for claim, units in zip(test.claims, units_of):
+        document["claims"].append(checked(claim, units, significance_sentence(claim, units, summary)))
+    return blocks + claims_blocks(document["claims"]), document
