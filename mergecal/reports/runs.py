@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "sta
 GROUP = ("backbone", "task_set", "regime")
 SEED = "seed"  # the fine-tuning seed's tag column ("" on a run logged before seeds were recorded)
 DIAGNOSTICS = ("sensitivity", "magic_coefficients", "svc_spectra", "task_vectors", "scaling_curve")
+MANIFEST_THREADS = 8  # the invocations' manifests are read 8 at a time: one small download each, hundreds a lab
 
 
 def _row(run) -> dict[str, Any]:
@@ -79,24 +81,31 @@ def _reused_cells(tracking_uri: str, rows: list[dict[str, Any]]) -> list[dict[st
     """A cell reused from the cache is not logged again (no duplicate runs): the invocation's parent run lists
     every cell it used in its ``cells.json`` artifact. Such a cell joins that invocation as a copy of its
     original row, marked ``cached``, so every invocation has its full set of cells."""
-    from mlflow import artifacts
-
     by_id = {row["run_id"]: row for row in rows}
     extra = []
-    for parent in [r for r in rows if r["kind"] == "invocation" and r["run_status"] == "FINISHED"]:
-        with tempfile.TemporaryDirectory(prefix="mergecal-manifest-") as tmp, _quiet_downloads():
-            try:
-                local = artifacts.download_artifacts(artifact_uri=f"{parent['artifact_uri']}/cells.json", dst_path=tmp,
-                                                     tracking_uri=tracking_uri)
-                manifest = json.loads(Path(local).read_text())
-            except Exception:  # an invocation logged without a manifest: its own cells only
-                continue
-        for entry in manifest.values():
+    parents = [r for r in rows if r["kind"] == "invocation" and r["run_status"] == "FINISHED"]
+    with _quiet_downloads(), ThreadPoolExecutor(MANIFEST_THREADS) as pool:
+        manifests = list(pool.map(lambda parent: _manifest(tracking_uri, parent["artifact_uri"]), parents))
+    for parent, manifest in zip(parents, manifests):
+        for entry in (manifest or {}).values():
             original = by_id.get(entry.get("run_id"))
             if original is not None and original["invocation_id"] != parent["invocation_id"]:
                 extra.append({**original, "invocation_id": parent["invocation_id"], "cached": True,
                               "start_time": parent["start_time"]})
     return extra
+
+
+def _manifest(tracking_uri: str, artifact_uri: str) -> dict | None:
+    """An invocation's ``cells.json``, None when it was logged without one."""
+    from mlflow import artifacts
+
+    with tempfile.TemporaryDirectory(prefix="mergecal-manifest-") as tmp:
+        try:
+            local = artifacts.download_artifacts(artifact_uri=f"{artifact_uri}/cells.json", dst_path=tmp,
+                                                 tracking_uri=tracking_uri)
+            return json.loads(Path(local).read_text())
+        except Exception:  # an invocation logged without a manifest: its own cells only
+            return None
 
 
 def qualified(cells: pd.DataFrame) -> pd.DataFrame:
@@ -106,9 +115,10 @@ def qualified(cells: pd.DataFrame) -> pd.DataFrame:
 
     if cells.empty:
         return cells
-    pairs = list(zip(cells["recipe"], cells["recipe_id"], cells["merge"]))
-    return cells.assign(recipe=[qualified_label(label, rid) for label, rid, _ in pairs],
-                        merge=[qualified_merge(merge, label, rid) for label, rid, merge in pairs])
+    triples = list(zip(cells["recipe"], cells["recipe_id"], cells["merge"]))
+    # each distinct recipe once (a label is parsed, a few ms): a lab's store repeats a few hundred over all its runs
+    names = {t: (qualified_label(t[0], t[1]), qualified_merge(t[2], t[0], t[1])) for t in dict.fromkeys(triples)}
+    return cells.assign(recipe=[names[t][0] for t in triples], merge=[names[t][1] for t in triples])
 
 
 def invocations(runs: pd.DataFrame) -> pd.DataFrame:
@@ -123,17 +133,23 @@ recorded) and state (``finished``, or why the invocation is no result: ``unfinis
     cells = runs[runs["kind"] == "cell"]
     parents = runs[runs["kind"] == "invocation"].drop_duplicates("invocation_id", keep="first")
     ids = sorted(set(cells["invocation_id"]) | set(parents["invocation_id"]))
+    # per invocation in one pass over the runs (a lab's store holds hundreds of invocations)
+    counts = pd.DataFrame({"invocation_id": cells["invocation_id"], "start_time": cells["start_time"],
+                           "failed": ~cells["status"].isin(["ok", "skipped"]),
+                           "skipped": cells["status"] == "skipped"}).groupby("invocation_id", sort=False)
+    n_cells, first_start = counts.size(), counts["start_time"].min()
+    n_failed, n_skipped = counts["failed"].sum(), counts["skipped"].sum()
+    by_parent = {row["invocation_id"]: row for row in parents.to_dict("records")}
     rows = []
     for inv in ids:
-        mine = cells[cells["invocation_id"] == inv]
-        parent = parents[parents["invocation_id"] == inv]
-        start = int(parent["start_time"].iloc[0]) if len(parent) else int(mine["start_time"].min())
-        code = parent["code_version"].iloc[0] if len(parent) else ""
-        expected = str(parent["cells"].iloc[0]) if len(parent) else ""
+        parent = by_parent.get(inv)
+        start = int(parent["start_time"]) if parent is not None else int(first_start[inv])
+        code = parent["code_version"] if parent is not None else ""
+        expected = str(parent["cells"]) if parent is not None else ""
         row = {"invocation_id": inv, "start_time": start, "code_version": code,
-               "n_cells": len(mine), "n_failed": int((~mine["status"].isin(["ok", "skipped"])).sum()),
-               "n_skipped": int((mine["status"] == "skipped").sum()),
-               "run_status": str(parent["run_status"].iloc[0]) if len(parent) else "",
+               "n_cells": int(n_cells.get(inv, 0)), "n_failed": int(n_failed.get(inv, 0)),
+               "n_skipped": int(n_skipped.get(inv, 0)),
+               "run_status": str(parent["run_status"]) if parent is not None else "",
                "n_expected": int(expected) if expected.isdigit() else 0}
         rows.append({**row, "state": unfinished_state(row) or FINISHED})
     frame = pd.DataFrame(rows, columns=["invocation_id", "start_time", "code_version", "n_cells", "n_failed",
