@@ -8,10 +8,10 @@ no other.
 
 A stage's command module is the project module its ``cmd`` runs (``python -m stages.<name>``); a stage whose
 command runs none is left alone. Only two kinds of list change: the code deps (paths under mergecal/, flows/,
-stages/, files or folders) are replaced by the closure's files, sorted, where the first of them stood; and in the
-stages of ``TRACK_PARAMS``, whose params lists drifted, the entries that name a track whole (``<track>`` or
-``<track>.enabled``) by the registry's, where the first of them stood. Every other line (data/ and models/ deps,
-other params such as ``vision.tasks``) keeps its place, comment and order.
+stages/, files or folders) are replaced by the closure's files (less empty ones), sorted, where the first of them
+stood; and in the stages of ``TRACK_PARAMS``, whose params lists drifted, the entries that name a track whole
+(``<track>`` or ``<track>.enabled``) by the registry's, where the first of them stood. Every other line (data/ and
+models/ deps, other params such as ``vision.tasks``) keeps its place, comment and order.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from mergecal.pipeline.imports import PROJECT_PACKAGES, TRACK_PACKAGES, import_g
 from mergecal.pipeline.track_registry import registered
 
 #: the stage that runs the benchmark matrix: every merge method, calibration and track, through the registries
-RUNS_EVERY_MEMBER = {"stages.benchmark", "stages.paper_cells"}
+#: (paper_significance runs the matrix's cells too, on subsets of the tasks)
+RUNS_EVERY_MEMBER = {"stages.benchmark", "stages.paper_cells", "stages.paper_significance"}
 #: the stage that measures every track's stability through the registry's DIAGNOSTICS
 RUNS_DIAGNOSTICS = {"stages.stability"}
 #: the module through which a stage runs the sources of a lab's files (the registry's LAB_FILES): a stage that
@@ -79,7 +80,10 @@ def expected_code_deps(stages: dict, root: Path) -> dict[str, list[str]]:
             closure = stage_closure(graph, match.group(1), **options, runs_lab_files=True)
         data = [p.relative_to(root).as_posix() for module, patterns in PACKAGE_DATA.items() if module in closure
                 for pattern in patterns for p in root.glob(pattern)]
-        out[name] = sorted(source_paths(closure, root) + data)
+        # an empty module (a bare package marker) cannot change a stage's result, and DVC warns "'<path>' is empty"
+        # for each empty dep of each stage; should it gain content, --check names it at once
+        sources = [path for path in source_paths(closure, root) if (root / path).stat().st_size > 0]
+        out[name] = sorted(sources + data)
     return out
 
 

@@ -89,14 +89,14 @@ def write(root: Path, files: dict[str, str]) -> None:
 
 
 PROJECT = {
-    "mergecal/__init__.py": "",
+    "mergecal/__init__.py": '"""The package."""\n',
     "mergecal/core.py": "import os\n\n\ndef run():\n    from . import helper  # inside a function: still a dep\n",
     "mergecal/helper.py": "from .sub.leaf import X\n",
-    "mergecal/sub/__init__.py": "",
+    "mergecal/sub/__init__.py": "from .leaf import X\n",
     "mergecal/sub/leaf.py": "X = 1\n",
     "mergecal/typed.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from . import unused\n",
     "mergecal/unused.py": "",
-    "stages/__init__.py": "",
+    "stages/__init__.py": "",  # empty: no stage's dep (DVC would warn that it is empty)
     "stages/one.py": "from mergecal import core\n",
     "stages/two.py": "import mergecal.typed\n",
 }
@@ -140,7 +140,6 @@ stages:
       - mergecal/helper.py
       - mergecal/sub/__init__.py
       - mergecal/sub/leaf.py
-      - stages/__init__.py
       - stages/one.py
       - data/raw  # its data
     params:
@@ -154,7 +153,6 @@ stages:
       deps:
         - mergecal/__init__.py
         - mergecal/typed.py
-        - stages/__init__.py
         - stages/two.py
         - data/${item}
       outs:
@@ -172,8 +170,8 @@ def test_check_names_the_stage_and_the_drifted_modules_and_write_fixes_only_the_
     assert stage_deps.main(["--check", "--root", str(tmp_path)]) == 1
     assert capsys.readouterr().out.splitlines() == [
         "dvc.yaml: stage 'one': missing mergecal/__init__.py, mergecal/core.py, mergecal/helper.py, "
-        "mergecal/sub/__init__.py, mergecal/sub/leaf.py, stages/__init__.py; extra mergecal/unused.py",
-        "dvc.yaml: stage 'two': missing mergecal/__init__.py, mergecal/typed.py, stages/__init__.py, stages/two.py"]
+        "mergecal/sub/__init__.py, mergecal/sub/leaf.py; extra mergecal/unused.py",
+        "dvc.yaml: stage 'two': missing mergecal/__init__.py, mergecal/typed.py, stages/two.py"]
     assert stage_deps.main(["--write", "--root", str(tmp_path)]) == 0
     assert (tmp_path / "dvc.yaml").read_text() == REWRITTEN
     assert stage_deps.main(["--check", "--root", str(tmp_path)]) == 0
