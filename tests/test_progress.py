@@ -146,9 +146,17 @@ def test_only_open_clips_notice_for_the_testbeds_architectures_is_dropped():
     ours = "No pretrained weights loaded for model 'mergecal-vit-small-p8'. Model initialized randomly."
     theirs = "No pretrained weights loaded for model 'ViT-B-32'. Model initialized randomly."
     other = "Model mergecal-vit-small-p8 initialized partially."
-    with quiet.quiet_cell():
-        assert _root_records(ours, theirs, other) == [theirs, other]
-    assert _root_records(ours) == [ours]  # the filter is gone with the last cell
+    # logging on whatever an earlier test left: a disable (two concurrent create_clip calls) or a root level
+    disabled, level = logging.root.manager.disable, logging.root.level
+    logging.disable(logging.NOTSET)
+    logging.root.setLevel(logging.WARNING)
+    try:
+        with quiet.quiet_cell():
+            assert _root_records(ours, theirs, other) == [theirs, other]
+        assert _root_records(ours) == [ours]  # the filter is gone with the last cell
+    finally:
+        logging.root.setLevel(level)
+        logging.disable(disabled)
 
 
 def test_a_disable_left_behind_by_a_cell_is_undone():
