@@ -123,58 +123,6 @@ def test_tqdm_bars_are_disabled_while_a_cell_runs_whatever_their_caller_passes()
     assert "3/3" in _bars(disable=False)  # back as it was once no cell runs
 
 
-def _root_records(*messages):
-    class Keep(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.records = []
-
-        def emit(self, record):
-            self.records.append(record.getMessage())
-
-    keep, root = Keep(), logging.getLogger()
-    root.addHandler(keep)
-    try:
-        for message in messages:
-            logging.warning(message)
-    finally:
-        root.removeHandler(keep)
-    return keep.records
-
-
-def test_only_open_clips_notice_for_the_testbeds_architectures_is_dropped():
-    ours = "No pretrained weights loaded for model 'mergecal-vit-small-p8'. Model initialized randomly."
-    theirs = "No pretrained weights loaded for model 'ViT-B-32'. Model initialized randomly."
-    other = "Model mergecal-vit-small-p8 initialized partially."
-    # logging on whatever an earlier test left: a disable (two concurrent create_clip calls) or a root level
-    disabled, level = logging.root.manager.disable, logging.root.level
-    logging.disable(logging.NOTSET)
-    logging.root.setLevel(logging.WARNING)
-    try:
-        with quiet.quiet_cell():
-            assert _root_records(ours, theirs, other) == [theirs, other]
-        assert _root_records(ours) == [ours]  # the filter is gone with the last cell
-    finally:
-        logging.root.setLevel(level)
-        logging.disable(disabled)
-
-
-def test_a_disable_left_behind_by_a_cell_is_undone():
-    assert logging.root.manager.disable == logging.NOTSET
-    try:
-        with quiet.quiet_cell():
-            logging.disable(logging.WARNING)  # what two overlapping create_clip calls leave behind
-        assert logging.root.manager.disable == logging.NOTSET
-        logging.disable(logging.WARNING)
-        quiet.restore_logging(logging.NOTSET)
-        assert logging.root.manager.disable == logging.NOTSET
-        logging.disable(logging.CRITICAL)
-        quiet.restore_logging(logging.CRITICAL)  # a level the caller wants stays
-        assert logging.root.manager.disable == logging.CRITICAL
-    finally:
-        logging.disable(logging.NOTSET)
-
-
 def test_quietly_keeps_the_signature_prefect_reads():
     import inspect
 
@@ -187,30 +135,35 @@ def test_quietly_keeps_the_signature_prefect_reads():
 
 
 @pytest.mark.slow
-def test_overlapping_create_clip_calls_leave_logging_enabled_under_quiet_cells():
-    """The bug itself (mergecal.pipeline.quiet): two threads building the testbed's CLIP at once leave logging
-    disabled up to WARNING; under quiet_cell, as the flow's cells run, it is enabled again when they end, and
-    open_clip's notice does not show."""
+def test_overlapping_create_clip_calls_leave_logging_as_it_was():
+    """Two threads building the testbed's CLIP at once: open_clip's random-initialisation notice for the testbed's
+    architecture is not shown, every other line is, and logging is left as it was (``create_clip`` once saved and
+    restored a process-wide ``logging.disable``: two threads at once left it disabled, every later line lost)."""
     from mergecal.backbones.open_clip_vit import create_clip
 
-    def build():
-        with quiet.quiet_cell():
-            create_clip("mergecal-vit-micro")
-
+    other = "a line logged while models are built"
     shown = []
     handler = logging.Handler()
     handler.emit = lambda record: shown.append(record.getMessage())
-    logging.getLogger().addHandler(handler)
+    root = logging.getLogger()
+    disabled, level = logging.root.manager.disable, root.level
+    logging.disable(logging.NOTSET)
+    root.setLevel(logging.WARNING)
+    root.addHandler(handler)
     try:
         for _ in range(3):
-            threads = [threading.Thread(target=build) for _ in range(2)]
+            threads = [threading.Thread(target=create_clip, args=("mergecal-vit-micro",)) for _ in range(2)]
             [t.start() for t in threads]
+            logging.warning(other)
             [t.join() for t in threads]
-            assert logging.root.manager.disable == logging.NOTSET
+            assert logging.root.manager.disable == logging.NOTSET and not root.filters
+        logging.warning("No pretrained weights loaded for model 'ViT-B-32'. Model initialized randomly.")
     finally:
-        logging.getLogger().removeHandler(handler)
-        logging.disable(logging.NOTSET)
-    assert not [m for m in shown if "initialized randomly" in m]
+        root.removeHandler(handler)
+        root.setLevel(level)
+        logging.disable(disabled)
+    assert shown.count(other) == 3 and not [m for m in shown if "mergecal-vit-micro" in m]
+    assert shown[-1].startswith("No pretrained weights loaded for model 'ViT-B-32'")  # another model's is kept
 
 
 def test_running_cells_counts_a_thread_pools_started_futures_only():

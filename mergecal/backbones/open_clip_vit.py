@@ -54,18 +54,32 @@ def _check_arch(arch: str) -> None:
         raise ParameterError(f"arch={arch!r}: unknown open_clip architecture; custom ones: {', '.join(ARCHITECTURES)}")
 
 
+class _RandomInitNotice(logging.Filter):
+    """Drops open_clip's "No pretrained weights loaded for model <arch>. Model initialized randomly.", intended
+    here: the testbed builds its architectures with ``pretrained=None`` and loads its own weights into them."""
+
+    def __init__(self, arch: str):
+        super().__init__()
+        self.message = f"No pretrained weights loaded for model '{arch}'. Model initialized randomly."
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
+
+
 def create_clip(arch: str = "mergecal-vit-tiny", seed: int = 0) -> torch.nn.Module:
     """A randomly initialised open_clip model (``pretrained=None``: nothing is downloaded), seeded, in eval mode."""
     _check_arch(arch)
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # open_clip warns "No pretrained weights loaded", which is intended here
-    try:
-        # the global RNG is reseeded, and a concurrent transformers load would make its init a no-op
-        with MODEL_CONSTRUCTION, torch.random.fork_rng(devices=[]):
+    notice = _RandomInitNotice(arch)
+    # the global RNG is reseeded, and a concurrent transformers load would make its init a no-op. A filter for
+    # that one message, not ``logging.disable``: a process-wide level saved and restored by two threads at once
+    # left logging disabled for good (every later line of the flow lost)
+    with MODEL_CONSTRUCTION, torch.random.fork_rng(devices=[]):
+        logging.getLogger().addFilter(notice)  # open_clip logs it on the root logger
+        try:
             torch.manual_seed(seed)
             model = open_clip.create_model(arch, pretrained=None)
-    finally:
-        logging.disable(previous)
+        finally:
+            logging.getLogger().removeFilter(notice)
     return model.eval()
 
 

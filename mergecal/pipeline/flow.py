@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import queue
 import sys
@@ -49,7 +48,7 @@ from mergecal.pipeline.config import Params, load_params, parse_params
 from mergecal.pipeline.devices import device_lease
 from mergecal.pipeline.prefect_api import check_server, configured_api_url
 from mergecal.pipeline.progress import Progress, progress_interval, running_cells
-from mergecal.pipeline.quiet import quietly, restore_logging
+from mergecal.pipeline.quiet import quietly
 from mergecal.pipeline.results import one_line, skipped_id, summary_row, write_results
 from mergecal.pipeline.threads import pin_threads, worker_threads
 from mergecal.pipeline.tracking import Tracker, cell_tags, provenance, tag
@@ -238,7 +237,6 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
         if left_out:
             tracker.client.set_tag(parent, tag("left_out"), "; ".join(f"{w}: {why}" for w, why in left_out.items()))
             placement = dask.annotate(workers=list(good), allow_other_workers=False)
-    logging_level = logging.root.manager.disable  # what the flow's lines need (mergecal.pipeline.quiet)
     start = time.perf_counter()
     params_dict = params.model_dump(mode="json")
     # cells that choose their own scaling first; a cell calibrating a selected scaling gets its source's future
@@ -261,11 +259,10 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
     progress = Progress(len(cells), start)
     manifest_at, rows_at = [None] * len(cells), [None] * len(cells)
     while progress.done < len(cells):
-        try:  # waking each second: a cell may have left logging disabled (mergecal.pipeline.quiet)
+        try:  # waking each second: a progress line may be due
             i = completed.get(timeout=1.0)
         except queue.Empty:
             i = None
-        restore_logging(logging_level)
         if i is not None:
             key, cell, future = keys[i], cells[i], futures[i]
             future.wait()
@@ -293,11 +290,9 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
                                   "regime": cell.regime}
                 rows_at[i] = summary_row(cell, key, error=error)
                 line = f"FAILED: {error}"
-            restore_logging(logging_level)  # at once before a line: it goes through Prefect's run logger
             print(f"[{progress.done}/{len(cells)}] {cell.regime:<14} {cell.label:<40} {line}")
         now = time.perf_counter()
         if progress.due(now, interval) or progress.done == len(cells):
-            restore_logging(logging_level)
             print(progress.line(now, time.time(), running_cells(futures)))
             progress.last_line = now
     manifest = dict(zip(keys, manifest_at))  # in matrix order, as the loop over the futures in order built it
