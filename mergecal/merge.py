@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from . import cost
 from .calibrations.base import iter_calibrated
 from .calibrations.registry import all_calibrations, get_calibration
 from .checkpoint import ShardedCheckpointWriter, save_checkpoint
@@ -91,10 +92,10 @@ def iter_weight_space(recipe: Recipe, task_vectors, *, sensitive: Sequence[str] 
     method = MERGE_METHODS[recipe.merge.name](recipe.merge.params)
     calibrations = weight_calibrations(recipe, sensitive)
     n_unit = sum(step.at_unit_scaling for step in recipe.phase("weight"))  # the leading ones: Recipe checks
-    merged = iter_merge(task_vectors, method, progress=progress, scaled=not n_unit)
+    merged = cost.timed("merge", iter_merge(task_vectors, method, progress=progress, scaled=not n_unit))
     if n_unit:
         merged = iter_scaled(iter_calibrated(merged, task_vectors, calibrations[:n_unit], diagnostics), method)
-    return iter_calibrated(merged, task_vectors, calibrations[n_unit:], diagnostics)
+    return cost.peak_of(cost.WEIGHT_SPACE, iter_calibrated(merged, task_vectors, calibrations[n_unit:], diagnostics))
 
 
 def weight_space_trials(recipe: Recipe, task_vectors: TaskVectorSet, grid: Sequence[float], *,

@@ -22,6 +22,7 @@ from mergecal.pipeline.tracks.clip.built import stages as vision
 from mergecal.pipeline import track_registry
 from mergecal.pipeline.config import load_params, parse_params
 from mergecal.pipeline.workspace import PIPELINE_FILES, SMOKE_PARAMS, create_workspace
+from mergecal.recipe import Recipe
 
 pytestmark = pytest.mark.integration
 
@@ -421,6 +422,22 @@ def test_flow_caches_cells_and_never_duplicates_runs(built, prefect_server, monk
         assert run.data.metrics["exact_match.maximum"] == run.data.metrics["acc.maximum"]
         assert run.data.params["lm_eval_version"] == version("lm_eval")
         assert {"lm_eval_task.maximum", "lm_eval_task.sentiment_validation"} <= set(run.data.params)
+
+    # each recipe cell logs its merge's and calibrations' own cost (mergecal.cost); the references have none
+    done = tracker.client.search_runs([tracker.experiment_id], "tags.`mergecal.status` = 'ok'", max_results=1000)
+    for run in done:
+        merge, recipe = run.data.tags["mergecal.merge"], run.data.tags["mergecal.recipe_id"]
+        costs = {k for k in run.data.metrics if k.startswith("cost.")}
+        if merge in cells_mod.REFERENCES:
+            assert not costs, merge
+            continue
+        assert run.data.metrics["cost.seconds.merge"] > 0 and run.data.metrics["cost.calls.merge"] >= 1, merge
+        assert run.data.metrics["cost.peak_mib.weight_space"] >= 0
+        # every weight- and feature-space step's (a pre-merge one, DisTaC's, runs in its own stage)
+        steps = [step.name for step in Recipe.parse(recipe).steps if step.phase in ("weight", "feature")]
+        assert {f"cost.seconds.{name}" for name in steps} <= costs, recipe
+        if "fsc" in steps:
+            assert run.data.metrics["cost.peak_mib.fsc"] >= 0
 
     # chains a track cannot run are logged once each as skipped, with the reason, never computed
     skipped = [r for r in first["rows"] if "skipped" in r]

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .. import cost
 from ..methods.base import HyperParams, build_params, format_params
 
 
@@ -55,6 +56,7 @@ def iter_calibrated(merged: Iterable[tuple[str, torch.Tensor]], task_vectors, ca
     ``task_vectors`` is the ``TaskVectorSet`` the merge was computed from. Per-key diagnostics are
     stored in ``diagnostics[calibration.name][key]`` when a dict is given. A zero-size key is passed through.
     """
+    cost.count_pass(c.name for c in calibrations)
     for key, update in merged:
         shape, dtype = tuple(update.shape), update.dtype
         if update.numel() == 0:  # a zero-size key passes unchanged: no row, spectrum or norm to calibrate
@@ -62,9 +64,11 @@ def iter_calibrated(merged: Iterable[tuple[str, torch.Tensor]], task_vectors, ca
             continue
         covering = [c for c in calibrations if c.covers(key, shape, dtype)]
         if covering:
-            taus = task_vectors.load(key)
+            with cost.step(covering[0].name, memory=False, call=False):  # the read counts to the first
+                taus = task_vectors.load(key)
             for calibration in covering:
-                update, info = calibration.calibrate(key, update, taus)
+                with cost.step(calibration.name, memory=False, call=False):  # its memory: the stream's (cost)
+                    update, info = calibration.calibrate(key, update, taus)
                 if diagnostics is not None:
                     diagnostics.setdefault(calibration.name, {})[key] = info
         yield key, update

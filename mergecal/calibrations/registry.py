@@ -13,12 +13,14 @@ step itself: a recipe expands it into its parts (``expand``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import cost
 from ..plugins import registering_modules
 
 CALIBRATION_PHASES = ("pre", "weight", "feature", "composite")
@@ -68,11 +70,22 @@ def register_calibration(name: str, *, phase: str, needs_data: bool):
         else:
             params = obj if not hasattr(obj, "Params") else obj.Params
             spec = CalibrationSpec(name, phase, needs_data, params, build=obj.from_step if phase == "weight" else None,
-                                   run=obj.run_step if phase in ("pre", "feature") else None)
+                                   run=_costed(name, obj.run_step) if phase in ("pre", "feature") else None)
         CALIBRATIONS[name] = spec
         return obj
 
     return decorate
+
+
+def _costed(name: str, run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` with its time and peak memory recorded as step ``name``'s (``mergecal.cost``)."""
+
+    @functools.wraps(run)
+    def costed(*args, **kwargs):
+        with cost.step(name):
+            return run(*args, **kwargs)
+
+    return costed
 
 
 def calibration_names() -> list[str]:

@@ -41,6 +41,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.filesystems import LocalFileSystem
 
+from mergecal import cost
 from mergecal.device import resolve_device
 from mergecal.errors import MergecalError
 from mergecal.pipeline.cells import Cell, enumerate_cells, matrix_ids, measure, run_cell, source_index
@@ -109,8 +110,9 @@ def compute_cell(key: str, cell: dict, params: dict, root: str, parent_run_id: s
             import torch
 
             torch.cuda.reset_peak_memory_stats(device)
-        result, seconds, peak_mib = measure(run_cell, cell_obj, settings, here, device=device, scaling=scaling)
-        metrics = {**result.metrics, "seconds": seconds, "peak_rss_mib": peak_mib}
+        with cost.recording() as costs:  # each method's own cost, beside the cell's (mergecal.cost)
+            result, seconds, peak_mib = measure(run_cell, cell_obj, settings, here, device=device, scaling=scaling)
+        metrics = {**result.metrics, "seconds": seconds, "peak_rss_mib": peak_mib, **costs.metrics()}
         if device.startswith("cuda"):
             metrics["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     run_id = tracker.log_cell(parent_run_id=parent_run_id, invocation_id=invocation_id, cell_id=key,
