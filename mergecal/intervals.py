@@ -50,13 +50,13 @@ def stratified_interval(samples: Sequence[np.ndarray], weights: Sequence[float])
     # counts @ sample is exact for integer-valued scores (0/1 outcomes and their paired differences), so each
     # resample's mean is scipy's bit for bit there and an interval end that is exactly 0 stays 0 (the verdict)
     resampled = sum(w * ((counts @ s) / s.size) for s, w, counts
-                    in zip(samples, weights, _resample_counts(tuple(s.size for s in samples))))
+                    in zip(samples, weights, resample_counts(tuple(s.size for s in samples))))
     low, high = quantile(resampled, np.array([alpha, 1 - alpha]))
     return float(low), float(high)
 
 
 @lru_cache(maxsize=8)
-def _resample_counts(sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+def resample_counts(sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
     """Per task, the ``(N_RESAMPLES, n)`` matrix of how often resample r draws each example (as floats). The
     draws are ``scipy.stats.bootstrap``'s for these sizes and ``SEED``."""
     rng = np.random.default_rng(SEED)

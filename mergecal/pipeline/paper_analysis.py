@@ -24,20 +24,9 @@ from ..errors import MergecalError
 from ..task_vectors import TaskVectorSet
 from .config import Params
 from .distac_analysis import ANALYSES as DISTAC_ANALYSES
+from .rounding import rounded
 from .tracks.clip.built.stages import VisionModels, preprocessed, task_split
 
-DIGITS = 6
-
-
-def rounded(value: Any) -> Any:
-    """``value`` with every float rounded to ``DIGITS`` significant digits (None, ints and strings unchanged)."""
-    if isinstance(value, float):
-        return float(f"{value:.{DIGITS}g}")
-    if isinstance(value, dict):
-        return {k: rounded(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [rounded(v) for v in value]
-    return value
 
 
 def merge_settings(params: Params, merge: str) -> dict[str, Any]:

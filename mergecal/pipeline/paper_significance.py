@@ -38,11 +38,11 @@ from .chains import fixed_chain
 from .config import Params
 from .experiments import MERGE_ALONE, Experiment, _check_variants, _entries, narrowed_params
 from .params_base import Strict
+from .rounding import rounded
 from .threads import pin_threads, worker_threads
 from .track_registry import get_track
 
 CALIBRATED = "calibrated"  # the calibrated chain's variant name in the test's experiment
-DIGITS = 6
 PRINTED = ("t", "p", "subsets")  # what the papers print of their test
 
 
@@ -94,18 +94,6 @@ class SignificanceTest(Strict):
 def load_significance(papers: tuple[str, ...] = PAPERS) -> dict[str, list[SignificanceTest]]:
     """Every paper's significance tests (``significance:``), validated, their chains too."""
     return _entries(papers, "significance", SignificanceTest, lambda t: _check_variants(t.as_experiment()))
-
-
-def rounded(value: Any) -> Any:
-    """``value`` with every float rounded to ``DIGITS`` significant digits, as ``paper_analysis.rounded`` (not
-    imported: its module's analyses would become deps of this long stage, rerunning it on every edit of them)."""
-    if isinstance(value, float):
-        return float(f"{value:.{DIGITS}g}")
-    if isinstance(value, dict):
-        return {k: rounded(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [rounded(v) for v in value]
-    return value
 
 
 def narrowed_for(params: Params, test: SignificanceTest) -> Params:
@@ -190,7 +178,7 @@ def _run_jobs(jobs: list[tuple[int, tuple[str, ...]]], workers: int, threads: in
 
 def significance_document(params: Params, root: str | Path, tests: list[SignificanceTest], *, device: str = "cpu",
                           log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every test's subsets and summary by its id, rounded (``DIGITS``); the cells on ``device``."""
+    """Every test's subsets and summary by its id, rounded (``rounding.DIGITS``); the cells on ``device``."""
     if not params.vision.enabled:
         raise MergecalError("the significance tests merge the vision track's models: vision.enabled is false")
     narrowed = [narrowed_for(params, test) for test in tests]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..intervals import LEVEL, Interval, _resample_counts, significance
+from ..intervals import LEVEL, Interval, resample_counts, significance
 from .claims import VERDICTS, overall, sentence, verdict
 from .leaderboard import Paired, Table, protocol, rank
 from .plots import slug
@@ -111,7 +111,7 @@ def median_interval(changes: list[Paired]) -> Interval | None:
         return None
     from scipy.stats import quantile
 
-    counts = _resample_counts(sizes.pop())  # the draws of every row's own paired interval
+    counts = resample_counts(sizes.pop())  # the draws of every row's own paired interval
     weights = np.array([w for _, w in changes])  # rows x tasks
     # per task, every row's resampled means at once (one product); the expression is the paired interval's, so
     # with one row the resamples are its own bit for bit
