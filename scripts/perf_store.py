@@ -90,10 +90,11 @@ def cell_run(cell, cell_id: str, invocation: str, status: str, provenance: dict,
              error: str | None = None) -> dict:
     """A cell's run as ``Tracker.log_cell`` writes it (its parent id added at writing): name, tags, params, metrics,
     examples."""
-    from mergecal.pipeline.tracking import cell_tags, tag
+    from mergecal.pipeline.tracking import cell_key, cell_tags, tag
 
     tags = {**provenance, tag("kind"): "cell", tag("invocation_id"): invocation, tag("cell_id"): cell_id,
-            tag("status"): status, **cell_tags(cell), tag("device"): "cpu", tag("worker"): provenance[tag("host")]}
+            tag("status"): status, cell_key(cell_id): status, **cell_tags(cell), tag("device"): "cpu",
+            tag("worker"): provenance[tag("host")]}
     if error:
         tags[tag("error")] = error
     params, metrics, examples = {}, {}, {}
@@ -474,16 +475,19 @@ def sample_ids(uri: str, state: dict, cells) -> dict:
             "checkout": f"/home/{MEMBERS[0][0]}/mergecal"}
 
 
+ROUTES = ("lookup", "start", "board")
+
+
 def measure(libraries: list[tuple[str, Path]], uri: str, ids_file: Path, repeats: int, workdir: Path,
-            size: int, cli: bool = True) -> dict[str, dict]:
-    """Every route of every library at this size, alternated: lookups, start, board, CLI board."""
+            size: int, cli: bool = True, routes: tuple[str, ...] = ROUTES) -> dict[str, dict]:
+    """Every route of ``routes`` of every library at this size, alternated: lookups, start, board, CLI board."""
     results = {name: {} for name, _ in libraries}
-    for what in ("lookup", "start", "board"):
+    for what in routes:
         for name, library in libraries:
             results[name].update(run_probe(library, what, uri, ids_file, repeats))
             log(f"{size} runs, {name}, {what}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[name].items()
                                                              if isinstance(v, float)))
-    for name, library in libraries if cli else []:
+    for name, library in libraries if cli and "board" in routes else []:
         results[name]["cli_s"] = run_cli_board(library, uri, workdir / f"board-{name}-{size}")
         log(f"{size} runs, {name}: mergecal report --lab {results[name]['cli_s']:.1f} s")
     return results
@@ -575,6 +579,8 @@ def parse_args(argv):
                         "all 320; fewer for a quick run: the board's cost follows the cells it shows)")
     parser.add_argument("--tag-index", action="store_true", help="also measure the lookups with a hash index on "
                         "tags.value added to the database (what a lab's database administrator can add)")
+    parser.add_argument("--routes", default=",".join(ROUTES),
+                        help="comma-separated routes measured: lookup, start, board (default: all three)")
     parser.add_argument("--no-cli", action="store_true", help="leave out `mergecal report --lab` in a process of its "
                         "own (the board in the probe is what it runs, without its imports)")
     parser.add_argument("--smoke", action="store_true",
@@ -591,6 +597,9 @@ def parse_args(argv):
         parser.error(f"--runs {args.runs!r}: expected comma-separated counts such as 10000,100000")
     if not args.sizes or args.sizes[0] < 1:
         parser.error(f"--runs {args.runs!r}: expected positive counts")
+    args.routes = tuple(dict.fromkeys(r.strip() for r in args.routes.split(",") if r.strip()))
+    if not args.routes or not set(args.routes) <= set(ROUTES):
+        parser.error(f"--routes {args.routes!r}: expected some of {', '.join(ROUTES)}")
     if args.before is not None and not (args.before / "mergecal" / "__init__.py").is_file():
         parser.error(f"--before {args.before}: expected a checkout (a folder holding mergecal/__init__.py)")
     return args
@@ -628,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
                 bulk.still_running(state["last"][EXPERIMENTS[1]])
             ids_file = workdir / f"ids-{size}.json"
             ids_file.write_text(json.dumps(sample_ids(url, state, cells)))
-            table[size] = measure(libraries, url, ids_file, args.repeats, workdir, size, cli=not args.no_cli)
+            table[size] = measure(libraries, url, ids_file, args.repeats, workdir, size, cli=not args.no_cli,
+                                  routes=args.routes)
             if args.tag_index:
                 table[size][INDEXED] = measure_indexed(bulk, url, ids_file, args.repeats, size)
     meta = {"store": f"MLflow {__import__('mlflow').__version__} server (1 worker) on PostgreSQL "

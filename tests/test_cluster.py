@@ -205,3 +205,27 @@ def test_preflight_names_a_server_the_worker_cannot_reach(tmp_path):
         workers.preflight(None, _store(tmp_path))
     (tmp_path / "shared.db").touch()
     assert workers.preflight(None, _store(tmp_path))["host"] == workers.host()
+
+
+def test_a_cells_lookup_filters_on_a_tag_keyed_by_its_id(tmp_path):
+    """``mergecal.cell.<id>`` (value: the status) is what a lookup reads, an index lookup in MLflow's tags table
+    (keyed by key and run); the ``cell_id`` tag's value alone, which every run's would be read for, finds nothing."""
+    from mergecal.pipeline.tracking import cell_key
+
+    artifacts = (tmp_path / "artifacts").as_uri()
+    tracker = Tracker(tmp_path, uri=_store(tmp_path), artifacts=artifacts)
+    kept = _log(tracker, "c1")
+    assert tracker.client.get_run(kept).data.tags[cell_key("c1")] == "ok"
+    assert tracker.finished_cell_run("c1") == kept and tracker.finished_cell_run("c1", "skipped") is None
+    # a run with the cell_id tag but no keyed tag (as no writer of this library leaves) is not found
+    parent = tracker.start_invocation("i2", {}, {})
+    tracker.client.create_run(tracker.experiment_id, tags={"mlflow.parentRunId": parent, tag("kind"): "cell",
+                                                           tag("cell_id"): "c2", tag("status"): "ok"})
+    assert tracker.finished_cell_run("c2") is None
+    # a cell killed while RUNNING: both status tags say so
+    running = tracker.client.create_run(tracker.experiment_id, tags={tag("kind"): "cell", tag("cell_id"): "c3",
+                                                                     tag("invocation_id"): "i3",
+                                                                     cell_key("c3"): "ok", tag("status"): "ok"})
+    assert tracker.kill_unfinished_cells("i3") == 1
+    tags = tracker.client.get_run(running.info.run_id).data.tags
+    assert tags[cell_key("c3")] == tags[tag("status")] == "killed"

@@ -77,6 +77,14 @@ def cell_tags(cell) -> dict[str, str]:
             tag("seed"): str(cell.seed)}
 
 
+def cell_key(cell_id: str) -> str:
+    """The tag whose key names a cell and whose value is its run's status (ok, failed, skipped): what a cell's
+    lookup filters on. MLflow's tags table is keyed by (key, run) and has no index on the value, so a filter on the
+    ``cell_id`` tag's value reads that tag of every run of the store (linear in a lab's accumulated runs), one on
+    this key is an index lookup (docs/performance.md, "A lab's store at scale")."""
+    return f"{PREFIX}cell.{cell_id}"
+
+
 def store_dir(root: str | Path, store: str) -> Path:
     return (Path(root) / store).resolve()
 
@@ -240,6 +248,8 @@ class Tracker:
         runs = self.client.search_runs([self.experiment_id], filter_string=where, max_results=5000)
         for run in runs:
             self.client.set_tag(run.info.run_id, tag("status"), "killed")
+            if tag("cell_id") in run.data.tags:
+                self.client.set_tag(run.info.run_id, cell_key(run.data.tags[tag("cell_id")]), "killed")
             self.client.set_terminated(run.info.run_id, "KILLED")
         return len(runs)
 
@@ -272,8 +282,7 @@ class Tracker:
     def _finished_runs(self, cell_id: str, status: str) -> list:
         return self.client.search_runs(
             [self.experiment_id], max_results=50, order_by=["attributes.end_time ASC"],
-            filter_string=f"tags.`{tag('cell_id')}` = '{cell_id}' and attributes.status = 'FINISHED' "
-                          f"and tags.`{tag('status')}` = '{status}'")
+            filter_string=f"tags.`{cell_key(cell_id)}` = '{status}' and attributes.status = 'FINISHED'")
 
     def log_cell(self, *, parent_run_id: str, invocation_id: str, cell_id: str, tags: dict[str, str],
                  params: dict[str, str], metrics: dict[str, float], artifacts: dict[str, Any], status: str = "ok",
@@ -285,7 +294,8 @@ class Tracker:
             if existing is not None:
                 return existing
         all_tags = {**self.tags, "mlflow.parentRunId": parent_run_id, tag("kind"): "cell",
-                    tag("invocation_id"): invocation_id, tag("cell_id"): cell_id, tag("status"): status, **tags}
+                    tag("invocation_id"): invocation_id, tag("cell_id"): cell_id, tag("status"): status,
+                    cell_key(cell_id): status, **tags}
         if error:
             all_tags[tag("error")] = error.replace("\n", " ")[:4000]
         name = f"{tags.get(tag('regime'), '')} {tags.get(tag('recipe'), cell_id)}".strip()
@@ -334,8 +344,7 @@ class Tracker:
         while time.monotonic() < deadline:
             running = self.client.search_runs(
                 [self.experiment_id], max_results=10,
-                filter_string=f"tags.`{tag('cell_id')}` = '{cell_id}' and attributes.status = 'RUNNING' "
-                              f"and tags.`{tag('status')}` = '{status}'")
+                filter_string=f"tags.`{cell_key(cell_id)}` = '{status}' and attributes.status = 'RUNNING'")
             if not any(run.info.run_id != run_id for run in running):
                 return
             time.sleep(0.5)
