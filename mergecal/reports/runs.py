@@ -7,6 +7,8 @@ logging contract (``mergecal.kind``, ``mergecal.invocation_id``, ``mergecal.reci
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import os
 import tempfile
@@ -19,6 +21,7 @@ import pandas as pd
 
 from ..errors import MergecalError
 from ..pipeline.tracking import EXAMPLES, EXAMPLES_DIR, EXAMPLES_SPLIT, PREFIX, redact
+from .run_cache import RunCache, cache_path, search_all
 
 # tags (named in mergecal.pipeline.tracking, without the prefix) read into DataFrame columns
 TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
@@ -52,8 +55,13 @@ def _row(run) -> dict[str, Any]:
     return row
 
 
-def load_runs(tracking_uri: str, experiment: str = "mergecal") -> pd.DataFrame:
+# a cache of rows read by another version of ``_row`` is rebuilt (``run_cache``)
+ROW_FINGERPRINT = hashlib.sha256((inspect.getsource(_row) + repr(TAG_COLUMNS)).encode()).hexdigest()[:16]
+
+
+def load_runs(tracking_uri: str, experiment: str = "mergecal", cache_dir: str | Path | None = None) -> pd.DataFrame:
     """Every active run of ``experiment``: one row, tag columns by short name, ``metrics.*`` and ``params.*``.
+    ``cache_dir``: keep what was read there and ask the store only for what is new (``run_cache``).
 
     Sorted by (start_time, run_id) so everything built from it is deterministic.
     """
@@ -63,31 +71,39 @@ def load_runs(tracking_uri: str, experiment: str = "mergecal") -> pd.DataFrame:
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise MergecalError(f"{redact(tracking_uri)}: experiment {experiment!r} not found")
-    rows, token = [], None
-    while True:
-        page = client.search_runs([found.experiment_id], max_results=1000, page_token=token)
-        rows.extend(_row(run) for run in page)
-        token = page.token
-        if not token:
-            break
+    cache = None
+    if cache_dir is None:
+        rows = [_row(run) for run in search_all(client, found.experiment_id)]
+    else:
+        cache = RunCache(cache_path(cache_dir, tracking_uri, found.experiment_id), ROW_FINGERPRINT)
+        rows = [{**row, "tasks": tuple(row["tasks"])} for row in cache.refresh(client, found.experiment_id, _row)]
     columns = ["run_id", "parent_run_id", "run_status", "start_time", "artifact_uri", *TAG_COLUMNS]
-    rows.extend(_reused_cells(tracking_uri, rows))
+    rows.extend(_reused_cells(tracking_uri, rows, cache))
+    if cache is not None:
+        cache.save()
     frame = pd.DataFrame(rows, columns=None if rows else columns)
     extra = sorted(c for c in frame.columns if c not in columns)
     return frame[columns + extra].sort_values(["start_time", "run_id"], kind="stable").reset_index(drop=True)
 
 
-def _reused_cells(tracking_uri: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _reused_cells(tracking_uri: str, rows: list[dict[str, Any]], cache: RunCache | None = None) -> list[dict[str, Any]]:
     """A cell reused from the cache is not logged again (no duplicate runs): the invocation's parent run lists
     every cell it used in its ``cells.json`` artifact. Such a cell joins that invocation as a copy of its
     original row, marked ``cached``, so every invocation has its full set of cells."""
     by_id = {row["run_id"]: row for row in rows}
     extra = []
     parents = [r for r in rows if r["kind"] == "invocation" and r["run_status"] == "FINISHED"]
+
+    def manifest(parent: dict) -> dict | None:
+        def read():
+            return _manifest(tracking_uri, parent["artifact_uri"])
+
+        return read() if cache is None else cache.manifest(parent["run_id"], read)
+
     with _quiet_downloads(), ThreadPoolExecutor(MANIFEST_THREADS) as pool:
-        manifests = list(pool.map(lambda parent: _manifest(tracking_uri, parent["artifact_uri"]), parents))
-    for parent, manifest in zip(parents, manifests):
-        for entry in (manifest or {}).values():
+        manifests = list(pool.map(manifest, parents))
+    for parent, manifest_of in zip(parents, manifests):
+        for entry in (manifest_of or {}).values():
             original = by_id.get(entry.get("run_id"))
             if original is not None and original["invocation_id"] != parent["invocation_id"]:
                 extra.append({**original, "invocation_id": parent["invocation_id"], "cached": True,
@@ -274,9 +290,13 @@ def load_diagnostics(tracking_uri: str, artifact_uri: str) -> dict[str, Any]:
     return _load_json_artifacts(tracking_uri, artifact_uri, "diagnostics", DIAGNOSTICS)
 
 
-def load_examples(tracking_uri: str, artifact_uri: str) -> dict[str, list] | None:
+def load_examples(tracking_uri: str, artifact_uri: str, cache: RunCache | None = None,
+                  run_id: str | None = None) -> dict[str, list] | None:
     """A cell's per-example test scores (``{task: [score per example]}``, the ``EXAMPLES`` artifact of the run that
-    computed it), or None when the run logged none (a run older than the artifact, or a failed cell)."""
+    computed it), or None when the run logged none (a run older than the artifact, or a failed cell). With a
+    ``cache`` (``run_cache``), read once per ended run ``run_id``."""
+    if cache is not None and run_id is not None:
+        return cache.examples(run_id, lambda: load_examples(tracking_uri, artifact_uri))
     data = _load_json_artifacts(tracking_uri, artifact_uri, EXAMPLES_DIR, (EXAMPLES_SPLIT,)).get(EXAMPLES_SPLIT)
     if data is not None and (not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values())):
         raise MergecalError(f"{artifact_uri}/{EXAMPLES}: expected {{task: [score per example]}}")
