@@ -126,7 +126,8 @@ def test_recipe_ids_from_a_config_list_are_unchanged():
 
 
 @pytest.mark.parametrize("text,error,message", [
-    ("tie", UnknownNameError, ("unknown recipe step 'tie'; choose one of: consensus, dare, distac, dsc, dsc_a, fsc, "
+    ("tie", UnknownNameError, ("unknown recipe step 'tie'; choose one of: adamerging_lw, adamerging_tw, consensus, "
+                               "dare, distac, dsc, dsc_a, fsc, "
                                "iso_c, iso_cts, rescale, svc, task_arithmetic, ties, tsv_m, weight_averaging, wsc")),
     ("ties->dsc(wcs={})", ParameterError, "recipe: dsc takes 'wsc' and 'fsc' parameter groups, not 'wcs'"),
     ("ties->dsc(fsc=3)", ParameterError, "recipe: dsc: 'fsc' must be a mapping of parameters"),

@@ -38,7 +38,7 @@ def test_from_params_yaml_style_config():
     ("svc->ties", ParameterError, "'ties' \\(merge\\) cannot follow 'svc' \\(weight\\)"),
     ("ties->svc(alpah=1)", ParameterError, "svc: unknown parameter 'alpah'; allowed: alpha"),
     ("ties->svc(space=diagonal)", ParameterError, "svc: parameter 'space'"),
-    ("tie", UnknownNameError, "unknown recipe step 'tie'; choose one of: consensus, dare, distac, dsc"),
+    ("tie", UnknownNameError, "unknown recipe step 'tie'; choose one of: adamerging_lw, adamerging_tw, consensus"),
     ("ties->->svc", ParameterError, "empty step"),
     ("ties->svc(alpha)", ParameterError, "should be param=value"),
 ])

@@ -97,6 +97,10 @@ class MergeMethod(ABC):
     #: which keys get the method's specific treatment (see mergecal.keys); the others are stated per method
     key_rule: ClassVar[str] = "all_float"
     summary: ClassVar[str] = ""
+    #: the method learns on a model and unlabelled inputs of each task (AdaMerging): it cannot merge task vectors
+    #: alone, so the data-free path (``iter_merge`` on plain task vectors, ``mergecal merge``) refuses it in ``fit``
+    #: and the benchmark runs it only where a track's session gives it a model and data (the vision track)
+    needs_data: ClassVar[bool] = False
 
     def __init__(self, params: MergeParams | None = None, **values: Any):
         if params is not None and values:

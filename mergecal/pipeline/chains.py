@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import ast
 
+from ..methods import MERGE_METHODS
 from ..recipe import Recipe
 
 MERGE = "{merge}"
+# why a track other than the vision track lists a chain around such a merge as skipped
+DATA_MERGE_SKIP = ("its merge learns its coefficients on a model and unlabelled inputs of each task (AdaMerging); "
+                   "the vision track runs it")
+
+
+def merge_needs_data(recipe: Recipe) -> bool:
+    """Whether the recipe's merge learns on a model and data (``MergeMethod.needs_data``: AdaMerging), which only
+    the vision track's session gives it."""
+    return MERGE_METHODS[recipe.merge.name].needs_data
 
 
 def fixed_chain(chain: str, scaling: float, settings: dict | None = None) -> str:
