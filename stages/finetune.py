@@ -1,4 +1,5 @@
-"""DVC stage: fine-tune the image encoder on every task in every variant, ``threads`` one-thread fine-tunes at once."""
+"""DVC stage: fine-tune the image encoder on every task in every variant, and on all tasks jointly (the multi-task
+reference, ``finetuned/multitask.safetensors``), ``threads`` one-thread fine-tunes at once."""
 
 from stages._common import device, run
 

@@ -88,6 +88,7 @@ def built(tmp_path_factory):
         for variant in params.vision.finetune_variants:
             vision.finetune(params, task, variant, root, progress=False)
     vision.finetune(params, params.vision.norm_mismatch_task, "norm_mismatch", root, progress=False)
+    vision.multitask(params, root, progress=False)
     vision.task_vectors(params, root)
     vision.distac(params, root, progress=False)
     vision.probe(params, root, progress=False)
@@ -137,10 +138,12 @@ def test_finetunes_on_two_worker_processes_train_the_in_process_bits(built, tmp_
     lines = []
     summary = vision.finetune_all(params, copy, workers=2, log=lines.append)
     runs = vision.finetune_runs(params.vision)
-    assert len(lines) == len(runs) and [(t, v) for v in summary for t in summary[v]] == runs
+    assert len(lines) == len(runs) + 1  # and the multi-task reference
+    assert [(t, v) for v in summary if v != "multitask" for t in summary[v]] == runs
     copied = vision.paths_for(params, copy)
     for task, variant in runs:
         assert copied.finetuned(variant, task).read_bytes() == paths.finetuned(variant, task).read_bytes(), task
+    assert copied.multitask.read_bytes() == paths.multitask.read_bytes()
     assert json.loads((copied.seeded / "finetuned.json").read_text()) == summary
 
 
@@ -153,7 +156,7 @@ def test_cells_cover_the_matrix_with_distinct_ids(built):
     (fixed,) = params.benchmark.fixed_scaling
     n_fixed = len(fixed.merges) * len(fixed.chains)
     vision_cells = [c for c in cells if c.track == "vision"]
-    assert len(vision_cells) == n_regimes * (2 + n_merges * n_chains + n_fixed)
+    assert len(vision_cells) == n_regimes * (2 + n_merges * n_chains + n_fixed) + 1  # + the standard regime's multitask
     assert {c.calibration for c in vision_cells if "@" in c.calibration} == {"none@λ=0.3", "wsc@λ=0.3"}
     # the text track runs the weight-space chains only ("{merge}" and "{merge}>svc" in the smoke matrix)
     text_cells = [c for c in cells if c.track == "text"]

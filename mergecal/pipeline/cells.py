@@ -1,15 +1,15 @@
 """Cells of the benchmark matrix: what they are, their content hash, and the steps every track computes them with.
 
 Each track (``mergecal.pipeline.tracks``) contributes its cells, names their input files and runs them; this
-module is generic. A cell is (track, regime, merge method, calibration chain), plus two reference cells per
-(track, regime):
-``zeroshot`` (the pretrained model) and ``finetuned`` (each task scored by its own fine-tuned model; the
-denominator of normalized accuracy). A cell's id hashes everything its result depends on: the canonical
-recipe (every hyperparameter), the scaling grid, the evaluation settings, the bytes of every input file
-(checkpoints, heads, DisTaC-conditioned models, sensitivity ranking, data manifest) and the source of the
-modules that compute it (``code_digest.cell_code_digest``: the shared core, the cell's track and its recipe's
-steps). Equal ids, equal results: an edited method recomputes its own cells instead of reusing results of the
-old code, and no other cell.
+module is generic. A cell is (track, regime, merge method, calibration chain), plus the reference cells of each
+(track, regime): ``zeroshot`` (the pretrained model) and ``finetuned`` (each task scored by its own fine-tuned model;
+the denominator of normalized accuracy) in every track (``COMMON_REFERENCES``), and ``multitask`` (one model
+fine-tuned on all the tasks jointly, the papers' "traditional MTL" ceiling) where a track has such a model. A
+cell's id hashes everything its result depends on: the canonical recipe (every hyperparameter), the scaling grid,
+the evaluation settings, the bytes of every input file (checkpoints, heads, DisTaC-conditioned models, sensitivity
+ranking, data manifest) and the source of the modules that compute it (``code_digest.cell_code_digest``: the shared
+core, the cell's track and its recipe's steps). Equal ids, equal results: an edited method recomputes its own cells
+instead of reusing results of the old code, and no other cell.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from .code_digest import cell_code_digest
 from .hashing import HASH_CACHE, file_digest
 from .track_registry import enabled_tracks, track_of
 
-REFERENCES = ("zeroshot", "finetuned")
+REFERENCES = ("zeroshot", "finetuned", "multitask")  # every reference row a track may have
+COMMON_REFERENCES = ("zeroshot", "finetuned")  # those every track has
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Cell:
     task_set: str
     tasks: tuple[str, ...]
     regime: str
-    merge: str  # a merge method, or "zeroshot" / "finetuned"
+    merge: str  # a merge method, or a reference ("zeroshot" / "finetuned" / "multitask")
     chain: str  # the chain template, e.g. "{merge}>svc"; "" for references
     recipe: str = ""  # canonical recipe id at the grid's first scaling
     grid: tuple[float, ...] = ()  # scalings tried on validation (empty: the method's own value)

@@ -24,7 +24,7 @@ from .runs import GROUP, SEED, metric, seeds_of
 
 Paired = tuple[tuple[np.ndarray, ...], tuple[float, ...]]  # per-task per-example differences and their weights
 
-REFERENCES = ("zeroshot", "finetuned")
+REFERENCES = ("zeroshot", "finetuned", "multitask")  # reference rows, in this order (a track may lack multitask)
 MERGE_ORDER = ("weight_averaging", "task_arithmetic", "ties", "dare", "consensus", "tsv_m", "iso_c", "iso_cts")
 REGIME_ORDER = REGIMES
 SUMMARY = (("avg_acc", "avg"), ("avg_norm_acc", "norm. avg"))

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from ....merge_causal_lm import merge_causal_lms
 from ....recipe import Recipe
-from ...cells import (REFERENCES, Cell, CellResult, base_params, jsonable_diagnostics, matrix_chains,
-                       per_example_results, recipe_cell, recipe_params)
+from ...cells import (COMMON_REFERENCES, Cell, CellResult, base_params, jsonable_diagnostics, matrix_chains,
+                      per_example_results, recipe_cell, recipe_params)
+from ...chains import DATA_MERGE_SKIP, merge_needs_data
 from ...config import Params
 from ..protocol import Session
 from .scoring import LmEval
@@ -45,9 +46,9 @@ SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (F
 def cells(params: Params, track: str, backbone: str, task_set: str, tasks, protocols=()) -> list[Cell]:
     """The cells of an LLM family (a base and one expert per task): references, then every weight-space
     chain of the matrix (and of the track's own fixed-scaling ``protocols``)."""
-    out = [Cell(track, backbone, task_set, tuple(tasks), "standard", ref, "") for ref in REFERENCES]
+    out = [Cell(track, backbone, task_set, tuple(tasks), "standard", ref, "") for ref in COMMON_REFERENCES]
     for merge, chain, values, grid, recipe in matrix_chains(params, protocols):
-        if any(s.needs_data for s in recipe.steps):
+        if any(s.needs_data for s in recipe.steps) or merge_needs_data(recipe):
             continue
         steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
         out.append(recipe_cell(params, track, backbone, task_set, tasks, "standard", merge, chain, steps, grid))
@@ -57,8 +58,10 @@ def cells(params: Params, track: str, backbone: str, task_set: str, tasks, proto
 def skipped(params: Params, track: str, backbone: str, task_set: str, tasks,
             reason: str = SKIP_REASON) -> list[tuple[Cell, str]]:
     """The chains an LLM family cannot run, as cells with the reason (the leaderboard lists them)."""
-    return [(Cell(track, backbone, task_set, tuple(tasks), "standard", merge, chain, recipe.label), reason)
-            for merge, chain, _, _, recipe in matrix_chains(params) if any(s.needs_data for s in recipe.steps)]
+    return [(Cell(track, backbone, task_set, tuple(tasks), "standard", merge, chain, recipe.label),
+             DATA_MERGE_SKIP if merge_needs_data(recipe) else reason)
+            for merge, chain, _, _, recipe in matrix_chains(params)
+            if any(s.needs_data for s in recipe.steps) or merge_needs_data(recipe)]
 
 
 def lm_eval_version() -> str:

@@ -7,6 +7,8 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
+import torch
+
 from .....calibrations.probing import SensitivityRanking
 from .....calibrations.registry import get_calibration
 from .....checkpoint import load_state_dict
@@ -14,8 +16,8 @@ from .....data.vision import load_split
 from .....errors import MergecalError
 from .....recipe import Recipe
 from .....task_vectors import task_vector
-from ....cells import (Cell, CellResult, base_params, finetuned_reference, per_example_results, per_seed, summaries,
-                       uses_sensitivity)
+from ....cells import (COMMON_REFERENCES, Cell, CellResult, base_params, finetuned_reference, per_example_results,
+                       per_seed, summaries, uses_sensitivity)
 from ....config import Params
 from ...protocol import Session
 from ..family import check_distac_file
@@ -24,6 +26,7 @@ from ..session import session as family_session
 from .stages import VisionModels, distac_params, evaluate_tasks, paths_for, preprocessed, regime_files, task_split
 
 NAME = "vision"
+MULTITASK_REGIME = "standard"  # the regime whose recipe the multi-task reference is trained with (``stages.multitask``)
 
 
 def enabled(params: Params) -> bool:
@@ -31,13 +34,18 @@ def enabled(params: Params) -> bool:
 
 
 def cells(params: Params) -> list[Cell]:
-    """Per fine-tuning seed and regime: the references, then every merge in every chain (a DisTaC step takes the
-    regime's preset)."""
+    """Per fine-tuning seed and regime: the references (the ``standard`` regime's with the ``multitask`` row), then
+    every merge in every chain (a DisTaC step takes the regime's preset)."""
     track = params.vision
     out = [cell for regime in track.regimes
            for cell in recipe_cells(params, NAME, track.backbone, track.task_set, track.tasks, regime,
-                                    distac_params(params, regime).model_dump())]
+                                    distac_params(params, regime).model_dump(), references=references(regime))]
     return per_seed(out, params.seeds)
+
+
+def references(regime: str) -> tuple[str, ...]:
+    """The reference rows of a regime: every track's, and the multi-task model in the regime it was trained in."""
+    return (*COMMON_REFERENCES, "multitask") if regime == MULTITASK_REGIME else COMMON_REFERENCES
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
@@ -46,6 +54,8 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
              "reference": paths.task_vectors(cell.regime) / "diagnostics.json"}
     if cell.merge == "zeroshot":
         return files
+    if cell.merge == "multitask":
+        return {**files, "multitask": paths.multitask}
     for task, path in regime_files(paths, params.vision, cell.regime).items():
         files[f"finetuned.{task}"] = path
     if cell.recipe.startswith("distac"):
@@ -69,13 +79,16 @@ def cell_fingerprint(cell: Cell, params: Params):
 
 
 def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:
-    """The ``zeroshot`` row (the pretrained encoder scored on test) or the ``finetuned`` row (the references)."""
+    """The ``zeroshot`` row (the pretrained encoder scored on test), the ``multitask`` row (the encoder fine-tuned on
+    every task jointly, ``stages.multitask``, scored on test with each task's head) or the ``finetuned`` row (the
+    references). Normalized accuracy divides by the ``finetuned`` row's, as every row's."""
     models = VisionModels(params, Path(root), cell.seed)
     paths, tasks = models.paths, list(cell.tasks)
     reference = json.loads((paths.task_vectors(cell.regime) / "diagnostics.json").read_text())
     logged = base_params(cell)
-    if cell.merge == "zeroshot":
-        test = evaluate_tasks(models.model({}), models.heads, paths.data, tasks, "test",
+    if cell.merge in ("zeroshot", "multitask"):
+        state = load_state_dict(paths.multitask) if cell.merge == "multitask" else {}
+        test = evaluate_tasks(models.model(state), models.heads, paths.data, tasks, "test",
                               batch_size=params.benchmark.evaluation.batch_size, device=device, per_example=True)
         return CellResult(summaries(tasks, test, reference), logged, examples=per_example_results(tasks, test))
     return finetuned_reference(tasks, reference, logged)
@@ -128,8 +141,11 @@ def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params,
                                  params.vision.arch)]
         return [preprocessed(task_split(paths.data, t, "train", max_items=n)[0], params.vision.arch) for t in tasks]
 
+    def unlabelled(task: str, split: str) -> torch.Tensor:  # AdaMerging's inputs: the images, never the labels
+        return torch.as_tensor(task_split(paths.data, task, split)[0])
+
     return family_session(CellModels(tasks, reference, base_params(cell), pre_visual, states, norms,
                                      models.model({}), lambda: models.model({}), score, fsc_data=fsc_data,
                                      sensitive=sensitive, sensitivity_file=sensitivity_path, distac=distac,
-                                     rescale=rescale),
+                                     rescale=rescale, heads=models.heads, unlabelled=unlabelled),
                           cell, recipe, grid, device=device)

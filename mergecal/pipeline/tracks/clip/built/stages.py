@@ -8,6 +8,7 @@ Layout under the repository root (every file is a DVC output, written atomically
     models/<backbone>/seeds/<s>/                  one fine-tuning seed's models (``seeds`` in params.yaml):
       finetuned/<variant>/<task>.safetensors (+ .json metadata)
         variants: standard, low_confidence (every task), norm_mismatch (one task at the lr multiple)
+      finetuned/multitask.safetensors (+ .json)   the multi-task reference: one encoder on the K tasks jointly
       finetuned.json                              every fine-tune's metadata (committed; the models are not)
         Image encoder keys only, as task_vectors' ImageEncoder checkpoints: the text tower is not trained.
       task_vectors/<regime>/diagnostics.json      norms and reference accuracies (no tau files)
@@ -47,6 +48,7 @@ from .....regimes import variants as variants_of_regime
 from .....task_vectors import relative_norms, task_vector
 from .....train.finetune import FinetuneConfig
 from .....train.finetune import finetune as finetune_clip
+from .....train.multitask import finetune_multitask
 from .....train.pretrain_clip import PretrainConfig, pretrain_clip
 from ....config import Params, fine_tuning_seed, seed_dir
 from ....threads import pin_threads
@@ -91,6 +93,11 @@ class VisionPaths:
     def finetuned(self, variant: str, task: str) -> Path:
         """A fine-tune of the default run."""
         return self.seeded / "finetuned" / variant / f"{task}.safetensors"
+
+    @property
+    def multitask(self) -> Path:
+        """The multi-task reference of the default run (the ``standard`` regime's tasks, ``finetune_multitask``)."""
+        return self.seeded / "finetuned" / "multitask.safetensors"
 
     def regime_dir(self, regime: str) -> Path:
         """Where a regime of the papers' profile keeps what it builds: outside ``seeds/``, which the default run's
@@ -228,6 +235,38 @@ def finetune(params: Params, task: str, variant: str, root: str | Path = ".", *,
     return metadata
 
 
+def multitask(params: Params, root: str | Path = ".", *, seed: int | None = None, device: str = "cpu",
+              progress: bool = True) -> dict:
+    """The multi-task reference (``mergecal.train.multitask``): the pretrained image encoder fine-tuned on every
+    task of the track jointly, with the ``standard`` fine-tunes' recipe and, by the default ``sum`` budget, their
+    steps added up (each task as many steps as its own fine-tune), written to ``paths.multitask``."""
+    # open_clip (and torchvision) take seconds to import: loaded only when a CLIP is used
+    from .....backbones.open_clip_vit import load_clip
+
+    track, paths = params.vision, paths_for(params, root, seed)
+    config = FinetuneConfig(**{"seed": paths.seed, **track.finetune, "regime": "standard"})
+    model = load_clip(track.arch, paths.pretrained)
+    heads = load_state_dict(paths.heads)
+    budget = "sum"
+    state, history = finetune_multitask(model, [heads[t] for t in track.tasks],
+                                        [task_split(paths.data, t, "train") for t in track.tasks], config,
+                                        budget=budget, validation=[task_split(paths.data, t, "validation")
+                                                                   for t in track.tasks],
+                                        device=device, progress=progress)
+    visual = {k: v.contiguous() for k, v in state.items() if is_visual(k)}
+    digests = json.loads((paths.data / "manifest.json").read_text())["digests"]
+    metadata = {"backbone": track.backbone, "arch": track.arch, "tasks": list(track.tasks), "variant": "multitask",
+                "regime": "standard", "budget": budget, "steps": len(history["loss"]),
+                "hyperparameters": asdict(config),
+                "data_digests": {t: digests.get(f"{TASKS[t].dataset}/train", TASKS[t].dataset) for t in track.tasks},
+                "final_loss": history["loss"][-1],
+                "val_accuracy": dict(zip(track.tasks, history["val_accuracy"])),
+                "layout": "open_clip state dict, image encoder keys only (the rest equals pretrained)"}
+    save_state_dict(visual, paths.multitask, {"mergecal": json.dumps(metadata)})
+    atomic_write_text(paths.multitask.with_suffix(".json"), json.dumps(metadata, indent=2))
+    return metadata
+
+
 def finetune_runs(track: VisionTrack) -> list[tuple[str, str]]:
     """Every (task, variant) the default run fine-tunes: each task in each variant, plus the norm-mismatch task."""
     return [*((t, v) for v in track.finetune_variants for t in track.tasks),
@@ -244,38 +283,46 @@ def finetune_all(params: Params, root: str | Path = ".", *, seed: int | None = N
                  workers: int = 1, progress: bool = True, log=print, regime: str | None = None) -> dict:
     """Every fine-tune of the default run, then ``finetuned.json``: each model's metadata, the figures a reader of
     the repository wants; with ``regime`` (one of ``vision.paper_regimes``), the fine-tunes that regime adds, in
-    its own directory. On the CPU each fine-tune runs on one torch thread, so its bits do not depend on the
-    machine's cores, and ``workers`` of them run at once, each worker a process of its own (one start-up and one
-    import of open_clip per worker; two one-thread fine-tunes side by side train ~1.5x faster than one on two
-    threads). On a GPU they run one after another in this process."""
+    its own directory. The default run also trains the multi-task reference (``multitask``; ``finetuned.json``'s
+    ``multitask`` entry), first: it is the longest. On the CPU each fine-tune runs on one torch thread, so its bits
+    do not depend on the machine's cores, and ``workers`` of them run at once, each worker a process of its own (one
+    start-up and one import of open_clip per worker; two one-thread fine-tunes side by side train ~1.5x faster than
+    one on two threads). On a GPU they run one after another in this process."""
     paths = paths_for(params, root, seed)
     runs = finetune_runs(params.vision) if regime is None else regime_runs(params.vision, regime)
+    joint = regime is None  # the multi-task reference belongs to the default run
+    total = len(runs) + joint
     outs = {(t, v): (paths.finetuned(v, t) if regime is None else paths.model(regime, t, v)) for t, v in runs}
     metadata: dict[tuple[str, str], dict] = {}
 
     def done(task: str, variant: str, meta: dict, seconds: float) -> None:
         metadata[task, variant] = meta
-        log(f"[{len(metadata)}/{len(runs)}] {task} ({variant}): validation accuracy {meta['val_accuracy']:.3f} "
-            f"in {seconds:.0f} s")
+        accuracy = np.mean(list(meta["val_accuracy"].values())) if variant == "multitask" else meta["val_accuracy"]
+        log(f"[{len(metadata)}/{total}] {task} ({variant}): validation accuracy {accuracy:.3f} in {seconds:.0f} s")
 
-    if device == "cpu" and workers > 1 and len(runs) > 1:
+    if device == "cpu" and workers > 1 and total > 1:
         spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch thread pool inherited
-        with ProcessPoolExecutor(min(workers, len(runs)), mp_context=spawn, initializer=pin_threads,
+        with ProcessPoolExecutor(min(workers, total), mp_context=spawn, initializer=pin_threads,
                                  initargs=(1,)) as pool:
-            futures = {pool.submit(_timed_finetune, params, task, variant, str(root), seed, device,
-                                   out=outs[task, variant]): (task, variant) for task, variant in runs}
+            futures = {pool.submit(_timed_multitask, params, str(root), seed, device): ("all", "multitask")} \
+                if joint else {}
+            futures.update({pool.submit(_timed_finetune, params, task, variant, str(root), seed, device,
+                                        out=outs[task, variant]): (task, variant) for task, variant in runs})
             for future in as_completed(futures):
                 done(*futures[future], *future.result())
     else:
         if device == "cpu":
             pin_threads(1)
+        if joint:
+            done("all", "multitask", *_timed_multitask(params, str(root), seed, device, progress))
         for task, variant in runs:
             done(task, variant, *_timed_finetune(params, task, variant, str(root), seed, device, progress,
                                                  out=outs[task, variant]))
     summary: dict[str, dict] = {}
     for task, variant in runs:  # the runs' order, whichever finished first
         summary.setdefault(variant, {})[task] = metadata[task, variant]
-    if regime is None:
+    if joint:
+        summary["multitask"] = metadata["all", "multitask"]
         atomic_write_text(paths.seeded / "finetuned.json", json.dumps(summary, indent=2))
     return summary
 
@@ -284,6 +331,13 @@ def _timed_finetune(params: Params, task: str, variant: str, root: str, seed: in
                     progress: bool = False, out: Path | None = None) -> tuple[dict, float]:
     start = time.perf_counter()
     meta = finetune(params, task, variant, root, seed=seed, device=device, progress=progress, out=out)
+    return meta, time.perf_counter() - start
+
+
+def _timed_multitask(params: Params, root: str, seed: int | None, device: str,
+                     progress: bool = False) -> tuple[dict, float]:
+    start = time.perf_counter()
+    meta = multitask(params, root, seed=seed, device=device, progress=progress)
     return meta, time.perf_counter() - start
 
 

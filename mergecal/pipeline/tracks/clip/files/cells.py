@@ -28,6 +28,7 @@ from .....recipe import Recipe
 from ....cells import (Cell, CellResult, base_params, finetuned_reference, per_example_results, per_seed,
                        per_seed_skipped,
                        published_protocols, summaries, uses_sensitivity)
+from ....chains import DATA_MERGE_SKIP, merge_needs_data
 from ....config import Params
 from .params import LocalClipTrack
 from .....backbones.clip_checkpoints import (VisualView, build_model, checkpoint_files, finetuned_visual,
@@ -64,12 +65,18 @@ def _runs_here(cell: Cell) -> bool:
 
 def cells(params: Params) -> list[Cell]:
     # a lab's own checkpoints are not fine-tuned here: the first seed's
-    return per_seed([c for c in _matrix(params) if _runs_here(c)], params.seeds[:1])
+    return per_seed([c for c in _matrix(params) if _runs_here(c) and not _data_merge(c)], params.seeds[:1])
+
+
+def _data_merge(cell: Cell) -> bool:
+    """Whether the cell's merge learns on data (AdaMerging): the vision track's only, this track gives it none."""
+    return bool(cell.recipe) and merge_needs_data(Recipe.parse(cell.recipe))
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
     reason = "a pre-merge step other than a first distac runs on the vision track only"
-    return per_seed_skipped([(c, reason) for c in _matrix(params) if not _runs_here(c)], params.seeds[:1])
+    return per_seed_skipped([(c, DATA_MERGE_SKIP if _data_merge(c) else reason) for c in _matrix(params)
+                             if not _runs_here(c) or _data_merge(c)], params.seeds[:1])
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:

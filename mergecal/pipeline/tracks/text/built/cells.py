@@ -10,9 +10,10 @@ from pathlib import Path
 
 from .....recipe import Recipe
 from .....run_recipe import RecipeInputs, recipe_trials
-from ....cells import (REFERENCES, Cell, CellResult, base_params, finetuned_reference, jsonable_diagnostics,
+from ....cells import (COMMON_REFERENCES, Cell, CellResult, base_params, finetuned_reference, jsonable_diagnostics,
                        matrix_chains, per_example_results, per_seed, per_seed_skipped, recipe_cell, recipe_params,
                        summaries, validation_averages)
+from ....chains import DATA_MERGE_SKIP, merge_needs_data
 from ....config import Params
 from ...protocol import Session
 from .stages import TextModels, data_root, finetuned_path, references_path
@@ -28,9 +29,10 @@ def enabled(params: Params) -> bool:
 
 def cells(params: Params) -> list[Cell]:
     track = params.text
-    out = [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", ref, "") for ref in REFERENCES]
+    out = [Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", ref, "")
+           for ref in COMMON_REFERENCES]
     for merge, chain, values, grid, recipe in matrix_chains(params):
-        if any(s.needs_data for s in recipe.steps):
+        if any(s.needs_data for s in recipe.steps) or merge_needs_data(recipe):
             continue
         steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
         out.append(recipe_cell(params, NAME, track.backbone, track.task_set, track.tasks, "standard", merge, chain,
@@ -42,9 +44,9 @@ def skipped(params: Params) -> list[tuple[Cell, str]]:
     """The chains this track cannot run, as cells with the reason (the leaderboard lists them)."""
     track, out = params.text, []
     for merge, chain, _, _, recipe in matrix_chains(params):
-        if any(s.needs_data for s in recipe.steps):
+        if any(s.needs_data for s in recipe.steps) or merge_needs_data(recipe):
             out.append((Cell(NAME, track.backbone, track.task_set, tuple(track.tasks), "standard", merge, chain,
-                             recipe.label), SKIP_REASON))
+                             recipe.label), DATA_MERGE_SKIP if merge_needs_data(recipe) else SKIP_REASON))
     return per_seed_skipped(out, params.seeds)
 
 
