@@ -124,7 +124,14 @@ LAB_FILTERS = ("since", "track", "user", "commit")
 def cmd_report(args: argparse.Namespace) -> int:
     root, params, uri = _pipeline(args)
     given = [f"--{name}" for name in (*LAB_FILTERS, "experiment") if getattr(args, name) is not None]
-    if args.lab:
+    if args.output is not None and not args.costs:
+        raise ParameterError("--output: the stem of the cost table's files; add --costs")
+    if args.costs:
+        if args.lab or given or args.out:
+            raise ParameterError(f"--costs: the cost table reads this checkout's invocations; drop "
+                                 f"{'--lab' if args.lab else given[0] if given else '--out (use --output)'}")
+        written = _write_costs(root, params, uri, args.invocation, args.output)
+    elif args.lab:
         from .reports.lab import Filters, write_lab_reports
 
         if args.invocation:
@@ -146,6 +153,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     for name, path in written.items():
         print(f"{name}: {path}")
     return 0
+
+
+def _write_costs(root: Path, params, uri: str, invocation: str | None, output: str | None) -> dict[str, Path]:
+    """Each method's own cost (``mergecal.reports.costs``) from the checkout's store, headed by this machine."""
+    import os
+
+    from .pipeline.threads import worker_threads
+    from .reports.costs import DEFAULT_STEM, NO_COSTS, cost_table, measured_cells, write_costs
+    from .reports.runs import load_runs
+
+    try:
+        runs = load_runs(uri, params.tracking.experiment)
+    except MergecalError as err:  # no experiment yet: nothing was run
+        raise MergecalError(f"--costs: {err}; {NO_COSTS}") from None
+    cells, chosen = measured_cells(runs, invocation)
+    threads = worker_threads(params.threads, params.runner.max_workers)
+    machine = (f"{os.cpu_count()} CPU(s) where this table was written; torch threads per cell {threads} (params "
+               f"threads {params.threads} / runner.max_workers {params.runner.max_workers}), device {params.device}")
+    rows = cost_table(cells, params.benchmark.evaluation.distac_samples)
+    return write_costs(rows, Path(output) if output else root / DEFAULT_STEM, machine, chosen)
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -307,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", action="append",
                    help="with --lab: only this MLflow experiment (repeatable; default: every experiment of the store)")
     p.add_argument("--threshold", type=float, default=1.0, help="regression threshold in points (default 1)")
+    p.add_argument("--costs", action="store_true",
+                   help="each merge's and calibration step's own cost (seconds per pass, peak MiB, data per task) "
+                        "per track and regime, from the newest finished invocation of each profile (or "
+                        "--invocation): a measurement committed by hand, read by reports/papers")
+    p.add_argument("--output", help="with --costs: the files' path stem (default <root>/docs/measurements/cell-costs: "
+                                    ".md and .json)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("ui", help="MLflow UI (and Prefect UI) on 127.0.0.1 until Ctrl-C")

@@ -129,6 +129,10 @@ def peak_of(name: str, stream: Iterable) -> Iterator:
     if costs is None:
         yield from stream
         return
-    with peak_anonymous_memory() as peak:
-        yield from stream
-    costs.add_peak(name, peak.extra_mb)
+    peak = None
+    try:
+        with peak_anonymous_memory() as peak:
+            yield from stream
+    finally:  # also when the consumer stops at the last item and the stream is closed (GeneratorExit)
+        if peak is not None:
+            costs.add_peak(name, peak.extra_mb)

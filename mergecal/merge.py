@@ -225,6 +225,7 @@ def _iter_model(tvs: TaskVectorSet, merged: Iterator[tuple[str, torch.Tensor]],
         # a scaling too large for the output dtype (1e6 in float16, say) must not be written as a model of Infs
         check_finite(theta, key, f"the merged model ({theta.dtype})")
         yield key, theta
+    next(merged, None)  # the stream ends here, not when collected (mergecal.cost records its memory at its end)
 
 
 def merge_models(pretrained: SourceLike, finetuned: Sequence[SourceLike], method: str | MergeMethod, *,

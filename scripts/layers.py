@@ -28,7 +28,7 @@ LAYERS = (
                 "mergecal.architecture_specs", "mergecal.feature_hooks", "mergecal.keys")),
     ("library", ("mergecal.methods", "mergecal.calibrations", "mergecal.recipe", "mergecal.merge",
                  "mergecal.merge_causal_lm", "mergecal.run_recipe", "mergecal.perf", "mergecal.analysis",
-                 "mergecal.adapters", "mergecal.adamerging")),
+                 "mergecal.adapters", "mergecal.adamerging", "mergecal.cost")),
     ("pipeline", ("mergecal.pipeline",)),
     ("reports", ("mergecal.reports",)),
     ("entry points", ("mergecal.cli", "stages", "flows")),

@@ -16,6 +16,10 @@ only the run that computed a cell counts, with the provenance it was logged with
 digest; the date is its start). Every finished invocation is a source, with how many cells it computed and how
 many it reused: one that computed nothing (every cell cached) is listed too, as the invocation's own provenance
 (its parent run's), and counts no computation.
+
+Each row also shows what its cell's method cost (``mergecal.cost``, logged on the run): the merge's seconds, its
+calibration steps' summed (one pass each) and its largest peak MiB; blank for a reference row or a run logged before
+the cost metrics. The board is read live from MLflow, never a DVC output, so timings may be shown here.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from ..checkpoint import atomic_write_text
 from ..errors import MergecalError, ParameterError
 from ..pipeline.tracking import PROVENANCE, redact
 from .history import DEFAULT_METRIC, DEFAULT_THRESHOLD
-from .leaderboard import build_tables, fmt_pct, provenance_text, table_html, table_markdown, tables_json
+from .costs import cell_costs
+from .leaderboard import build_tables, fmt_pct, provenance_text, seed_key, table_html, table_markdown, tables_json
 from .runs import FINISHED, GROUP, SEED, invocations, load_examples, load_runs, qualified
 
 EXPERIMENT = "experiment"  # the column each run's experiment name is read into (the board covers several)
@@ -266,9 +271,11 @@ def write_lab_reports(tracking_uri: str, experiments: str | list[str] | tuple[st
                f"; filters: {filters.describe()}. A row is the newest computation of its cell identity in its "
                "experiment; each row's provenance is in lab-leaderboard.json and in the HTML's tooltips, earlier "
                "computations in lab-history.md.")
+    costs = {row["run_id"]: found for _, row in shown.iterrows() if (found := cell_costs(row)) is not None}
     document = {"filters": {k: v for k, v in vars(filters).items() if v},
                 "experiments": list(tables), "sources": listed,
-                "leaderboard": {name: tables_json(group, provenance) for name, group in tables.items()}}
+                "leaderboard": {name: with_costs_json(tables_json(group, provenance), group, costs)
+                                for name, group in tables.items()}}
     markdown = ["# mergecal lab leaderboard", "", summary, "", "## Sources", "", *_sources_markdown(listed), ""]
     esc = html.escape
     body = ["<h1>mergecal lab leaderboard</h1>", f'<p class="meta">{esc(summary)}</p>', "<h2>Sources</h2>",
@@ -277,8 +284,8 @@ def write_lab_reports(tracking_uri: str, experiments: str | list[str] | tuple[st
         if several:  # one experiment: the tables as a checkout's board shows them
             markdown += [f"## Experiment `{name}`", ""]
             body.append(f"<h2>Experiment <code>{esc(name)}</code></h2>")
-        markdown += [table_markdown(t) for t in group]
-        body += [table_html(t, provenance) for t in group]
+        markdown += [with_costs_markdown(table_markdown(t), t, costs) for t in group]
+        body += [with_costs_html(table_html(t, provenance), t, costs) for t in group]
     from .write import _page  # the leaderboard's page frame and style
 
     written = {
@@ -290,6 +297,59 @@ def write_lab_reports(tracking_uri: str, experiments: str | list[str] | tuple[st
         "lab-history.md": atomic_write_text(out / "lab-history.md", history_markdown(done, metric, threshold)),
     }
     return written
+
+
+# --- each row's own cost (mergecal.cost): live timings, allowed here (the board is read from MLflow, never cached) ---
+
+COST_COLUMNS = (("merge_s", "merge s"), ("calibration_s", "calibration s"), ("peak_mib", "peak MiB"))
+
+
+def cost_texts(found: dict[str, float | None] | None) -> list[str]:
+    """A row's cost cells: the merge's seconds, its calibration steps' (one pass each), its largest peak MiB; blank
+    for a reference or a run logged without cost metrics."""
+    if found is None:
+        return [""] * len(COST_COLUMNS)
+    return ["" if found.get(key) is None else f"{found[key]:.1f}" if key == "peak_mib" else f"{found[key]:.2f}"
+            for key, _ in COST_COLUMNS]
+
+
+def with_costs_markdown(text: str, table, costs: dict[str, dict]) -> str:
+    """``table_markdown``'s text with the cost columns after the values (its rows in ``table.rows``' order)."""
+    lines = text.split("\n")
+    head = next(i for i, line in enumerate(lines) if line.startswith("| recipe |"))
+    lines[head] += " " + " | ".join(title for _, title in COST_COLUMNS) + " |"
+    lines[head + 1] += "---:|" * len(COST_COLUMNS)
+    for i, row in enumerate(table.rows, start=head + 2):
+        lines[i] += " " + " | ".join(cost_texts(costs.get(row.run_id))) + " |"
+    return "\n".join(lines)
+
+
+def with_costs_html(text: str, table, costs: dict[str, dict]) -> str:
+    """``table_html``'s text with the cost columns after the values (one ``<tr class=...>`` line per row)."""
+    esc = html.escape
+    heads = "".join(f'<th class="cost">{esc(title)}</th>' for _, title in COST_COLUMNS)
+    rows = iter(table.rows)
+    lines = []
+    for line in text.split("\n"):
+        if line.startswith("<thead><tr><th>recipe</th>"):
+            line = line.removesuffix("</tr></thead>") + heads + "</tr></thead>"
+        elif line.startswith('<tr class="'):
+            cells = "".join(f'<td class="num cost">{esc(t)}</td>' for t in cost_texts(costs.get(next(rows).run_id)))
+            line = line.removesuffix("</tr>") + cells + "</tr>"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def with_costs_json(document: dict, tables, costs: dict[str, dict]) -> dict:
+    """``tables_json``'s document with each row's ``cost`` (``costs.cell_costs``) where its run logged one."""
+    for table in tables:
+        top = document.get(seed_key(table.seed), {}) if table.several_seeds else document
+        slot = top.get(table.backbone, {}).get(table.task_set, {}).get(table.regime, {})
+        for row in table.rows:
+            found = costs.get(row.run_id)
+            if found is not None and row.recipe in slot:
+                slot[row.recipe]["cost"] = {k: round(v, 4) for k, v in found.items() if v is not None}
+    return document
 
 
 def _covered(names: list[str]) -> str:

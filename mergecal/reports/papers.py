@@ -7,7 +7,8 @@ another variant) is the paired interval of the per-example differences, in point
 (per regime and seed) is computed from that interval alone: ``agrees`` where it excludes 0 on the paper's side,
 ``disagrees`` where it excludes 0 on the other, ``inconclusive`` where it holds 0; the sentence under each claim
 counts them and is never written by hand. Nothing here depends on when or where the cells ran (no run ids,
-dates, seconds), so the same cells give the same bytes.
+dates, seconds), so the same cells give the same bytes; a method's time or memory comes from a committed
+measurement file (a dependency of the stage), read as it is.
 """
 
 from __future__ import annotations
@@ -205,8 +206,10 @@ def protocol_text(experiment) -> str:
 
 
 def experiment_section(experiment, groups: Sequence[Group], names: Sequence[str], chains: Mapping[str, str],
-                       plot_prefix: str) -> tuple[list[tuple], dict]:
-    """One experiment's blocks and JSON document."""
+                       plot_prefix: str, times: tuple[list[tuple], list[dict]] | None = None
+                       ) -> tuple[list[tuple], dict]:
+    """One experiment's blocks and JSON document; ``times`` (``time_section``: the variants' measured time, where
+    the paper prints one) after the testbed's tables."""
     protocol = protocol_text(experiment)
     blocks: list[tuple] = [
         ("h2", f"{experiment.id}: {experiment.item}"),
@@ -251,6 +254,9 @@ def experiment_section(experiment, groups: Sequence[Group], names: Sequence[str]
                                 heatmap_figure(experiment, group, merge, names)))
         blocks += [("plot", Plot(stem, "paper", (experiment.track, "", group.regime), title, to_svg(fig, stem)))
                    for stem, title, fig in figures]
+    if times is not None:
+        blocks += times[0]
+        document["time"] = times[1]
     if experiment.printed:
         blocks += printed_blocks(experiment, groups, names)
     for claim in experiment.claims:
@@ -260,6 +266,44 @@ def experiment_section(experiment, groups: Sequence[Group], names: Sequence[str]
         document["claims"].append(checked(claim, found, sentence(claim.text, counts, unit,
                                                                   sum(1 for r in found if r["verdict"] is None))))
     return blocks + claims_blocks(document["claims"]), document
+
+
+#: the experiments whose paper prints each method's time beside its accuracy (MAGIC's Table VII), and the committed
+#: measurement their time is read from (``mergecal report --costs``): ``make paper`` never times anything
+TIMED = {"magic.tab7": "docs/measurements/cell-costs.json"}
+
+
+def time_section(experiment, names: Sequence[str], chains: Mapping[str, str], root) -> tuple[list[tuple], list[dict]]:
+    """Each variant's unlabelled data per task and time, per regime and merge: one pass of its merge and calibration
+    steps, the sum of each step's median per-pass seconds in the committed cost file (``TIMED``); "not measured"
+    where the file or a step's row is absent."""
+    from pathlib import Path
+
+    from .costs import chain_seconds, read_costs
+
+    file = TIMED[experiment.id]
+    measured = read_costs(Path(root) / file)
+    rows, document = [], []
+    for regime in experiment.regimes:
+        for merge in experiment.merges:
+            for name in ["base", *names]:
+                recipe = chains[name].replace("{merge}", merge)
+                seconds = None if measured is None else chain_seconds(measured["rows"], experiment.track, regime,
+                                                                       recipe)
+                seconds = None if seconds is None else round(seconds, 2)
+                rows.append([[regime], [f"`{merge}`"], [f"`{name}`"], [samples_per_task(chains[name])],
+                             [_fmt_value(seconds) if seconds is not None else "not measured"]])
+                document.append({"regime": regime, "merge": merge, "variant": name,
+                                 "samples_per_task": samples_per_task(chains[name]), "seconds": seconds})
+    where = (f"read from `{file}`, measured on {measured.get('machine') or 'an unnamed machine'}"
+             if measured is not None and measured["rows"] else f"`{file}` holds no measurement yet: not measured")
+    blocks = [("p", f"**Time**, measured, not recomputed by `make paper` ({where}; `mergecal report --costs` writes "
+                    "it from the benchmark's cells): one pass of the merge and its calibration steps, each step's "
+                    f"median over the cells of track {experiment.track} that ran it (evaluation and the scaling "
+                    f"search excluded). The paper's times, in {experiment.printed_where}, are another device's, not "
+                    "compared."),
+              ("table", ["regime", "merge", "variant", "unlabelled data per task", "seconds"], rows)]
+    return blocks, document
 
 
 def verdict_counts(units: Sequence[Mapping[str, Any]]) -> dict[str, int]:
@@ -388,7 +432,7 @@ def experiment_groups(experiment, listed, ids: Mapping, outcomes: Mapping[str, O
         cell = entry.cell
         group = groups.setdefault((cell.regime, cell.seed), Group(cell.regime, cell.seed, cell.tasks, {}))
         outcome = outcomes.get(ids[cell])
-        if outcome is None or entry.variant == "zeroshot":
+        if outcome is None or entry.variant in ("zeroshot", "multitask"):  # the tables compare to finetuned
             continue
         if entry.variant == "finetuned":
             group.finetuned = {k: v for k, v in outcome.metrics.items() if k.startswith("acc.")}
@@ -407,7 +451,7 @@ def comparison_scores(comparison, listed, ids: Mapping, outcomes: Mapping[str, O
         cell = entry.cell
         tasks, by_cell, finetuned = found.setdefault(cell.seed, (cell.tasks, {}, {}))
         outcome = outcomes.get(ids[cell])
-        if outcome is None or entry.variant == "zeroshot":
+        if outcome is None or entry.variant in ("zeroshot", "multitask"):  # the tables compare to finetuned
             continue
         if entry.variant == "finetuned":
             finetuned[cell.regime] = {k: v for k, v in outcome.metrics.items() if k.startswith("acc.")}
@@ -448,9 +492,9 @@ def write_paper_reports(params, root, outcomes: Mapping[str, Outcome], out_dir,
         for experiment in experiments:
             groups = experiment_groups(experiment, listed, ids, outcomes)
             found = variants(experiment, groups[0].tasks if groups else ())
-            blocks, document = experiment_section(experiment, groups, [v.name for v in found[1:]],
-                                                  shown_chains(experiment, found, params.probing.top),
-                                                  slug(experiment.id))
+            names, chains = [v.name for v in found[1:]], shown_chains(experiment, found, params.probing.top)
+            times = time_section(experiment, names, chains, root) if experiment.id in TIMED else None
+            blocks, document = experiment_section(experiment, groups, names, chains, slug(experiment.id), times)
             sections.append((experiment.id, blocks, document))
         for item in analyses.get(paper, []):
             if analysis is None or item.id not in analysis:
