@@ -19,8 +19,8 @@ from .....recipe import Recipe
 from ....cells import REFERENCES, Cell, CellResult, per_seed, per_seed_skipped, published_protocols
 from ....config import Params
 from .params import LocalLlmTrack
-from .stages import (base_path, check_expert, check_model_dir, expert_path, merged_paths, references_path, scorer,
-                     task_files, work_dir)
+from .stages import (base_path, check_expert, check_model_dir, expert_files, expert_model_dirs, expert_path,
+                     references_path, scorer, task_files, work_dir)
 from ....own_models import checked_reference, role_files
 from ....track_registry import cell_track, configured_track, configured_tracks
 from .. import family
@@ -48,8 +48,8 @@ def skipped(params: Params) -> list[tuple[Cell, str]]:
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     """references.json, the task files and the files the loaders read of the model directories the cell
-    reads; a directory that is missing or unusable contributes nothing (references.json then holds its error,
-    and the cell fails with it)."""
+    reads (of a PEFT adapter expert, its adapter files: its model is the base's and these); a directory that is
+    missing or unusable contributes nothing (references.json then holds its error, and the cell fails with it)."""
     track = configured_track(cell, params)
     models = {"base": base_path(track, root)}
     if cell.merge != "zeroshot":
@@ -59,7 +59,7 @@ def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     files = {"reference": references_path(track, root), **task_files(track, root)}
     for role, directory in models.items():
         try:
-            files.update(role_files(role, directory, model_dir_files(directory)))
+            files.update(role_files(role, directory, (model_dir_files if role == "base" else expert_files)(directory)))
         except MergecalError:
             continue
     return files
@@ -81,17 +81,18 @@ def _reference(track: LocalLlmTrack, cell: Cell, root: Path) -> dict:
 
 
 def _checked_models(cell: Cell, track: LocalLlmTrack, root: Path) -> tuple[Path, list[Path]]:
-    """The base and the experts' directories, checked again here (a directory may have changed since the stage
-    ran); the experts only when the cell reads them (all but the ``zeroshot`` row)."""
+    """The base and the experts' model directories, checked again here (a directory may have changed since the
+    stage ran); the experts only when the cell reads them (all but the ``zeroshot`` row). A PEFT adapter expert is
+    its full model (``stages.expert_model_dir``: the base with the adapter applied, written once)."""
     base = base_path(track, root)
     check_model_dir(base, allow_unsafe_pickle=track.allow_unsafe_pickle)
-    experts = ([expert_path(track, t, root) for t in cell.tasks] if cell.merge in REFERENCES
-               else merged_paths(track, cell.tasks, root))
-    if cell.merge != "zeroshot":
-        for expert in experts:
-            check_expert(base, expert, allow_unsafe_pickle=track.allow_unsafe_pickle,
-                         align_vocabulary=track.align_vocabulary)
-    return base, experts
+    names = list(cell.tasks) if cell.merge in REFERENCES else [*cell.tasks, *track.unscored]
+    if cell.merge == "zeroshot":
+        return base, [expert_path(track, name, root) for name in names]
+    for name in names:
+        check_expert(base, expert_path(track, name, root), allow_unsafe_pickle=track.allow_unsafe_pickle,
+                     align_vocabulary=track.align_vocabulary)
+    return base, expert_model_dirs(track, names, root)
 
 
 def models(cell: Cell, track: LocalLlmTrack, root: Path) -> family.Models:

@@ -39,7 +39,9 @@ class LocalLlmTrack(Strict):
     Llama-2-7b-chat is scored on GSM8K only (its chat expert's AlpacaEval needs a judge model lm-eval does not run);
     they take no part in the ``finetuned`` row or the normalized scores, and every merge cell reads them.
     ``align_vocabulary``: experts may add tokens after the base's vocabulary (WizardMath-7B-V1.0's ``[PAD]``), given
-    mean rows where a model lacks one, as DARE's code aligns them (``mergecal.backbones.vocabulary``)."""
+    mean rows where a model lacks one, as DARE's code aligns them (``mergecal.backbones.vocabulary``). An expert may
+    be a PEFT adapter directory (LoRA or IA³) over ``base``: applied to it as peft's ``merge_and_unload`` applies it
+    (``stages.expert_model_dir``)."""
 
     enabled: bool = True
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the backbone label of the leaderboard

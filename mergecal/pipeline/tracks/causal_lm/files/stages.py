@@ -14,6 +14,11 @@ Outside DVC's outputs: ``.mergecal/local/<name>/lm_eval_tasks`` (YAMLs naming th
 tracks) and ``.mergecal/local/merged`` (merges of running cells). Hashes are cached under
 ``.mergecal/hashes`` by (path, size, mtime): a rerun reads no unchanged checkpoint again.
 
+An expert may be a PEFT adapter directory trained on the base (``mergecal.adapters``): ``local_inputs`` records its
+adapter_config.json and adapter_model.safetensors, refusing what the adapters package does not read (one line naming
+the params key and the file); its model, the base with the adapter applied as peft's ``merge_and_unload`` applies it,
+is written once under ``.mergecal/local/applied`` (``expert_model_dir``) and scored and merged as a full expert's.
+
 A model directory is checked before anything reads its weights (``check_model_dir``): it exists, holds a
 config.json, its weights are safetensors (pickled ``pytorch_model*.bin`` are never unpickled here) and every
 shard its index lists is present; an expert also shares the base's config and tokenizer (with
@@ -28,8 +33,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import uuid
 from pathlib import Path
 
+from .....adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, IA3Expert, LoraExpert, is_adapter_dir, linear_layouts,
+                           read_adapter, write_full_model)
 from .....backbones.hf_causal_lm import check_same_family, model_dir_files, weight_format
 from .....backbones.vocabulary import PaddedVocabularySource, aligned_vocabulary, check_aligned_family
 from .....checkpoint import SafetensorsSource, atomic_write_text
@@ -38,9 +48,10 @@ from .....errors import CheckpointError, MergecalError, ParameterError
 from .....evaluation.lm_eval_registry import config_digest, write_variant_yamls
 from .....evaluation.lm_eval_tasks import task_sources as sources
 from ....config import Params
+from ....hashing import HASH_CACHE, content_record
 from .params import LocalLlmTrack
 from ..scoring import LmEval, expert_reference, suite_config_digests, suite_lm_eval, task_vector_norms
-from ....own_models import (check_test_counts, content_records, loaded_files, name_under, resolve,
+from ....own_models import (check_test_counts, content_records, loaded_files, name_under, resolve, role_files,
                             tracks_dir)
 from ....results import one_line
 
@@ -80,6 +91,68 @@ def merged_paths(track: LocalLlmTrack, tasks, root: str | Path) -> list[Path]:
     return [expert_path(track, name, root) for name in [*tasks, *track.unscored]]
 
 
+# ------------------------------------------------------------------------------------- PEFT adapter experts
+
+def expert_files(directory: Path) -> list[Path]:
+    """The files an expert is read from: a PEFT adapter directory's config and safetensors weights (nothing else of
+    it), else a model directory's (``model_dir_files``)."""
+    if is_adapter_dir(directory):
+        return [directory / name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if (directory / name).is_file()]
+    return model_dir_files(directory)
+
+
+def applied_adapter(base: Path, adapter_dir: Path):
+    """An adapter expert over the track's base as a ``TensorSource`` (``mergecal.adapters``): LoRA as base + delta,
+    one target's delta at a time, bit for bit peft's ``merge_and_unload``; IA³ as the base scaled by its vectors, as
+    ``merge_and_unload`` scales it. Reading it checks that it applies over the base (every target key present, shapes
+    fitting); what the adapters package refuses (DoRA, LoRA variants, pickled weights) is one CheckpointError."""
+    adapter = read_adapter(adapter_dir)
+    expert = LoraExpert if adapter.kind == "lora" else IA3Expert
+    return expert(SafetensorsSource(base), adapter, layouts=linear_layouts(base))
+
+
+def applied_dir(base: Path, adapter_dir: Path, root: str | Path) -> Path:
+    """Where an adapter expert's full model is written: under the work directory, named by the content of the base's
+    and the adapter's files (a changed byte of either, a new model)."""
+    records = {role: content_record(path, Path(root) / HASH_CACHE)["sha256"] for files in
+               (role_files("base", base, model_dir_files(base)), role_files("adapter", adapter_dir,
+                                                                           expert_files(adapter_dir)))
+               for role, path in files.items()}
+    digest = hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
+    return work_dir(root) / "applied" / f"{adapter_dir.name}-{digest[:16]}"
+
+
+def expert_model_dir(base: Path, expert: Path, root: str | Path) -> Path:
+    """The model directory lm-eval scores and the merges read for an expert: a full checkpoint as it is; a PEFT
+    adapter applied to the base (``applied_adapter``) and written once as a full model (``applied_dir``, key by key:
+    one key of the base in memory), which every later stage and cell reuses."""
+    if not is_adapter_dir(expert):
+        return expert
+    out = applied_dir(base, expert, root)
+    if out.is_dir():
+        return out
+    # written beside it, then renamed into place: a cell writing the same model at once finds it whole or not at all
+    staging = out.parent / f".{out.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        write_full_model(base, [expert], applied_adapter(base, expert), staging,
+                         metadata={"mergecal_applied_adapter": expert.name}, label=f"PEFT adapter {expert.name} "
+                         "applied (merge_and_unload)", hf_directory=True)
+        try:
+            os.rename(staging, out)
+        except OSError:
+            if not out.is_dir():  # another cell's rename won the race otherwise
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def expert_model_dirs(track: LocalLlmTrack, names, root: str | Path) -> list[Path]:
+    """``expert_model_dir`` of the named experts (scored or unscored) of a track."""
+    base = base_path(track, root)
+    return [expert_model_dir(base, expert_path(track, name, root), root) for name in names]
+
+
 # --------------------------------------------------------------------------------------------- checks
 
 def check_model_dir(path: Path, *, allow_unsafe_pickle: bool = False) -> None:
@@ -98,6 +171,12 @@ def check_model_dir(path: Path, *, allow_unsafe_pickle: bool = False) -> None:
 
 def check_expert(base: Path, expert: Path, *, allow_unsafe_pickle: bool = False,
                  align_vocabulary: bool = False) -> None:
+    """An expert usable over the base: a model directory of the base's family, or a PEFT adapter that applies over
+    the base (``applied_adapter``: its targets' keys and shapes; its config's ``base_model_name_or_path`` is not
+    compared, as a path or hub id of the machine it was trained on says nothing of this one's files)."""
+    if is_adapter_dir(expert):
+        applied_adapter(base, expert)
+        return
     check_model_dir(expert, allow_unsafe_pickle=allow_unsafe_pickle)
     if align_vocabulary:
         check_aligned_family(base, [expert])
@@ -110,7 +189,7 @@ def track_vocabulary(track: LocalLlmTrack, root: str | Path) -> tuple[int, dict[
     track (None otherwise): the shapes every merge and norm of the track reads."""
     if not track.align_vocabulary:
         return None
-    size, _, own = aligned_vocabulary(base_path(track, root), [expert_path(track, n, root) for n in track.merged_names])
+    size, _, own = aligned_vocabulary(base_path(track, root), expert_model_dirs(track, track.merged_names, root))
     return size, own
 
 
@@ -223,12 +302,27 @@ def model_keys(track: LocalLlmTrack) -> dict[str, str]:
 MODEL_FILES = "model files (expected config.json, tokenizer files and *.safetensors or pytorch_model*.bin)"
 
 
+def check_adapter_params(role: str, directory: Path, key: str) -> None:
+    """A PEFT adapter where the track names one, refused when the params are read (stage ``local_inputs``) in one
+    line naming its params key and file: as the base (give the model it was trained on), or an adapter the adapters
+    package does not read (DoRA and other LoRA variants, a peft_type other than LORA or IA3, adapter_model.bin)."""
+    if not is_adapter_dir(directory):
+        return
+    if role == "base":
+        raise ParameterError(f"{key}: {directory} is a PEFT adapter; give the base model its adapters were trained on")
+    try:
+        read_adapter(directory)
+    except CheckpointError as err:
+        raise ParameterError(f"{key}: {one_line(err)}") from None
+
+
 def model_inputs(track: LocalLlmTrack, root: str | Path, where: str = "") -> dict[str, Path | dict]:
-    """The files of the track's model directories that the loaders read (``model_dir_files``), by role."""
+    """The files of the track's model directories that the loaders read (``expert_files``), by role."""
     keys = model_keys(track)
     files: dict[str, Path | dict] = {}
     for role, directory in model_dirs(track, root).items():
-        files.update(loaded_files(role, directory, where + keys[role], model_dir_files, MODEL_FILES))
+        check_adapter_params(role, directory, where + keys[role])
+        files.update(loaded_files(role, directory, where + keys[role], expert_files, MODEL_FILES))
     return files
 
 
@@ -286,17 +380,17 @@ def references(track: LocalLlmTrack, root: str | Path = ".", *, seed: int = 0, d
     else:
         checks = {"allow_unsafe_pickle": track.allow_unsafe_pickle, "align_vocabulary": track.align_vocabulary}
         for task in tasks:
-            expert = expert_path(track, task, root)
             try:
-                check_expert(base, expert, **checks)
+                check_expert(base, expert_path(track, task, root), **checks)
+                expert = expert_model_dir(base, expert_path(track, task, root), root)
                 report["tasks"][task] = expert_reference(score, base, expert, task, tasks, device=device,
                                                          sources=norm_sources(track, root, base, expert))
             except Exception as err:  # noqa: BLE001 - as above, for this expert's cells
                 report["tasks"][task] = {"error": one_line(err)}
         for name in track.unscored:  # checked and measured, never scored (no task of their own)
-            expert = expert_path(track, name, root)
             try:
-                check_expert(base, expert, **checks)
+                check_expert(base, expert_path(track, name, root), **checks)
+                expert = expert_model_dir(base, expert_path(track, name, root), root)
                 report.setdefault("unscored", {})[name] = task_vector_norms(
                     base, expert, norm_sources(track, root, base, expert))
             except Exception as err:  # noqa: BLE001 - the merge cells fail with it
