@@ -119,11 +119,14 @@ def _pipeline(args: argparse.Namespace):
 
 
 LAB_FILTERS = ("since", "track", "user", "commit")
+BOARD_CACHE = ".mergecal/board-cache"  # the lab board's copy of what it read (mergecal.reports.run_cache)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     root, params, uri = _pipeline(args)
     given = [f"--{name}" for name in (*LAB_FILTERS, "experiment") if getattr(args, name) is not None]
+    if args.no_cache and not args.lab:
+        raise ParameterError("--no-cache: the lab board's cache; add --lab")
     if args.output is not None and not args.costs:
         raise ParameterError("--output: the stem of the cost table's files; add --costs")
     if args.costs:
@@ -140,7 +143,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         filters = Filters(**{name: getattr(args, name) for name in LAB_FILTERS})
         # every experiment of the store unless named: the lab's board is every checkout's, whatever it logs to
         written = write_lab_reports(uri, args.experiment, args.out or root / "reports" / "lab", filters,
-                                    threshold=args.threshold)
+                                    threshold=args.threshold,
+                                    cache_dir=None if args.no_cache else root / BOARD_CACHE)
     elif given:
         raise ParameterError(f"{given[0]}: a filter of the lab board; add --lab")
     else:
@@ -324,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline_args(p)
     p.add_argument("--out", help="output directory (default <root>/reports; with --lab <root>/reports/lab)")
     p.add_argument("--invocation", help="benchmark invocation id (default: the latest)")
+    p.add_argument("--no-cache", action="store_true",
+                   help=f"with --lab: read every run from the store again (default: keep what was read in "
+                        f"{BOARD_CACHE} and ask only for what is new)")
     p.add_argument("--lab", action="store_true",
                    help="one board from every finished invocation of every checkout that logged to the store, each "
                         "row with its provenance (docs/lab.md)")

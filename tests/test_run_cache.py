@@ -79,18 +79,25 @@ def test_a_cache_of_another_reader_or_unreadable_is_rebuilt(tmp_path):
         _same(load_runs(uri, "mergecal", cache_dir=cache), load_runs(uri, "mergecal"))
 
 
-def test_examples_are_read_once_per_ended_run(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
+def test_examples_are_read_once_per_finished_run(tmp_path, monkeypatch):
+    uri, cache = f"sqlite:///{tmp_path / 'store.db'}", tmp_path / "cache"
     tracker = Tracker(tmp_path, uri=uri, artifacts=(tmp_path / "artifacts").as_uri())
     _invocation(tracker, "i1", ["c1"])
-    experiment = tracker.client.get_experiment_by_name("mergecal").experiment_id
-    cache = run_cache.RunCache(run_cache.cache_path(tmp_path / "cache", uri, experiment), "f")
-    rows = cache.refresh(tracker.client, experiment, lambda run: {"run_id": run.info.run_id,
-                                                                  "run_status": run.info.status,
-                                                                  "start_time": run.info.start_time,
-                                                                  "cell_id": run.data.tags.get(tag("cell_id")),
-                                                                  "artifact_uri": run.info.artifact_uri})
-    cell = next(r for r in rows if r["cell_id"] == "c1")
+    cell = load_runs(uri, "mergecal").loc[lambda f: f["cell_id"] == "c1"].iloc[0]
     assert load_examples(uri, cell["artifact_uri"], cache, cell["run_id"]) == {"a": [1.0, 0.0]}
     monkeypatch.setattr("mergecal.reports.runs._load_json_artifacts", lambda *a: (_ for _ in ()).throw(AssertionError))
     assert load_examples(uri, cell["artifact_uri"], cache, cell["run_id"]) == {"a": [1.0, 0.0]}  # not read again
+
+
+def test_the_lab_board_from_its_cache_is_the_board_read_whole(tmp_path):
+    from mergecal.reports.lab import write_lab_reports
+
+    uri, cache = f"sqlite:///{tmp_path / 'store.db'}", tmp_path / "cache"
+    tracker = Tracker(tmp_path, uri=uri, artifacts=(tmp_path / "artifacts").as_uri())
+    _invocation(tracker, "i1", ["c1", "c2"])
+    write_lab_reports(uri, None, tmp_path / "warm", cache_dir=cache)  # builds the cache
+    _invocation(tracker, "i2", ["c3"])
+    cached = write_lab_reports(uri, None, tmp_path / "warm", cache_dir=cache)
+    whole = write_lab_reports(uri, None, tmp_path / "whole")
+    assert {n: p.read_text() for n, p in cached.items()} == {n: p.read_text() for n, p in whole.items()}
+    assert "from 2 invocation(s)" in cached["lab-leaderboard.md"].read_text()  # the new one is on it

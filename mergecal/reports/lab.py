@@ -241,12 +241,13 @@ def _sources_html(listed: list[dict]) -> list[str]:
 
 def write_lab_reports(tracking_uri: str, experiments: str | list[str] | tuple[str, ...] | None, out_dir: str | Path,
                       filters: Filters = Filters(), *, metric: str = DEFAULT_METRIC,
-                      threshold: float = DEFAULT_THRESHOLD) -> dict[str, Path]:
+                      threshold: float = DEFAULT_THRESHOLD, cache_dir: str | Path | None = None) -> dict[str, Path]:
     """Write the lab's board (``FILES``) under ``out_dir`` from the ``experiments`` of the store (one name, several,
-    or None: every experiment); returns {name: path}."""
+    or None: every experiment); returns {name: path}. ``cache_dir``: keep what was read there and ask the store only
+    for what is new (``run_cache``)."""
     out = Path(out_dir)
     names = experiment_names(tracking_uri, [experiments] if isinstance(experiments, str) else experiments)
-    read = {name: load_runs(tracking_uri, name) for name in names}
+    read = {name: load_runs(tracking_uri, name, cache_dir) for name in names}
     read = {name: runs for name, runs in read.items() if not runs.empty}
     finished = {name: _finished(runs) for name, runs in read.items()}
     found = [computations(runs, filters, finished[name]).assign(**{EXPERIMENT: name}) for name, runs in read.items()]
@@ -259,7 +260,8 @@ def write_lab_reports(tracking_uri: str, experiments: str | list[str] | tuple[st
     listed = [{k: v for k, v in s.items() if k != "start_time"}  # in time order; the date says when
               for s in sorted(every, key=lambda s: (s["start_time"], s[EXPERIMENT], s["invocation_id"]))]
     ok = shown[shown["status"] == "ok"]
-    examples = {rid: load_examples(tracking_uri, uri) for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
+    examples = {rid: load_examples(tracking_uri, uri, cache_dir, rid)
+                for rid, uri in zip(ok["run_id"], ok["artifact_uri"])}
     tables = {name: build_tables(group, examples) for name, group in shown.groupby(EXPERIMENT, sort=True)}
     several = len(tables) > 1
     provenance = {row["run_id"]: provenance_of(row) for _, row in shown.iterrows()}

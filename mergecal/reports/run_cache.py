@@ -11,7 +11,8 @@ changes once written is kept here, under ``.mergecal/board-cache/`` (one JSON fi
   member's own clock, which may be behind the others'), are asked for by one ``start_time`` filter;
 * the runs deleted since (a member's duplicate computation of a cell, ``Tracker.log_cell``) are dropped: one
   search of the deleted runs, of which a store holds few;
-* each finished invocation's manifest (``cells.json``) and each cell's per-example scores, read once.
+* each finished invocation's manifest (``cells.json``), read once; each shown cell's per-example scores, read once
+  into a file of their own (``cached_examples``: a shown cell's run has ended).
 
 A cache written by another reader (``fingerprint``: the row reader's source and the tag columns) or unreadable is
 ignored and rebuilt. JSON only (nothing unpickled), written atomically. Reading a store without a cache
@@ -41,14 +42,14 @@ def cache_path(cache_dir: str | Path, tracking_uri: str, experiment_id: str) -> 
 
 
 def _read(path: Path, fingerprint: str) -> dict[str, Any]:
-    empty = {"fingerprint": fingerprint, "rows": {}, "manifests": {}, "examples": {}}
+    empty = {"fingerprint": fingerprint, "rows": {}, "manifests": {}}
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return empty
     if not isinstance(data, dict) or data.get("fingerprint") != fingerprint:
         return empty
-    return {**empty, **{k: data[k] for k in ("rows", "manifests", "examples") if isinstance(data.get(k), dict)}}
+    return {**empty, **{k: data[k] for k in ("rows", "manifests") if isinstance(data.get(k), dict)}}
 
 
 def search_all(client, experiment_id: str, filter_string: str = "", view_type: int | None = None) -> Iterable:
@@ -93,7 +94,6 @@ class RunCache:
             for run in search_all(client, experiment_id, view_type=ViewType.DELETED_ONLY):
                 rows.pop(run.info.run_id, None)
                 self.data["manifests"].pop(run.info.run_id, None)
-                self.data["examples"].pop(run.info.run_id, None)
         return list(rows.values())
 
     def manifest(self, run_id: str, read: Callable[[], dict | None]) -> dict | None:
@@ -105,15 +105,21 @@ class RunCache:
                 self.data["manifests"][run_id] = found
         return found
 
-    def examples(self, run_id: str, read: Callable[[], dict | None]) -> dict | None:
-        """An ended cell run's per-example scores, read once."""
-        if run_id in self.data["examples"]:
-            return self.data["examples"][run_id]
-        found = read()
-        if self.data["rows"].get(run_id, {}).get("run_status") in ENDED:
-            self.data["examples"][run_id] = found
-        return found
-
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.path, json.dumps(self.data, separators=(",", ":"), sort_keys=True))
+
+
+def cached_examples(cache_dir: str | Path, tracking_uri: str, run_id: str, read: Callable[[], Any]) -> Any:
+    """A finished cell run's per-example scores (an artifact never rewritten), read once into
+    ``<cache_dir>/examples-<store>/<run_id>.json``."""
+    store = hashlib.sha256(redact(tracking_uri).encode()).hexdigest()[:20]
+    path = Path(cache_dir) / f"examples-{store}" / f"{run_id}.json"
+    try:
+        return json.loads(path.read_text())["examples"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    found = read()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"examples": found}, separators=(",", ":")))
+    return found

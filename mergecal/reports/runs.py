@@ -21,7 +21,7 @@ import pandas as pd
 
 from ..errors import MergecalError
 from ..pipeline.tracking import EXAMPLES, EXAMPLES_DIR, EXAMPLES_SPLIT, PREFIX, redact
-from .run_cache import RunCache, cache_path, search_all
+from .run_cache import RunCache, cache_path, cached_examples, search_all
 
 # tags (named in mergecal.pipeline.tracking, without the prefix) read into DataFrame columns
 TAG_COLUMNS = ("kind", "invocation_id", "code_version", "cells", "cell_id", "status", "error", "backbone", "task_set",
@@ -290,13 +290,13 @@ def load_diagnostics(tracking_uri: str, artifact_uri: str) -> dict[str, Any]:
     return _load_json_artifacts(tracking_uri, artifact_uri, "diagnostics", DIAGNOSTICS)
 
 
-def load_examples(tracking_uri: str, artifact_uri: str, cache: RunCache | None = None,
+def load_examples(tracking_uri: str, artifact_uri: str, cache_dir: str | Path | None = None,
                   run_id: str | None = None) -> dict[str, list] | None:
     """A cell's per-example test scores (``{task: [score per example]}``, the ``EXAMPLES`` artifact of the run that
     computed it), or None when the run logged none (a run older than the artifact, or a failed cell). With a
-    ``cache`` (``run_cache``), read once per ended run ``run_id``."""
-    if cache is not None and run_id is not None:
-        return cache.examples(run_id, lambda: load_examples(tracking_uri, artifact_uri))
+    ``cache_dir``, read once for the finished run ``run_id`` (``run_cache.cached_examples``)."""
+    if cache_dir is not None and run_id is not None:
+        return cached_examples(cache_dir, tracking_uri, run_id, lambda: load_examples(tracking_uri, artifact_uri))
     data = _load_json_artifacts(tracking_uri, artifact_uri, EXAMPLES_DIR, (EXAMPLES_SPLIT,)).get(EXAMPLES_SPLIT)
     if data is not None and (not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values())):
         raise MergecalError(f"{artifact_uri}/{EXAMPLES}: expected {{task: [score per example]}}")
