@@ -215,6 +215,20 @@ def test_a_report_renders_the_same_bytes_from_the_same_outcomes_and_says_what_is
     assert html.count("<figure>") == 1 and "<svg" not in html.split("<figure>")[0]
 
 
+def test_the_reference_rows_are_shown_under_the_table_the_multitask_one_as_the_ceiling():
+    e = experiment(merges=["m"], scaling=1.0, variants={"x": "{merge}>svc"})
+    g = group({"m": {"base": outcome({"a": scores(100), "b": scores(100)}),
+                     "x": outcome({"a": scores(120), "b": scores(100)})}})
+    g.references = {"finetuned": outcome({"a": scores(200), "b": scores(200)}),
+                    "multitask": outcome({"a": scores(190), "b": scores(170)})}
+    blocks, document = reports.experiment_section(e, [g], ["x"], {"base": "{merge}", "x": "{merge}>svc"}, "t")
+    shown = next(text for kind, text, *_ in blocks if kind == "p" and text.startswith("References"))
+    assert shown.startswith("References: `finetuned` (the fine-tuned models, each on its own task) 100.0")
+    assert "`multitask` (one model fine-tuned on all tasks at once, the papers' multi-task ceiling) 90.0 [" in shown
+    assert "zeroshot" not in shown  # a reference the group lacks is not named
+    assert document["groups"][0]["references"]["multitask"]["value"] == 90.0
+
+
 def test_samples_per_task_are_read_from_the_recipe():
     assert reports.samples_per_task("{merge}>wsc") == "0"
     assert reports.samples_per_task("{merge}>dsc") == "1"

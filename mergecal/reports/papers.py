@@ -50,6 +50,7 @@ class Group:
     tasks: tuple[str, ...]
     finetuned: dict[str, float]
     outcomes: dict[str, dict[str, Outcome]] = field(default_factory=dict)  # merge -> variant -> outcome
+    references: dict[str, Outcome] = field(default_factory=dict)  # the reference rows: finetuned, multitask, zeroshot
 
 
 def value(group: Group, outcome: Outcome | None, name: str = "avg_norm_acc") -> tuple[float | None, list | None]:
@@ -237,10 +238,14 @@ def experiment_section(experiment, groups: Sequence[Group], names: Sequence[str]
             rows[merge] = row
             table_rows.append(cells)
         blocks.append(("table", ["merge", "base", *names], table_rows))
+        if (references := references_text(group)) is not None:
+            blocks.append(("p", references))
         if any(samples_per_task(chains[n]) != "0" for n in names):
             blocks.append(("p", "Unlabelled samples per task: " + ", ".join(
                 f"`{n}` {samples_per_task(chains[n])}" for n in ["base", *names]) + "."))
-        document["groups"].append({"regime": group.regime, "seed": group.seed, "rows": rows})
+        document["groups"].append({"regime": group.regime, "seed": group.seed, "rows": rows,
+                                   "references": {n: dict(zip(("value", "interval"), value(group, o)))
+                                                  for n, o in group.references.items()}})
         figures = []
         if experiment.plot == "line":
             axis = experiment.sweep.parameter if experiment.sweep else experiment.axis
@@ -425,6 +430,20 @@ def shown_chains(experiment, found, probed_top: int) -> dict[str, str]:
             sweep.chain.replace("{sensitive}", f"[the first {v.value} probed keys]") for v in found}
 
 
+#: the reference rows under an experiment's table, in this order: the multi-task model is the papers' ceiling row
+#: ("Traditional MTL", "Multi-task"), one model fine-tuned on all tasks at once (the vision track's standard regime)
+REFERENCE_ROWS = {"finetuned": "the fine-tuned models, each on its own task",
+                  "multitask": "one model fine-tuned on all tasks at once, the papers' multi-task ceiling",
+                  "zeroshot": "the pretrained model"}
+
+
+def references_text(group: Group) -> str | None:
+    """The group's reference rows in one sentence (average normalized accuracy, % [95 % interval]), None without."""
+    shown = [f"`{name}` ({about}) {fmt_interval(*value(group, group.references[name]))}"
+             for name, about in REFERENCE_ROWS.items() if name in group.references]
+    return "References: " + "; ".join(shown) + "." if shown else None
+
+
 def experiment_groups(experiment, listed, ids: Mapping, outcomes: Mapping[str, Outcome]) -> list[Group]:
     """The experiment's (regime, seed) groups, in its regimes' order, filled from the cells' outcomes."""
     groups: dict[tuple[str, int], Group] = {}
@@ -432,11 +451,13 @@ def experiment_groups(experiment, listed, ids: Mapping, outcomes: Mapping[str, O
         cell = entry.cell
         group = groups.setdefault((cell.regime, cell.seed), Group(cell.regime, cell.seed, cell.tasks, {}))
         outcome = outcomes.get(ids[cell])
-        if outcome is None or entry.variant in ("zeroshot", "multitask"):  # the tables compare to finetuned
+        if outcome is None:
             continue
+        if entry.variant in REFERENCE_ROWS:  # the tables compare to finetuned; each is shown under them
+            group.references[entry.variant] = outcome
         if entry.variant == "finetuned":
             group.finetuned = {k: v for k, v in outcome.metrics.items() if k.startswith("acc.")}
-        else:
+        elif entry.variant not in REFERENCE_ROWS:
             group.outcomes.setdefault(cell.merge, {})[entry.variant] = outcome
     return [groups[k] for k in sorted(groups, key=lambda k: (experiment.regimes.index(k[0]), k[1]))]
 
