@@ -397,6 +397,14 @@ def probe(args) -> int:
         hits = sum(tracker.finished_cell(cell) is not None for cell in ids["start"])
         out["start_s"] = time.perf_counter() - start
         assert hits == len(ids["start"]) // 2, hits
+    elif args.probe == "board_cached":  # the lab board with its cache: built (the first), then from it
+        from mergecal.reports import lab
+
+        with tempfile.TemporaryDirectory(prefix="perf-store-board-") as tmp:
+            for name in ("board_cold_cached_s", "board_warm_s"):
+                start = time.perf_counter()
+                lab.write_lab_reports(args.uri, EXPERIMENT, Path(tmp) / "board", cache_dir=Path(tmp) / "cache")
+                out[name] = time.perf_counter() - start
     elif args.probe == "board":
         from mergecal.reports import lab
 
@@ -475,7 +483,7 @@ def sample_ids(uri: str, state: dict, cells) -> dict:
             "checkout": f"/home/{MEMBERS[0][0]}/mergecal"}
 
 
-ROUTES = ("lookup", "start", "board")
+ROUTES = ("lookup", "start", "board", "board_cached")
 
 
 def measure(libraries: list[tuple[str, Path]], uri: str, ids_file: Path, repeats: int, workdir: Path,
@@ -525,7 +533,9 @@ COLUMNS = (("lookup_present_ms", "lookup, present id (ms)", "{:.1f}"),
            ("cleanup_s", "RUNNING cleanup (s)", "{:.2f}"), ("start_s", "start: cleanup + 320 lookups (s)", "{:.1f}"),
            ("load_runs_s", "board: load runs (s)", "{:.1f}"), ("examples_s", "board: examples (s)", "{:.1f}"),
            ("rest_s", "board: tables, files (s)", "{:.1f}"), ("board_s", "board in all (s)", "{:.1f}"),
-           ("cli_s", "`mergecal report --lab` (s)", "{:.1f}"))
+           ("cli_s", "`mergecal report --lab` (s)", "{:.1f}"),
+           ("board_cold_cached_s", "board, building its cache (s)", "{:.1f}"),
+           ("board_warm_s", "board from its cache (s)", "{:.1f}"))
 
 
 def report(table: dict[int, dict[str, dict]], sizes: list[int], meta: dict) -> str:
@@ -580,12 +590,13 @@ def parse_args(argv):
     parser.add_argument("--tag-index", action="store_true", help="also measure the lookups with a hash index on "
                         "tags.value added to the database (what a lab's database administrator can add)")
     parser.add_argument("--routes", default=",".join(ROUTES),
-                        help="comma-separated routes measured: lookup, start, board (default: all three)")
+                        help="comma-separated routes measured: lookup, start, board, board_cached (the lab board "
+                             "with its cache: built, then read from it) (default: all)")
     parser.add_argument("--no-cli", action="store_true", help="leave out `mergecal report --lab` in a process of its "
                         "own (the board in the probe is what it runs, without its imports)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"one small store ({SMOKE_RUNS} runs of {SMOKE_CELLS}-cell invocations), 3 repeats")
-    parser.add_argument("--probe", choices=("lookup", "start", "board"), help=argparse.SUPPRESS)
+    parser.add_argument("--probe", choices=ROUTES, help=argparse.SUPPRESS)
     parser.add_argument("--uri", help=argparse.SUPPRESS)
     parser.add_argument("--ids", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
