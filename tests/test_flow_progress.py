@@ -25,8 +25,9 @@ SMALL = "params-progress.yaml"
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """The smoke workspace with the inputs of a 6-cell matrix built in process (the stage functions): the
-    vision track's standard regime and the LLM track, task arithmetic and the two references each."""
+    """The smoke workspace with the inputs of a 7-cell matrix built in process (the stage functions): the
+    vision track's standard regime and the LLM track, task arithmetic and the references of each (multitask: the
+    vision track's only)."""
     import torch
 
     torch.set_num_threads(1)
@@ -42,6 +43,7 @@ def workspace(tmp_path_factory):
     vision.pretrain(params, root, progress=False)
     for task in params.vision.tasks:
         vision.finetune(params, task, "standard", root, progress=False)
+    vision.multitask(params, root, progress=False)  # the standard regime's multi-task reference
     vision.task_vectors(params, root)
     llm.build_data(params, root)
     llm.pretrain(params, root, progress=False)

@@ -262,6 +262,7 @@ def test_cells_computed_on_two_named_dask_workers_of_one_host_name_their_worker(
     vision.pretrain(params, root, progress=False)
     for task, variant in vision.finetune_runs(params.vision):
         vision.finetune(params, task, variant, root, progress=False)
+    vision.multitask(params, root, progress=False)  # the standard regime's multi-task reference
     vision.task_vectors(params, root)
     (tmp_path / "no_mergecal.py").write_text(BLOCK_MERGECAL)
     with prefect_server(tmp_path / "prefect-home") as api_url, \
