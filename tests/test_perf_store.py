@@ -24,14 +24,15 @@ def load_script():
 def test_a_synthetic_invocation_has_the_benchmarks_shape():
     """An invocation's runs: the default profile's 320 cells with their ``cell_tags`` and only tags of the tracking
     contract, a manifest naming every cell and skipped chain; a killed one stops early, without a manifest."""
-    from mergecal.pipeline.tracking import PREFIX, TAGS, cell_tags, tag
+    from mergecal.pipeline.tracking import PREFIX, TAGS, cell_key, cell_tags, tag
 
     script = load_script()
     cells, skipped = script.matrix()
     inv = script.invocation_runs(0, script.EXPERIMENT, cells, skipped, first=True)
-    assert len(inv["cells"]) == len(cells) + len(skipped) == 380
+    assert len(inv["cells"]) == len(cells) + len(skipped) and len(cells) == 321 and len(skipped) == 60
     keys = {k for run in [inv["parent"], *inv["cells"]] for k in run["tags"]}
-    assert {k[len(PREFIX):] for k in keys} <= set(TAGS)
+    assert {k[len(PREFIX):] for k in keys if not k.startswith(cell_key(""))} <= set(TAGS)
+    assert all(run["tags"][cell_key(run["cell_id"])] == run["tags"][tag("status")] for run in inv["cells"])
     first = inv["cells"][0]
     assert first["tags"].items() >= cell_tags(cells[0]).items() and first["tags"][tag("kind")] == "cell"
     assert set(inv["manifest"]) == {run["cell_id"] for run in inv["cells"]}
@@ -40,7 +41,7 @@ def test_a_synthetic_invocation_has_the_benchmarks_shape():
     ok = next(run for run in inv["cells"] if run["tags"][tag("status")] == "ok")
     assert {f"acc.{t}" for t in cells[0].tasks} | {"avg_acc", "seconds"} <= set(ok["metrics"])
     killed = script.invocation_runs(script.KILLED_EVERY - 1, script.EXPERIMENT, cells, skipped, first=False)
-    assert killed["manifest"] is None and killed["parent"]["status"] == "KILLED" and len(killed["cells"]) < 320
+    assert killed["manifest"] is None and killed["parent"]["status"] == "KILLED" and len(killed["cells"]) < len(cells)
     assert killed["cells"][-1]["status"] == "KILLED"
     assert script.invocation_runs(0, script.EXPERIMENT, cells, skipped, first=True)["cells"][5]["cell_id"] == \
         inv["cells"][5]["cell_id"]  # deterministic: a store filled in two steps is the one filled at once
