@@ -61,11 +61,11 @@ HOW = """## The papers' profile: `make paper`
   per-task sensitivity and FSC coefficients (`mergecal/analysis/magic_features.py`), DisTaC's norms, entropies,
   trajectories, kappa sweep, reliability diagrams and per-layer norms (`mergecal/analysis/distac_figures.py`,
   `mergecal/pipeline/distac_analysis.py`; stage `paper_analysis`).
-- **significance** (`significance:` in `magic.yaml` and `svc.yaml`): MAGIC's all-subsets test of a calibration
-  claim: every subset of at least two of the vision track's experts merged with and without the calibration at the
-  paper's fixed scaling, as the track's own cells (`cells.run_cell`, not logged), the paired t-test over the subsets
-  and the share each way (`mergecal/analysis/significance.py`, `mergecal/pipeline/paper_significance.py`; stage
-  `paper_significance`).
+- **significance** (`significance:` in `magic.yaml`, `svc.yaml` and `distac.yaml`): MAGIC's all-subsets test of
+  a calibration claim: every subset of at least two of the vision track's experts (under a norm mismatch, those
+  holding the lengthened task) merged with and without the calibration at a fixed scaling, as the track's own cells
+  (`cells.run_cell`, not logged), the paired t-test over the subsets and the share each way
+  (`mergecal/analysis/significance.py`, `mergecal/pipeline/paper_significance.py`; stage `paper_significance`).
 - **measurements** (`measurements:`): a method's own cost, measured once by its `make` target (`make perf-svc`) into
   a committed file the report reads; `make paper` never times anything.
 - **reports** (stage `paper_reports`): `reports/papers/<paper>.{md,html,json}` and their plots, committed like the

@@ -2,15 +2,18 @@
 mergecal/experiments/<paper>.yaml) on the vision track's models; writes results/papers/significance.json.
 
 Each test merges every subset of at least two of the K experts with and without its calibration, as the
-benchmark's own cells at the test's fixed scaling (mergecal/pipeline/paper_significance.py): 2 x 247 subsets of
-K = 8 for the two tests shipped (TA at 0.3 against TA>DSC, TA at 1.0 against TA>SVC), 988 cells in all.
+benchmark's own cells at the test's fixed scaling (mergecal/pipeline/paper_significance.py): for K = 8, 247 subsets
+for TA at 0.3 against TA>DSC, TA at 1.0 against TA>SVC and TA at 0.3 against DisTaC>TA under low confidence, and
+127 (those holding the lengthened task) for DisTaC under the norm mismatch: 1,736 cells in all.
 
-Cost (K = 8, `runner.max_workers` = 2 one-thread workers, the 2-core machine): about 1,500 CPU-seconds, so
-about 13 min of wall time when the machine is otherwise idle. Measured as CPU time per cell on the testbed's models
-(one thread): task arithmetic 0.55 s on 2 experts to 1.9 s on 8, TA>DSC 1.1 to 3.0 s, TA>SVC 1.9 to 3.2 s, most
-of it scoring the subset's test images; the full run's first 49 subsets (the largest) took 196 CPU-seconds
-against 206 predicted. Those measurements ran beside another pipeline (load 10-15 on the 2 cores), so their wall
-time was 4-7x their CPU time; on such a shared machine the stage takes that much longer.
+Cost (K = 8, `runner.max_workers` = 2 one-thread workers, the 2-core machine): the two tests MAGIC's and SVC's took
+about 1,500 CPU-seconds, about 13 min of wall time when the machine is otherwise idle. Measured as CPU time per
+cell on the testbed's models (one thread): task arithmetic 0.55 s on 2 experts to 1.9 s on 8, TA>DSC 1.1 to 3.0 s,
+TA>SVC 1.9 to 3.2 s, most of it scoring the subset's test images (DisTaC's cells read conditioned models and merge
+as task arithmetic does); the full run's first 49 subsets (the largest) took 196 CPU-seconds against 206
+predicted. Those measurements ran beside another pipeline (load 10-15 on the 2 cores), so their wall time was 4-7x
+their CPU time; on such a shared machine the stage takes that much longer. The four tests' wall time, measured
+in a full `make paper`: docs/performance.md, "The significance tests".
 """
 
 import json

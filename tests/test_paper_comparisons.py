@@ -111,3 +111,25 @@ def test_a_comparison_section_counts_its_claims_from_the_intervals():
     assert any(b[0] == "plot" for b in blocks)
     assert document["seeds"][0]["rows"]["ta/merge"]["nm"]["value"] == 50.0
     assert np.isclose(document["seeds"][0]["members"]["nm/ta/merge"]["nm1"]["value"], 75.0)
+
+
+def test_the_reference_setting_shows_its_reference_rows_with_intervals():
+    """The multi-task model (and zero-shot, fine-tuned) under a comparison's table: normalized by the reference
+    setting's fine-tunes, in the JSON too; a reference row no regime of the setting has is left out."""
+    comparison = Comparison.model_validate({**BASE, "merges": ["ta"], "settings": {"original": ["standard"],
+                                                                                  "nm": ["nm1", "nm2"]}})
+    scores = _scores()
+    scores.references = {("standard", "finetuned"): _outcome([[1.0] * 4, [1.0] * 4]),
+                         ("standard", "multitask"): _outcome([[1.0, 1.0, 1.0, 0.0], [1.0] * 4])}
+    assert scores.reference_value(["standard"], "multitask")[0] == 87.5
+    assert scores.reference_value(["nm1"], "multitask") == (None, None)
+    blocks, document = comparison_section(comparison, {0: scores}, "distac-x")
+    shown = [b[1] for b in blocks if b[0] == "p" and b[1].startswith("References in `original`")]
+    assert len(shown) == 1 and "`multitask` (one model fine-tuned on all tasks at once" in shown[0]
+    assert "87.5 [" in shown[0] and "`finetuned` (the fine-tuned models, each on its own task) 100.0" in shown[0]
+    assert "zeroshot" not in shown[0]
+    references = document["seeds"][0]["references"]
+    assert set(references) == {"finetuned", "multitask"} and references["multitask"]["value"] == 87.5
+    scores.references = {}
+    blocks, document = comparison_section(comparison, {0: scores}, "distac-x")
+    assert not any(b[0] == "p" and b[1].startswith("References") for b in blocks)

@@ -79,8 +79,8 @@ def test_bad_input_is_one_line_naming_what_was_expected(call, message):
 
 def test_each_subset_runs_the_boards_own_cells_and_the_full_set_is_the_boards_cell():
     """The significance tests' cells are the vision track's own (no copy of its code): for the full set of experts
-    they are the default matrix's fixed-scaling cells (the same Cell, so the same id), for a subset the same cells
-    on its tasks."""
+    they are the default matrix's fixed-scaling cells (the same Cell, so the same id; DisTaC's at λ 0.3 is the
+    papers' profile's only), for a subset the same cells on its tasks."""
     from mergecal.pipeline.cells import enumerate_cells
     from mergecal.pipeline.config import load_params
     from mergecal.pipeline.paper_significance import load_significance, narrowed_for, subset_cells, subset_params
@@ -89,11 +89,13 @@ def test_each_subset_runs_the_boards_own_cells_and_the_full_set_is_the_boards_ce
     params = params.model_copy(update={"seeds": params.seeds[:1]})
     matrix = set(enumerate_cells(params))
     tests = {t.id: t for found in load_significance().values() for t in found}
-    assert {"magic.significance", "svc.significance"} <= tests.keys()
+    assert {"magic.significance", "svc.significance", "distac.significance_norm_mismatch",
+            "distac.significance_low_confidence"} <= tests.keys()
     for test in tests.values():
         narrowed = narrowed_for(params, test)
         base, calibrated = subset_cells(subset_params(narrowed, test, tuple(params.vision.tasks)), test)
-        assert {base, calibrated} <= matrix, test.id
+        assert base in matrix and (calibrated in matrix) != test.calibrated.startswith("distac>"), test.id
+        assert base.regime == calibrated.regime == test.regime
         assert (base.label, calibrated.label) == test.chains and base.grid == calibrated.grid == ()
         pair = subset_cells(subset_params(narrowed, test, ("digits", "greek")), test)
         assert [c.tasks for c in pair] == [("digits", "greek")] * 2
@@ -158,3 +160,41 @@ def test_a_malformed_significance_entry_is_one_line(monkeypatch):
     test = ps.SignificanceTest.model_validate(good)
     with pytest.raises(MergecalError, match="significance.json: magic.significance: not a significance test's data"):
         reports.significance_section(test, {"seed": 0, "subsets": []}, "p")
+
+
+def test_a_norm_mismatch_test_compares_only_the_subsets_holding_the_lengthened_task():
+    """DisTaC conditions the lengthened task alone under the norm mismatch: a subset without it merges the same
+    model twice, so ``with_lengthened`` keeps the 2^7 - 1 subsets that hold it; elsewhere it is refused."""
+    from mergecal.pipeline.config import load_params
+    from mergecal.pipeline.paper_significance import SignificanceTest
+
+    params = load_params("params.yaml")
+    good = {"id": "distac.x", "item": "x", "shows": "x", "merge": "task_arithmetic", "scaling": 0.3,
+            "calibrated": "distac>{merge}", "regime": "norm_mismatch", "with_lengthened": True}
+    test = SignificanceTest.model_validate(good)
+    found = test.subsets(params)
+    lengthened = params.vision.norm_mismatch_task
+    assert test.includes(params) == [lengthened] and len(found) == 2 ** 7 - 1
+    assert all(lengthened in s for s in found) and len(set(found)) == len(found)
+    other = SignificanceTest.model_validate({**good, "regime": "norm_mismatch_digits"})
+    assert other.includes(params) == ["digits"] and all("digits" in s for s in other.subsets(params))
+    everything = SignificanceTest.model_validate({**good, "with_lengthened": False})
+    assert everything.includes(params) == [] and len(everything.subsets(params)) == 247
+    with pytest.raises(ValueError, match="with_lengthened: regime 'low_confidence' lengthens no task"):
+        SignificanceTest.model_validate({**good, "regime": "low_confidence"})
+
+
+def test_the_report_says_which_task_every_subset_holds():
+    from mergecal.pipeline.paper_significance import SignificanceTest
+    from mergecal.reports import papers as reports
+
+    test = SignificanceTest.model_validate({
+        "id": "distac.x", "item": "x", "shows": "x", "merge": "task_arithmetic", "scaling": 0.3,
+        "calibrated": "distac>{merge}", "regime": "norm_mismatch", "with_lengthened": True})
+    entry = {**_entry([(["a", "b"], 80.0, 84.0, [1.5, 6.5]), (["a", "b", "c"], 70.0, 74.0, [-0.5, 8.5])]),
+             "regime": "norm_mismatch", "includes": ["a"]}
+    blocks, _ = reports.significance_section(test, entry, "distac.x")
+    text = reports.to_markdown(reports.paper_blocks("T", "0000.00000", [blocks]))
+    assert "every subset of at least 2 of its 3 experts, each holding `a` (the lengthened task) (2 subsets)" in text
+    blocks, _ = reports.significance_section(test, {**entry, "includes": []}, "distac.x")
+    assert "experts (2 subsets)" in reports.to_markdown(reports.paper_blocks("T", "0000.00000", [blocks]))

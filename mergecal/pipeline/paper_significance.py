@@ -12,7 +12,10 @@ interval of the change over the subset's test examples (``mergecal.intervals``).
 
 What a subset shares with the full set: the regime's probed sensitivity ranking (WSC and FSC's magnitude-sensitive
 layers, probed once per regime on the weight average of all K models) and, for a chain that starts with DisTaC, its
-stage's conditioned models. FSC's samples are the subset's own tasks'.
+stage's conditioned models (in a norm-mismatch regime the lengthened task's kappa is the full set's: the mean norm of
+all K - 1 others, where the subset's own would take its own others'). FSC's samples are the subset's own tasks'.
+``with_lengthened``: only the subsets holding a norm-mismatch regime's lengthened task (DisTaC conditions that task
+alone there, so without it both merges are the same model).
 
 The cells run as the benchmark's do: ``runner.max_workers`` at once, each on its share of ``threads``
 (``threads.worker_threads``), each a process of its own here. The document is rounded to six significant digits,
@@ -33,6 +36,7 @@ from ..config_types import PositiveReal, Real
 from ..errors import MergecalError
 from ..experiments import PAPERS
 from ..intervals import paired_interval
+from ..regimes import lengthened_task
 from .cells import REFERENCES, Cell, run_cell
 from .chains import fixed_chain
 from .config import Params
@@ -68,6 +72,7 @@ class SignificanceTest(Strict):
     scaling: PositiveReal
     calibrated: str
     min_size: int = Field(2, ge=1)
+    with_lengthened: bool = False  # only the subsets that hold the regime's lengthened task (a norm mismatch)
     claims: list[SignificanceClaim] = Field(default_factory=list)
     printed: dict[str, Real] = Field(default_factory=dict)  # the paper's own t, p and number of subsets
     printed_where: str = ""
@@ -77,7 +82,27 @@ class SignificanceTest(Strict):
         unknown = [k for k in self.printed if k not in PRINTED]
         if unknown:
             raise ValueError(f"printed: {unknown[0]!r} is none of {', '.join(PRINTED)}")
+        if self.with_lengthened and lengthened_task(self.regime, "?") is None:  # "?": any task; None: no norm mismatch
+            raise ValueError(f"with_lengthened: regime {self.regime!r} lengthens no task (a norm_mismatch one does)")
         return self
+
+    def subsets(self, params: Params) -> list[tuple[str, ...]]:
+        """The subsets of the track's tasks the test merges: every one of at least ``min_size``, or with
+        ``with_lengthened`` those that hold the regime's lengthened task."""
+        tasks = tuple(getattr(params, self.track).tasks)
+        found = subsets(tasks, self.min_size)
+        if not self.with_lengthened:
+            return found
+        task = self.includes(params)[0]
+        if task not in tasks:
+            raise MergecalError(f"significance {self.id}: the lengthened task {task!r} is not one of the tasks")
+        return [s for s in found if task in s]
+
+    def includes(self, params: Params) -> list[str]:
+        """The tasks every subset holds: the lengthened one with ``with_lengthened``, else none."""
+        if not self.with_lengthened:
+            return []
+        return [lengthened_task(self.regime, getattr(params, self.track).norm_mismatch_task)]  # type: ignore[list-item]
 
     def as_experiment(self) -> Experiment:
         """The test's cells as an experiment: the merge at its scaling as the base, the calibrated chain beside."""
@@ -183,7 +208,7 @@ def significance_document(params: Params, root: str | Path, tests: list[Signific
         raise MergecalError("the significance tests merge the vision track's models: vision.enabled is false")
     narrowed = [narrowed_for(params, test) for test in tests]
     tasks = tuple(params.vision.tasks)
-    jobs = [(i, subset) for i, test in enumerate(tests) for subset in subsets(tasks, test.min_size)]
+    jobs = [(i, subset) for i, test in enumerate(tests) for subset in test.subsets(params)]
     workers = min(params.runner.max_workers, max(1, len(jobs)))
     threads = worker_threads(params.threads, params.runner.max_workers)
     log(f"{len(tests)} test(s), {len(jobs)} subsets of {len(tasks)} experts, {workers} at once on {threads} "
@@ -195,7 +220,8 @@ def significance_document(params: Params, root: str | Path, tests: list[Signific
         base, calibrated = test.chains
         out[test.id] = {"track": test.track, "regime": test.regime, "seed": params.seeds[0], "merge": test.merge,
                         "scaling": test.scaling, "base": base, "calibrated": calibrated, "tasks": list(tasks),
-                        "min_size": test.min_size, "value": "average accuracy over the subset's tasks (%)",
+                        "min_size": test.min_size, "includes": test.includes(params),
+                        "value": "average accuracy over the subset's tasks (%)",
                         "subsets": found, "summary": summary([r["calibrated"] for r in found],
                                                              [r["base"] for r in found])}
     return rounded(out)

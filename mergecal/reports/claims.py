@@ -8,6 +8,12 @@ from collections.abc import Mapping
 
 from ..intervals import Interval
 
+#: the reference rows under an experiment's table, in this order: the multi-task model is the papers' ceiling row
+#: ("Traditional MTL", "Multi-task"), one model fine-tuned on all tasks at once (the vision track's standard regime)
+REFERENCE_ROWS = {"finetuned": "the fine-tuned models, each on its own task",
+                  "multitask": "one model fine-tuned on all tasks at once, the papers' multi-task ceiling",
+                  "zeroshot": "the pretrained model"}
+
 VERDICTS = ("agrees", "disagrees", "inconclusive")
 MARK = {"agrees": "▲", "disagrees": "▼", "inconclusive": "≈"}
 

@@ -18,23 +18,34 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..intervals import paired_interval, stratified_interval
-from .claims import VERDICTS, fmt_change, fmt_interval, interval_points, sentence, verdict
+from .claims import REFERENCE_ROWS, VERDICTS, fmt_change, fmt_interval, interval_points, sentence, verdict
 from .plots import Plot, to_svg
 
 Samples = list[np.ndarray]
 
 
 class Scores:
-    """One seed's outcomes of a comparison: (regime, merge, chain) -> Outcome, and each regime's fine-tuned test
-    accuracy per task (its finetuned reference cell)."""
+    """One seed's outcomes of a comparison: (regime, merge, chain) -> Outcome, each regime's fine-tuned test
+    accuracy per task (its finetuned reference cell) and its reference rows' outcomes, (regime, name) -> Outcome
+    (``claims.REFERENCE_ROWS``: finetuned, multitask, zeroshot where the regime has them)."""
 
     def __init__(self, tasks: Sequence[str], outcomes: Mapping[tuple[str, str, str], Any],
-                 finetuned: Mapping[str, Mapping[str, float]]):
+                 finetuned: Mapping[str, Mapping[str, float]],
+                 references: Mapping[tuple[str, str], Any] | None = None):
         self.tasks, self.outcomes, self.finetuned = tuple(tasks), outcomes, finetuned
+        self.references = dict(references or {})
 
     def regime_samples(self, regime: str, merge: str, chain: str) -> Samples | None:
         """Per task, the per-example scores over the regime's fine-tuned accuracy (None without them)."""
-        outcome = self.outcomes.get((regime, merge, chain))
+        return self._normalized(self.outcomes.get((regime, merge, chain)), regime)
+
+    def reference_value(self, regimes: Sequence[str], name: str) -> tuple[float | None, list | None]:
+        """A reference row's average normalized accuracy (%) and 95 % interval over ``regimes`` (None where a
+        regime has no such row)."""
+        found = [self._normalized(self.references.get((r, name)), r) for r in regimes]
+        return _mean_value(None if any(f is None for f in found) else _example_mean(found))
+
+    def _normalized(self, outcome, regime: str) -> Samples | None:
         reference = self.finetuned.get(regime, {})
         if outcome is None or not outcome.examples or any(t not in outcome.examples for t in self.tasks):
             return None
@@ -45,18 +56,11 @@ class Scores:
     def samples(self, regimes: Sequence[str], merge: str, chain: str) -> Samples | None:
         """A setting's samples: its regimes' normalized scores averaged example by example."""
         found = [self.regime_samples(r, merge, chain) for r in regimes]
-        if any(f is None for f in found):
-            return None
-        return [np.mean([f[t] for f in found], axis=0) for t in range(len(self.tasks))]
+        return None if any(f is None for f in found) else _example_mean(found)
 
     def value(self, regimes: Sequence[str], merge: str, chain: str) -> tuple[float | None, list | None]:
         """The setting's average normalized accuracy (%) and its 95 % interval."""
-        samples = self.samples(regimes, merge, chain)
-        if samples is None:
-            return None, None
-        weights = [1.0 / len(samples)] * len(samples)
-        mean = sum(w * float(s.mean()) for w, s in zip(weights, samples))
-        return round(100 * mean, 2), interval_points(stratified_interval(samples, weights))
+        return _mean_value(self.samples(regimes, merge, chain))
 
     def change(self, a: tuple[Sequence[str], str, str], b: tuple[Sequence[str], str, str]) -> list | None:
         """The paired 95 % interval (points) of setting/merge/chain ``a`` minus ``b``."""
@@ -64,6 +68,20 @@ class Scores:
         if mine is None or theirs is None:
             return None
         return interval_points(paired_interval(mine, theirs, [1.0 / len(mine)] * len(mine)))
+
+
+def _example_mean(found: list[Samples]) -> Samples:
+    """Several regimes' normalized scores averaged example by example, per task."""
+    return [np.mean([f[t] for f in found], axis=0) for t in range(len(found[0]))]
+
+
+def _mean_value(samples: Samples | None) -> tuple[float | None, list | None]:
+    """The average over tasks (%) and its 95 % interval, resampling the examples within each task."""
+    if samples is None:
+        return None, None
+    weights = [1.0 / len(samples)] * len(samples)
+    mean = sum(w * float(s.mean()) for w, s in zip(weights, samples))
+    return round(100 * mean, 2), interval_points(stratified_interval(samples, weights))
 
 
 def claim_verdict(kind: str, interval: list | None) -> str | None:
@@ -111,6 +129,11 @@ def comparison_section(comparison, seeds: Mapping[int, Scores], plot_prefix: str
                     rows.setdefault(f"{merge}/{chain}", {})[name] = found
                 table.append(cells)
         blocks.append(("table", ["merge", "chain", *settings], table))
+        references = {name: scores.reference_value(settings[ref], name) for name in REFERENCE_ROWS}
+        shown = [f"`{name}` ({REFERENCE_ROWS[name]}) {fmt_interval(*found)}"
+                 for name, found in references.items() if found[0] is not None]
+        if shown:
+            blocks.append(("p", f"References in `{ref}`: " + "; ".join(shown) + "."))
         members = {name: rs for name, rs in settings.items() if len(rs) > 1}
         member_rows: dict[str, Any] = {}
         for name, regimes in members.items():
@@ -127,7 +150,9 @@ def comparison_section(comparison, seeds: Mapping[int, Scores], plot_prefix: str
                              "denominators), mean test accuracy and the lowest task: " + "; ".join(
                                  _denominators(scores, r) for r in regimes) + "."),
                        ("table", ["merge", "chain", *[f"`{r}`" for r in regimes]], member_table)]
-        document["seeds"].append({"seed": seed, "rows": rows, "members": member_rows})
+        document["seeds"].append({"seed": seed, "rows": rows, "members": member_rows,
+                                  "references": {name: {"setting": ref, "value": v, "interval": interval}
+                                                 for name, (v, interval) in references.items() if v is not None}})
         figure = _figure(comparison, scores, seed)
         if figure is not None:
             stem = f"{plot_prefix}-seed{seed}"

@@ -26,7 +26,8 @@ from ..errors import MergecalError
 from ..intervals import paired_interval, stratified_interval
 from ..recipe import Recipe
 from . import paper_distac
-from .claims import VERDICTS, fmt_change, fmt_interval, interval_points, overall, sentence, verdict
+from .claims import (REFERENCE_ROWS, VERDICTS, fmt_change, fmt_interval, interval_points, overall, sentence,
+                     verdict)
 from .leaderboard import column_samples
 from .plots import Plot, to_svg
 from .write import CSS, _figure
@@ -430,13 +431,6 @@ def shown_chains(experiment, found, probed_top: int) -> dict[str, str]:
             sweep.chain.replace("{sensitive}", f"[the first {v.value} probed keys]") for v in found}
 
 
-#: the reference rows under an experiment's table, in this order: the multi-task model is the papers' ceiling row
-#: ("Traditional MTL", "Multi-task"), one model fine-tuned on all tasks at once (the vision track's standard regime)
-REFERENCE_ROWS = {"finetuned": "the fine-tuned models, each on its own task",
-                  "multitask": "one model fine-tuned on all tasks at once, the papers' multi-task ceiling",
-                  "zeroshot": "the pretrained model"}
-
-
 def references_text(group: Group) -> str | None:
     """The group's reference rows in one sentence (average normalized accuracy, % [95 % interval]), None without."""
     shown = [f"`{name}` ({about}) {fmt_interval(*value(group, group.references[name]))}"
@@ -470,13 +464,15 @@ def comparison_scores(comparison, listed, ids: Mapping, outcomes: Mapping[str, O
     found: dict[int, tuple[tuple, dict, dict]] = {}
     for entry in (e for e in listed if e.experiment == comparison.id):
         cell = entry.cell
-        tasks, by_cell, finetuned = found.setdefault(cell.seed, (cell.tasks, {}, {}))
+        tasks, by_cell, finetuned, references = found.setdefault(cell.seed, (cell.tasks, {}, {}, {}))
         outcome = outcomes.get(ids[cell])
-        if outcome is None or entry.variant in ("zeroshot", "multitask"):  # the tables compare to finetuned
+        if outcome is None:
             continue
+        if entry.variant in REFERENCE_ROWS:  # the tables compare to finetuned; each is shown under them
+            references[cell.regime, entry.variant] = outcome
         if entry.variant == "finetuned":
             finetuned[cell.regime] = {k: v for k, v in outcome.metrics.items() if k.startswith("acc.")}
-        else:
+        elif entry.variant not in REFERENCE_ROWS:
             by_cell[cell.regime, cell.merge, names.get(entry.variant, entry.variant)] = outcome
     return {seed: Scores(*found[seed]) for seed in sorted(found)}
 
@@ -1051,6 +1047,12 @@ def differences_figure(title: str, entry: Mapping[str, Any]) -> Figure:
     return fig
 
 
+def _holding(entry: Mapping[str, Any]) -> str:
+    """", each holding `symbols` (the lengthened task)" where the test keeps only such subsets, else ""."""
+    found = entry.get("includes") or []
+    return f", each holding {', '.join(f'`{t}`' for t in found)} (the lengthened task)" if found else ""
+
+
 def significance_section(test, entry: Mapping[str, Any], plot_prefix: str) -> tuple[list[tuple], dict]:
     """One significance test's blocks and JSON document (``entry``: its part of results/papers/significance.json)."""
     try:
@@ -1065,7 +1067,8 @@ def significance_section(test, entry: Mapping[str, Any], plot_prefix: str) -> tu
     blocks: list[tuple] = [
         ("h2", f"{test.id}: {test.item}"), ("p", f"**The paper**: {test.shows}."),
         ("p", f"**On the testbed**: the vision track's fine-tunes (seed {entry['seed']}, {entry['regime']} regime): "
-              f"every subset of at least {entry['min_size']} of its {k} experts ({n} subsets) merged as `{base}` "
+              f"every subset of at least {entry['min_size']} of its {k} experts{_holding(entry)} ({n} subsets) "
+              f"merged as `{base}` "
               f"and as `{calibrated}` (λ = {entry['scaling']:g} fixed, no search), each the benchmark's own cell "
               "on the subset's tasks; a subset's value is its average accuracy over its own tasks (%), its change "
               "the calibrated merge's minus the merge's, with the paired 95 % interval over its test examples."),
