@@ -25,7 +25,7 @@ from ..errors import MergecalError
 from ..experiments import PAPERS, read
 from .cells import REFERENCES, Cell, uses_sensitivity
 from .chains import fixed_chain
-from .config import FixedScaling, Params, _check_chain
+from .config import Benchmark, FixedScaling, Params, _check_chain
 from .params_base import Strict, _distinct
 from .track_registry import get_track
 from .tracks.clip.built.stages import paths_for
@@ -62,7 +62,7 @@ class Sweep(Strict):
 
 class Claim(Strict):
     """A statement of the paper a report checks against the paired 95 % intervals, per merge (and regime, seed):
-    ``gain`` / ``loss``: ``variant`` above / below ``than`` (default the base); ``diagonal``: per task, its accuracy
+    ``gain`` / ``loss``: ``variant`` above / below ``than`` (default the base; of ``than_merge`` where given); ``diagonal``: per task, its accuracy
     when the calibration targets it (the variants of an ``over: tasks`` sweep) above its mean accuracy under the
     other targets (``than: others``), above the best other target's (``best_other``: the highest point estimate) or
     above the base (``than: base``); ``increase``: the last variant above the first."""
@@ -72,6 +72,9 @@ class Claim(Strict):
     variant: str | None = None
     than: str = BASE
     merges: list[str] = Field(default_factory=list)  # empty: every merge of the experiment
+    # ``than`` of this merge instead of each merge's own: a merge of the experiment against another (MAGIC's
+    # calibrated merges against Layer-wise AdaMerging)
+    than_merge: str | None = None
 
     @model_validator(mode="after")
     def _variant(self) -> "Claim":
@@ -80,6 +83,8 @@ class Claim(Strict):
         if (self.than in ("others", "best_other")) != (self.kind == "diagonal" and self.than != BASE):
             raise ValueError("than: others / best_other are for a diagonal claim, which compares with `others`, "
                              "`best_other` or `base`")
+        if self.than_merge is not None and self.kind not in ("gain", "loss"):
+            raise ValueError("than_merge: for a gain or loss claim")
         return self
 
 
@@ -96,6 +101,9 @@ class Experiment(Strict):
     # (the SVC paper's "original" rows beside its SVC at lambda = 1)
     base_scaling: Literal["same", "searched"] = "same"
     merges: list[str] = Field(min_length=1)
+    # the settings of a merge the default matrix does not run (not in params.yaml's benchmark.merges: AdaMerging, a
+    # half-hour a cell), as benchmark.merges writes them; benchmark.merges' own, where it has the merge, come first
+    merge_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
     base: str = "{merge}"
     variants: dict[str, str] = Field(default_factory=dict)  # name -> chain
     sweep: Sweep | None = None
@@ -137,9 +145,17 @@ class Experiment(Strict):
             if known is not None and any(n not in known for n in wanted):
                 raise ValueError(f"claims: {next(n for n in wanted if n not in known)!r} is no variant "
                                  f"(variants: {', '.join(names)})")
-            if any(m not in self.merges for m in claim.merges):
-                raise ValueError(f"claims: merge {next(m for m in claim.merges if m not in self.merges)!r} is not "
+            named = [*claim.merges, *([claim.than_merge] if claim.than_merge else [])]
+            if any(m not in self.merges for m in named):
+                raise ValueError(f"claims: merge {next(m for m in named if m not in self.merges)!r} is not "
                                  "one of the experiment's merges")
+        for merge, values in self.merge_settings.items():
+            if merge not in self.merges:
+                raise ValueError(f"merge_settings.{merge}: not one of the experiment's merges")
+            try:
+                Benchmark(merges={merge: values})
+            except ValidationError as err:
+                raise ValueError(f"merge_settings.{merge}: {_first_error(err)}") from None
         for merge, printed in self.printed.items():
             if merge not in self.merges or (known is not None and any(n not in known for n in printed)):
                 raise ValueError(f"printed.{merge}: a merge of the experiment, its keys base and variant names")
@@ -403,16 +419,18 @@ def probed_ranking(params: Params, root, regime: str, seed: int) -> list[str]:
 
 def narrowed_params(params: Params, experiment: Experiment, chains: list[str] | None = None) -> Params:
     """The params whose matrix is the experiment, for merges of one scaling (``protocol_groups``): its merges (each
-    with the matrix's own settings), its base and its variants' ``chains`` (at its fixed scaling, or searched; the
+    with the matrix's own settings, else the experiment's ``merge_settings``), its base and its variants' ``chains`` (at its fixed scaling, or searched; the
     base searched under ``base_scaling: searched``), its regimes. Cell ids hash none of what changes here, so a
     cell the default matrix also runs keeps its id."""
     where = f"experiment {experiment.id}"
     section = getattr(params, experiment.track, None)
     if section is None or not getattr(section, "enabled", False):
         raise MergecalError(f"{where}: its track {experiment.track!r} is not enabled in params.yaml")
-    missing = [m for m in experiment.merges if m not in params.benchmark.merges]
+    settings = {**experiment.merge_settings, **params.benchmark.merges}
+    missing = [m for m in experiment.merges if m not in settings]
     if missing:
-        raise MergecalError(f"{where}: merge {missing[0]!r} is not in params.yaml's benchmark.merges")
+        raise MergecalError(f"{where}: merge {missing[0]!r} is not in params.yaml's benchmark.merges nor in the "
+                            "experiment's merge_settings")
     regimes = [*getattr(section, "regimes", ["standard"]), *getattr(section, "paper_regimes", [])]
     absent = [r for r in experiment.regimes if r not in regimes]
     if absent:
@@ -426,7 +444,7 @@ def narrowed_params(params: Params, experiment: Experiment, chains: list[str] | 
     if profile and probed:
         raise MergecalError(f"{where}: chain {probed[0]!r} reads the probe, which the papers' regime {profile[0]!r} "
                             "does not run")
-    update: dict[str, Any] = {"merges": {m: params.benchmark.merges[m] for m in experiment.merges}}
+    update: dict[str, Any] = {"merges": {m: settings[m] for m in experiment.merges}}
     scaling = experiment.scaling_of(experiment.merges[0])
     if scaling is None:  # calibrated chains take the scaling their merge alone chose: it runs too
         update.update(chains=list(dict.fromkeys([MERGE_ALONE, experiment.base, *chains])), fixed_scaling=[])

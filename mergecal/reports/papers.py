@@ -95,7 +95,8 @@ def diagonal_interval(group: Group, merge: str, targets: Sequence[str], task: st
 
 
 def claim_verdicts(experiment, groups: Sequence[Group], claim, variant_names: Sequence[str]) -> list[dict]:
-    """Each unit's verdict on ``claim``: per (regime, seed, merge), or per task for ``diagonal``."""
+    """Each unit's verdict on ``claim``: per (regime, seed, merge), or per task for ``diagonal``; a claim with a
+    ``than_merge`` pairs each merge's ``variant`` with that merge's ``than`` on the same test examples."""
     out = []
     for group in groups:
         for merge in (m for m in experiment.merges if not claim.merges or m in claim.merges):
@@ -108,9 +109,13 @@ def claim_verdicts(experiment, groups: Sequence[Group], claim, variant_names: Se
                 continue
             mine, other = (variant_names[-1], variant_names[0]) if claim.kind == "increase" else (claim.variant,
                                                                                                   claim.than)
-            interval = change(group, outcomes.get(mine), outcomes.get(other))
-            out.append({"regime": group.regime, "seed": group.seed, "merge": merge, "variant": mine, "than": other,
-                        "interval": interval, "verdict": verdict(interval, "loss" if claim.kind == "loss" else "gain")})
+            than_merge = getattr(claim, "than_merge", None) or merge
+            interval = change(group, outcomes.get(mine), group.outcomes.get(than_merge, {}).get(other))
+            unit = {"regime": group.regime, "seed": group.seed, "merge": merge, "variant": mine, "than": other}
+            if than_merge != merge:
+                unit["than_merge"] = than_merge
+            out.append({**unit, "interval": interval,
+                        "verdict": verdict(interval, "loss" if claim.kind == "loss" else "gain")})
     return out
 
 
