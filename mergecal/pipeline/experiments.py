@@ -62,10 +62,11 @@ class Sweep(Strict):
 
 class Claim(Strict):
     """A statement of the paper a report checks against the paired 95 % intervals, per merge (and regime, seed):
-    ``gain`` / ``loss``: ``variant`` above / below ``than`` (default the base; of ``than_merge`` where given); ``diagonal``: per task, its accuracy
-    when the calibration targets it (the variants of an ``over: tasks`` sweep) above its mean accuracy under the
-    other targets (``than: others``), above the best other target's (``best_other``: the highest point estimate) or
-    above the base (``than: base``); ``increase``: the last variant above the first."""
+    ``gain`` / ``loss``: ``variant`` above / below ``than`` (default the base; ``than_merge``'s where given);
+    ``diagonal``: per task, its accuracy when the calibration targets it (the variants of an ``over: tasks`` sweep)
+    above its mean accuracy under the other targets (``than: others``), above the best other target's
+    (``best_other``: the highest point estimate) or above the base (``than: base``); ``increase``: the last variant
+    above the first."""
 
     kind: Literal["gain", "loss", "diagonal", "increase"]
     text: str  # the paper's claim, in one line
@@ -419,9 +420,9 @@ def probed_ranking(params: Params, root, regime: str, seed: int) -> list[str]:
 
 def narrowed_params(params: Params, experiment: Experiment, chains: list[str] | None = None) -> Params:
     """The params whose matrix is the experiment, for merges of one scaling (``protocol_groups``): its merges (each
-    with the matrix's own settings, else the experiment's ``merge_settings``), its base and its variants' ``chains`` (at its fixed scaling, or searched; the
-    base searched under ``base_scaling: searched``), its regimes. Cell ids hash none of what changes here, so a
-    cell the default matrix also runs keeps its id."""
+    with the matrix's own settings, else the experiment's ``merge_settings``), its base and its variants' ``chains``
+    (at its fixed scaling, or searched; the base searched under ``base_scaling: searched``), its regimes. Cell ids
+    hash none of what changes here, so a cell the default matrix also runs keeps its id."""
     where = f"experiment {experiment.id}"
     section = getattr(params, experiment.track, None)
     if section is None or not getattr(section, "enabled", False):
