@@ -119,6 +119,12 @@ def test_a_paper_without_analyses_or_measurements_loads_none_and_an_id_is_listed
     ({"merges": ["ties"], "variants": {"x": "{merge}>svc"}, "base": "{merge}>wsc", "base_scaling": "searched"},
      "base_scaling: searched takes the matrix's merge alone"),
     ({"merges": ["ties"], "variants": {"x": "{merge}>svc"}, "scaling": {"dare": 0.3}}, "scaling: a positive lambda"),
+    ({"merges": ["ties"], "variants": {"x": "{merge}>svc"}, "merge_settings": {"dare": {}}},
+     "merge_settings.dare: not one of the experiment's merges"),
+    ({"merges": ["adamerging_lw"], "variants": {"x": "{merge}>svc"},
+      "merge_settings": {"adamerging_lw": {"steps": 0}}}, "merge_settings.adamerging_lw: .*steps"),
+    ({"merges": ["ties"], "variants": {"x": "{merge}>svc"},
+      "claims": [{"kind": "gain", "variant": "x", "than_merge": "dare", "text": "t"}]}, "merge 'dare' is not one"),
 ])
 def test_a_bad_experiment_is_one_line_naming_its_file_and_id(monkeypatch, values, message):
     monkeypatch.setattr(ex, "read", lambda paper: {"experiments": [{"id": "svc.bad", "item": "x", "shows": "x",
@@ -143,6 +149,16 @@ def test_an_experiment_outside_the_configured_matrix_is_refused(change, message)
     data = PARAMS.model_copy(update={"vision": PARAMS.vision.model_copy(update={"enabled": False})})
     with pytest.raises(MergecalError, match="track 'vision' is not enabled"):
         ex.narrowed_params(data, experiment(merges=["ties"], variants={"x": "{merge}>wsc"}))
+
+
+def test_a_merge_the_matrix_leaves_out_takes_the_experiments_settings_and_the_matrixs_own_come_first():
+    assert "adamerging_lw" not in PARAMS.benchmark.merges  # opt-in: 500 steps a cell
+    e = experiment(merges=["adamerging_lw", "ties"], variants={"x": "{merge}>wsc"},
+                   merge_settings={"adamerging_lw": {"steps": 10}, "ties": {"top_k": 0.5}})
+    merges = ex.narrowed_params(PARAMS, e).benchmark.merges
+    assert merges == {"adamerging_lw": {"steps": 10}, "ties": PARAMS.benchmark.merges["ties"]}
+    cells = [c.cell.label for c in ex.experiment_cells(PARAMS, e)]
+    assert "adamerging_lw" in cells and "adamerging_lw>wsc" in cells
 
 
 # ------------------------------------------------------------------------------------------------ the reports
@@ -180,6 +196,19 @@ def test_a_claims_verdict_comes_from_the_paired_interval_in_the_papers_direction
     assert reports.sentence("x helps", counts, "merges").startswith("“x helps”: the testbed is mixed — 1 of 3")
     assert reports.overall({"inconclusive": 3}) == "is inconclusive"
     assert reports.overall({"agrees": 2, "inconclusive": 1}) == "agrees in direction"
+
+
+def test_a_claim_with_than_merge_pairs_each_merge_with_that_merges_chain():
+    base = outcome({"a": scores(100), "b": scores(100)})
+    better = outcome({"a": scores(160), "b": scores(150)})
+    g = group({"lwa": {"base": better}, "up": {"base": base, "x": better}, "down": {"base": better, "x": base}})
+    e = experiment(merges=["lwa", "up", "down"], variants={"x": "{merge}>dsc"},
+                   claims=[{"kind": "gain", "variant": "x", "than_merge": "lwa", "merges": ["up", "down"],
+                            "text": "x beats lwa"}])
+    found = reports.claim_verdicts(e, [g], e.claims[0], ["x"])
+    # up's x equals lwa's base (the paired interval is 0): inside the noise; down's x is 55 points below it
+    assert [(u["merge"], u["than_merge"], u["verdict"]) for u in found] == [("up", "lwa", "inconclusive"),
+                                                                           ("down", "lwa", "disagrees")]
 
 
 def test_the_diagonal_claim_compares_a_task_targeted_with_the_other_targets():
