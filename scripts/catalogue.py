@@ -48,7 +48,9 @@ HOW = """## The papers' profile: `make paper`
   (`sweep:` a parameter's `values` in `{value}`, each task's index in `{index}` with `over: tasks`, or the first N
   keys of the probed sensitivity ranking in `{sensitive}` with `over: sensitive_top`), at a fixed `scaling` (the
   papers' ablations: SVC at 1, MAGIC's task arithmetic and TIES at 0.3) or searched as the matrix does (and a
-  base at the variants' scaling or, `base_scaling: searched`, the board's tuned merge). They run as cells of the
+  base at the variants' scaling or, `base_scaling: searched`, the board's tuned merge); a merge the default matrix
+  leaves out takes its settings from `merge_settings:` (layer-wise AdaMerging in `magic.lwa`), and a claim's
+  `than_merge` pairs each merge with another merge's row. They run as cells of the
   benchmark: the tracks' own cells, ids and cache (a variant the matrix runs is that cell), through the same Prefect
   flow and MLflow store (`mergecal/pipeline/experiments.py`, stage `paper_cells`).
 - **comparisons** (`comparisons:` in `distac.yaml`): the same merges and chains across settings, a setting one
