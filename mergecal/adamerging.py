@@ -33,33 +33,28 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 from torch import nn
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
-from .config_types import Count, Flag, NonNegativeInt, Steps
+from .config_types import Count
 from .errors import ParameterError
-from .methods.base import HyperParams
+from .methods.adamerging import AdaMergingSettings
 from .task_vectors import check_finite
 
 StateDict = Mapping[str, torch.Tensor]
 
 
-class AdaMergingConfig(HyperParams):
-    """``granularity``: "layer" (one coefficient per task and merged key, the paper's best) or "task". ``init``: every
-    coefficient's start. ``log_every``: per-task entropies go into the history every that many steps (and at the
-    first and last). A bad value is a one-line ParameterError naming the field."""
+class AdaMergingConfig(AdaMergingSettings):
+    """``AdaMergingSettings`` (the learning's settings and defaults, shared with the merge methods);
+    ``granularity``: "layer" (one coefficient per task and merged key, the paper's best) or "task"; ``log_every``:
+    per-task entropies go into the history every that many steps (and at the first and last). A bad value is a
+    one-line ParameterError naming the field."""
 
     OWNER: ClassVar[str] = "adamerging"
 
     granularity: Literal["task", "layer"] = "layer"
-    init: float = 0.3
-    lr: float = Field(1e-3, gt=0.0)
-    steps: Steps = 500
-    batch_size: Count = 16
-    clamp: Flag = True
-    seed: NonNegativeInt = 0
     log_every: Count = 10
 
     def __init__(self, **values: Any):
