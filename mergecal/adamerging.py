@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from .config_types import Count
 from .errors import ParameterError
-from .methods.adamerging import AdaMergingSettings
+from .methods.adamerging_settings import AdaMergingSettings
 from .task_vectors import check_finite
 
 StateDict = Mapping[str, torch.Tensor]

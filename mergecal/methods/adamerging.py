@@ -22,29 +22,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
-from pydantic import Field
 
-from ..config_types import Count, Flag, NonNegativeInt, Steps
 from ..errors import ParameterError
 from ..task_vectors import TaskVectorSet
-from .base import HyperParams, MergeMethod, MergeParams, register
+from .adamerging_settings import AdaMergingSettings
+from .base import MergeMethod, MergeParams, register
 
 if TYPE_CHECKING:
     from ..adamerging import AdaMergingConfig, AdaMergingResult
-
-
-class AdaMergingSettings(HyperParams):
-    """The learning's settings, the one home of their defaults (the authors' code's, the paper's runs): every
-    coefficient's ``init``, Adam's ``lr``, ``steps``, ``batch_size`` inputs per task and step, ``clamp`` to [0, 1]
-    where used, the draws' ``seed``. The merge methods' parameters and ``mergecal.adamerging.AdaMergingConfig``
-    both extend it."""
-
-    init: float = 0.3
-    lr: float = Field(1e-3, gt=0.0)
-    steps: Steps = 500
-    batch_size: Count = 16
-    clamp: Flag = True
-    seed: NonNegativeInt = 0
 
 
 class AdaMergingParams(AdaMergingSettings, MergeParams):
