@@ -34,10 +34,9 @@ from .....checkpoint import atomic_write_text, load_state_dict, save_state_dict
 from .....errors import CheckpointError, ParameterError
 from ....config import Params
 from .params import LocalClipTrack
-from .....backbones.clip_checkpoints import (VISUAL, build_model, finetuned_visual, load_visual, open_checkpoint,
-                                             pretrained_visual)
-from .stages import (TaskData, arch_of, check_labels, finetuned_path, heads_path, pretrained_path, references_path,
-                     sample)
+from .....backbones.clip_checkpoints import VISUAL, build_model, load_visual, open_checkpoint, pretrained_visual
+from .stages import (TaskData, arch_of, check_labels, finetuned_path, finetuned_view, heads_path, pretrained_path,
+                     references_path, sample)
 from ....own_models import checked_reference, local_root
 from ....results import one_line
 from ..family import TaskHeadModel
@@ -75,7 +74,7 @@ def _checked_references(track: LocalClipTrack, root: Path) -> dict:
 
 def _open(track: LocalClipTrack, root: Path):
     pre = open_checkpoint(pretrained_path(track, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
-    views = {t: finetuned_visual(pre, finetuned_path(track, t, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
+    views = {t: finetuned_view(pre, finetuned_path(track, t, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
              for t in track.finetuned}
     return pre, pretrained_visual(pre), views
 

@@ -31,9 +31,9 @@ from ....cells import (Cell, CellResult, base_params, finetuned_reference, per_e
 from ....chains import DATA_MERGE_SKIP, merge_needs_data
 from ....config import Params
 from .params import LocalClipTrack
-from .....backbones.clip_checkpoints import (VisualView, build_model, checkpoint_files, finetuned_visual,
-                                             open_checkpoint, pretrained_visual, visual_keys)
-from .stages import TaskData, arch_of, finetuned_path, heads_path, model_paths, pretrained_path, references_path
+from .....backbones.clip_checkpoints import VisualView, build_model, open_checkpoint, pretrained_visual, visual_keys
+from .stages import (TaskData, arch_of, expert_files, finetuned_path, finetuned_view, heads_path, model_paths,
+                     pretrained_path, references_path)
 from .calibration import distac_dir, read_recorded, sensitivity_path, train_sample
 from ....own_models import checked_reference, role_files
 from ..family import check_distac_file
@@ -80,16 +80,16 @@ def skipped(params: Params) -> list[tuple[Cell, str]]:
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
-    """references.json, the heads and the files ``open_checkpoint`` reads of the checkpoints the cell reads (a
-    missing or unusable one contributes nothing: references.json then holds its error, and the cell fails
-    with it)."""
+    """references.json, the heads and the files ``open_checkpoint`` reads of the checkpoints the cell reads (of a
+    PEFT adapter, its two adapter files: its model is the pretrained one's and these; a missing or unusable one
+    contributes nothing: references.json then holds its error, and the cell fails with it)."""
     track = configured_track(cell, params)
     files = {"reference": references_path(track, root)}
     for role, path in model_paths(track, root).items():
         if role != "pretrained" and cell.merge == "zeroshot":
             continue
         try:
-            found = checkpoint_files(path, with_config=role == "pretrained" and track.model.arch is None)
+            found = expert_files(path, with_config=role == "pretrained" and track.model.arch is None)
         except MergecalError:
             continue
         files.update(role_files(role, path, found))
@@ -197,7 +197,7 @@ def session(cell: Cell, recipe: Recipe, grid: tuple[float, ...], params: Params,
     tasks, per_task = list(cell.tasks), reference["tasks"]
 
     pre = open_checkpoint(pretrained_path(track, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
-    finetuned = [finetuned_visual(pre, finetuned_path(track, t, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
+    finetuned = [finetuned_view(pre, finetuned_path(track, t, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
                  for t in tasks]  # checked again here: a file may have changed since the stage ran
     pre_steps = recipe.phase("pre")
     conditioned = _distac_views(track, root, pre, pre_steps[0], tasks) if pre_steps else {}

@@ -56,8 +56,10 @@ class LocalClipModel(Strict):
 
 class LocalClipTrack(Strict):
     """A lab's own CLIP checkpoints and datasets: the pretrained model, one fine-tuned checkpoint per task (an
-    open_clip state dict in safetensors, a Hugging Face CLIP(Vision)Model directory, or, with
-    ``allow_unsafe_pickle``, a pickled file such as task_vectors' finetuned.pt) and one local dataset per task
+    open_clip state dict in safetensors, a Hugging Face CLIP(Vision)Model directory, a PEFT adapter directory
+    (LoRA or IA³ on the pretrained model's image tower, applied as peft's ``merge_and_unload`` applies it:
+    ``stages.adapter_source``) or, with ``allow_unsafe_pickle``, a pickled file such as task_vectors'
+    finetuned.pt) and one local dataset per task
     (the data location holding it in any layout ``mergecal.data.real_vision`` reads). Tasks are the eight
     standard vision tasks and the twelve of the TALL-mask sets (their names as ``real_vision`` spells them,
     case ignored); ``class_names`` and

@@ -17,6 +17,12 @@ open_clip and task_vectors state dicts), key by key from safetensors; a pickled 
 loaded whole, the warning naming it). Only the image encoder is merged (``visual.*``): the text tower gives the
 frozen heads. A fine-tuned checkpoint must hold the pretrained image encoder's keys with its shapes; a Hugging
 Face CLIPVisionModel has no projection (``visual.proj``), which is then the pretrained one, as in FusionBench.
+
+A fine-tuned model may be a PEFT adapter directory trained on the pretrained CLIP (``mergecal.adapters``: LoRA on its
+image tower's Linear layers, IA³): ``local_inputs`` records its adapter_config.json and adapter_model.safetensors and
+refuses, in one line naming the params key and the file, what the adapters package does not read and an adapter that
+does not fit the pretrained model; it is read key by key as the pretrained weights plus the adapter, as peft's
+``merge_and_unload`` computes them (``adapter_source``), and otherwise like any fine-tuned checkpoint.
 """
 
 from __future__ import annotations
@@ -28,14 +34,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .....adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, IA3Expert, LoraExpert, adapter_from_tensors,
+                           is_adapter_dir, read_adapter)
+from .....adapters.read import PEFT_PREFIX
 from .....backbones.clip_checkpoints import (CHECKPOINT_FILES, VisualView, build_model, checkpoint_files,
                                              finetuned_visual, load_visual, open_checkpoint, pretrained_visual,
-                                             register_hf_arch)
+                                             register_hf_arch, visual_keys)
+from .....backbones.clip_layouts import OpenClipLayoutSource
 from .....checkpoint import atomic_write_text, save_state_dict
 from .....data.real_vision import (DatasetError, canonical_task, expected_layouts, find_layout, load_real_split,
                                 task_metadata)
 from .....data.real_vision import dataset_files as split_files
-from .....errors import CheckpointError, MergecalError
+from .....errors import CheckpointError, MergecalError, ParameterError
 from ....hashing import HASH_CACHE, file_digest
 from .params import LocalClipTrack
 from ....config import Params
@@ -71,6 +81,110 @@ def dataset_root(track: LocalClipTrack, task: str, root: str | Path) -> Path:
 
 def arch_of(track: LocalClipTrack, root: str | Path) -> str:
     return track.model.arch or register_hf_arch(pretrained_path(track, root))
+
+
+# ------------------------------------------------------------------------------------- PEFT adapter experts
+
+# the keys of the image encoder in a pretrained checkpoint's own layout: open_clip's, Hugging Face CLIP's
+IMAGE_TOWER = ("visual.", "model.visual.", "vision_model.", "visual_projection.")
+
+
+class _UnderVisual:
+    """An adapter's saved tensors renamed as if peft had wrapped the whole CLIP: ``base_model.model.<m>`` read as
+    ``base_model.model.visual.<m>``."""
+
+    def __init__(self, tensors):
+        self.tensors, self.name = tensors, tensors.name
+        self._own = {PEFT_PREFIX + "visual." + k.removeprefix(PEFT_PREFIX): k for k in tensors.keys()}
+
+    def keys(self) -> list[str]:
+        return list(self._own)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.tensors.shape(self._own[key])
+
+    def dtype(self, key: str):
+        return self.tensors.dtype(self._own[key])
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.tensors.get(self._own[key])
+
+
+def tower_adapter(adapter):
+    """The adapter named as the CLIP's checkpoint names its keys: one peft made on open_clip's image tower alone
+    (``get_peft_model(model.visual, ...)``, which peft records in ``auto_mapping``) lacks the ``visual.`` prefix,
+    and its module names would otherwise read as the text tower's (``transformer.resblocks.*``)."""
+    mapping = adapter.config.get("auto_mapping") or {}
+    if not (mapping.get("base_model_class") == "VisionTransformer"
+            and str(mapping.get("parent_library", "")).startswith("open_clip")):
+        return adapter
+    return adapter_from_tensors(adapter.config, _UnderVisual(adapter.tensors), adapter.where, path=adapter.path)
+
+
+def adapter_source(pre, adapter_dir: Path) -> OpenClipLayoutSource:
+    """A PEFT adapter over the pretrained CLIP ``pre`` (``open_checkpoint``) as a ``TensorSource`` in open_clip's
+    layout: the adapter applied to the pretrained checkpoint in its own layout, whose names its modules follow (LoRA
+    as base + delta, IA³ as the scaled base: ``mergecal.adapters``, bit for bit peft's ``merge_and_unload``), then
+    mapped as any checkpoint is. Refused in one line naming the adapter's file: what the adapters package does not
+    read (DoRA, LoRA variants, another peft_type, adapter_model.bin), a target the pretrained model lacks or whose
+    shape differs (an adapter of another base), LoRA on nn.MultiheadAttention, and a target outside the image
+    encoder (the text tower gives the frozen heads: a change to it would be silently dropped)."""
+    adapter = tower_adapter(read_adapter(adapter_dir))
+    raw = pre.source  # the pretrained checkpoint in its own layout (HF CLIP or open_clip)
+    keys = set(raw.keys())
+    for module in adapter.modules.values():
+        # peft wraps open_clip's attn (nn.MultiheadAttention) as lora.MultiheadAttention: its in_proj delta and the
+        # nested out_proj (".base_layer.") are not modules the adapters package merges
+        if f"{module.module}.in_proj_weight" in keys or ".base_layer." in f".{module.module}.":
+            attn = module.module.split(".base_layer.")[0]
+            raise CheckpointError(f"{adapter.weights_path}: module {attn!r} is LoRA on nn.MultiheadAttention "
+                                  "(open_clip's attn), which is not read; target the Linear layers (mlp.c_fc, "
+                                  "mlp.c_proj, attn.out_proj)")
+    for key in [*adapter.modules, *adapter.replacements]:
+        if key in keys and not key.startswith(IMAGE_TOWER):
+            raise CheckpointError(f"{adapter.weights_path}: key {key!r} is not of the image encoder, the only part "
+                                  "of the CLIP merged (the text tower gives the frozen zero-shot heads)")
+    expert = (LoraExpert if adapter.kind == "lora" else IA3Expert)(raw, adapter, f"PEFT adapter {adapter_dir}")
+    return OpenClipLayoutSource(expert, str(adapter_dir))
+
+
+def finetuned_view(pre, path: Path, *, allow_unsafe_pickle: bool = False) -> VisualView:
+    """A fine-tuned model's image encoder over the pretrained one's keys: a PEFT adapter directory applied to the
+    pretrained CLIP (``adapter_source``), else the checkpoint (``finetuned_visual``: its keys and shapes checked)."""
+    if is_adapter_dir(path):
+        return VisualView(adapter_source(pre, path), visual_keys(pre))
+    return finetuned_visual(pre, path, allow_unsafe_pickle=allow_unsafe_pickle)
+
+
+def expert_files(path: Path, *, with_config: bool = False) -> list[Path]:
+    """The files a model is read from: a PEFT adapter directory's config and safetensors weights (nothing else of
+    it), else a checkpoint's (``checkpoint_files``)."""
+    if is_adapter_dir(path):
+        return [path / name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if (path / name).is_file()]
+    return checkpoint_files(path, with_config=with_config)
+
+
+def check_adapter_params(track: LocalClipTrack, role: str, path: Path, key: str, root: str | Path) -> None:
+    """A PEFT adapter where the track names one, checked when the params are read (stage ``local_inputs``) and
+    refused in one line naming its params key: as the pretrained model, or what ``adapter_source`` refuses. The
+    fit to the pretrained model is checked here when it opens without unpickling (else by ``local_tracks``, which
+    records the error for the task's cells)."""
+    if not is_adapter_dir(path):
+        return
+    if role == "pretrained":
+        raise ParameterError(f"{key}: {path} is a PEFT adapter; give the pretrained CLIP its adapters were trained "
+                             "on")
+    try:
+        pre = open_checkpoint(pretrained_path(track, root))
+    except MergecalError:  # missing, pickled or unreadable: the track's own error, recorded by local_tracks
+        pre = None
+    try:
+        if pre is None:
+            read_adapter(path)
+        else:
+            adapter_source(pre, path)
+    except MergecalError as err:
+        raise ParameterError(f"{key}: {one_line(err)}") from None
 
 
 # --------------------------------------------------------------------------------------------------- data
@@ -166,8 +280,9 @@ def input_files(track: LocalClipTrack, root: str | Path, where: str = "") -> dic
     files: dict[str, Path | dict] = {}
     for role, path in model_paths(track, root).items():
         with_config = role == "pretrained" and track.model.arch is None
+        check_adapter_params(track, role, path, where + keys[role], root)
         files.update(loaded_files(role, path, where + keys[role],
-                                  lambda p, c=with_config: checkpoint_files(p, with_config=c), CHECKPOINT_FILES))
+                                  lambda p, c=with_config: expert_files(p, with_config=c), CHECKPOINT_FILES))
     for task in track.finetuned:
         base = dataset_root(track, task, root)
         files.update(loaded_files(f"dataset.{task}", base, f"{where}datasets.{task}",
@@ -246,8 +361,7 @@ def references(track: LocalClipTrack, root: str | Path = ".", *, seed: int = 0, 
                 # the test split's per-example results: the leaderboard's intervals of the zeroshot row
                 entry["zeroshot"][split] = data.score(model, heads[task], task, split, device,
                                                       per_example=split == "test")
-            ft = finetuned_visual(pre, finetuned_path(track, task, root),
-                                  allow_unsafe_pickle=track.allow_unsafe_pickle)
+            ft = finetuned_view(pre, finetuned_path(track, task, root), allow_unsafe_pickle=track.allow_unsafe_pickle)
             load_visual(model, ((k, ft.get(k)) for k in ft.keys()))
             val = data.score(model, heads[task], task, "validation", device)
             test = data.score(model, heads[task], task, "test", device, per_example=True)
