@@ -318,3 +318,12 @@ def test_a_malformed_measurement_or_analysis_file_is_one_line(tmp_path):
                                            "merges": ["a"], "claims": [{"kind": "top_gap", "text": "gap"}]})
     with pytest.raises(MergecalError, match="analysis.json: svc.fig9: not the data of a svc_spectrum analysis"):
         reports.analysis_section(analysis, {"seed": 0, "regime": "standard", "data": {"a": {"alpha": 1}}}, "p")
+
+
+def test_the_protocol_names_a_merge_that_learns_its_coefficients_apart_from_the_searched_ones():
+    e = experiment(merges=["adamerging_lw", "task_arithmetic", "tsv_m"], scaling={"task_arithmetic": 0.3},
+                   variants={"x": "{merge}>dsc"})
+    assert reports.protocol_text(e) == (
+        "λ = 0.3 fixed (no search) for `task_arithmetic`; `adamerging_lw` with coefficients learned on unlabelled "
+        "inputs (no λ searched); `tsv_m` at the scaling searched on validation, a calibration at the scaling its "
+        "merge chose")

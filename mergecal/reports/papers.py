@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 
 from ..errors import MergecalError
 from ..intervals import paired_interval, stratified_interval
+from ..methods import MERGE_METHODS
 from ..recipe import Recipe
 from . import paper_distac
 from .claims import (REFERENCE_ROWS, VERDICTS, fmt_change, fmt_interval, interval_points, overall, sentence,
@@ -198,11 +199,15 @@ def protocol_text(experiment) -> str:
     for merge in experiment.merges:
         if (value := experiment.scaling_of(merge)) is not None:
             fixed.setdefault(value, []).append(merge)
-    searched = [m for m in experiment.merges if experiment.scaling_of(m) is None]
+    learned = [m for m in experiment.merges
+               if experiment.scaling_of(m) is None and m in MERGE_METHODS and MERGE_METHODS[m].needs_data]
+    searched = [m for m in experiment.merges if experiment.scaling_of(m) is None and m not in learned]
     def named(merges: list[str]) -> str:
         return "every merge" if len(merges) == len(experiment.merges) else ", ".join(f"`{m}`" for m in merges)
 
     parts = [f"λ = {value:g} fixed (no search) for {named(merges)}" for value, merges in fixed.items()]
+    if learned:  # AdaMerging: its coefficients are its scale, learned on unlabelled inputs; its grid is 1
+        parts.append(f"{named(learned)} with coefficients learned on unlabelled inputs (no λ searched)")
     if searched:
         parts.append(f"{named(searched)} at the scaling searched on validation, a calibration at the scaling its "
                      "merge chose")
