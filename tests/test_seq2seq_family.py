@@ -22,7 +22,7 @@ from mergecal.data.seq2seq import pretraining_documents, seq2seq_splits, seq2seq
 from mergecal.errors import MergecalError, ParameterError
 from mergecal.evaluation.seq2seq import exact_match, loglikelihoods, rank_classification
 from mergecal.train.seq2seq import (Seq2SeqTrainConfig, TinyT5Shape, _corruption_batches, create_tiny_t5,
-                                    finetune_t5, load_t5, pack_documents, pretrain_t5, random_spans_noise_mask,
+                                    finetune_t5, load_t5, pack_corpus, pretrain_t5, random_spans_noise_mask,
                                     sentinel_ids, span_corrupt, span_lengths, train_t5_tokenizer)
 
 transformers = pytest.importorskip("transformers")
@@ -122,7 +122,7 @@ def test_span_corruption_reassembles_the_block(documents):
     assert sentinels == list(range(len(tokenizer) - 1, len(tokenizer) - 1 - SHAPE.extra_ids, -1))
     assert tokenizer("max(37, 48) =")["input_ids"][-1] == eos  # T5's tokenizer appends </s>
     assert span_lengths(512, 0.15, 3.0) == (77, 26)  # T5's 512-token inputs: 77 noise tokens in 26 spans
-    blocks = pack_documents(tokenizer, documents, 64)
+    blocks = pack_corpus(tokenizer, documents, 64)
     rng = np.random.default_rng(0)
     for row in blocks[:20]:
         ids = row.tolist()
@@ -156,7 +156,7 @@ def test_pretraining_lowers_the_loss_and_writes_the_same_bytes(base, documents, 
     model, tokenizer = load_t5(base)
     assert type(model).__name__ == "T5ForConditionalGeneration" and model.config.feed_forward_proj == "gated-gelu"
     assert len(tokenizer) == model.config.vocab_size == SHAPE.vocab_size
-    batch = _corruption_batches(pack_documents(tokenizer, documents, 32), tokenizer, PRETRAIN)(torch.arange(16))
+    batch = _corruption_batches(pack_corpus(tokenizer, documents, 32), tokenizer, PRETRAIN)(torch.arange(16))
     initial = create_tiny_t5(tokenizer, SHAPE, seed=PRETRAIN.seed).eval()
     with torch.no_grad():
         before, after = float(initial(**batch).loss), float(model(**batch).loss)

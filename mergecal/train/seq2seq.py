@@ -40,7 +40,7 @@ from ..config_types import (MAX_COUNT, MAX_INDEX, MAX_STEPS, ConfigValueError, C
 from ..device import resolve_device
 from ..errors import ParameterError, UnknownNameError
 from ..outputs import OutputDir, remove_stale
-from .lm import METADATA_FILE, count_parameters, read_metadata, text_digest, write_metadata
+from .lm import METADATA_FILE, count_parameters, pack_corpus, read_metadata, text_digest, write_metadata
 from .lr_schedule import cosine_lr, set_lr
 
 PAD, EOS = "<pad>", "</s>"
@@ -49,7 +49,7 @@ METHODS = ("full", "ia3")
 BASE_TOKENS = 258  # a byte-level BPE's 256 bytes, <pad> and </s>: the smallest vocabulary before merges
 
 __all__ = ["BASE_TOKENS", "EOS", "FieldError", "METADATA_FILE", "METHODS", "PAD", "Seq2SeqTrainConfig",
-           "TinyT5Shape", "create_tiny_t5", "encode_pairs", "finetune_t5", "load_t5", "pack_documents",
+           "TinyT5Shape", "create_tiny_t5", "encode_pairs", "finetune_t5", "load_t5", "pack_corpus",
            "pretrain_t5", "random_spans_noise_mask", "read_metadata", "sentinel", "sentinel_ids", "span_corrupt",
            "span_lengths", "train_seq2seq", "train_t5_tokenizer"]
 
@@ -257,17 +257,6 @@ def span_corrupt(ids: Sequence[int], mask: np.ndarray, sentinels: Sequence[int],
     return inputs + [eos_id], targets + [eos_id]
 
 
-def pack_documents(tokenizer, texts: Sequence[str], block: int) -> torch.Tensor:
-    """[n_blocks, block] token ids: documents joined by ``</s>``, cut into blocks (the ragged tail is dropped)."""
-    ids: list[int] = []
-    for encoded in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
-        ids += encoded + [tokenizer.eos_token_id]
-    n = len(ids) // block
-    if n == 0:
-        raise ParameterError(f"pack_documents: {len(ids)} tokens do not fill one block of {block}")
-    return torch.tensor(ids[:n * block], dtype=torch.long).view(n, block)
-
-
 def _corruption_batches(blocks: torch.Tensor, tokenizer, config: Seq2SeqTrainConfig
                         ) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
     """Each call corrupts the given blocks with fresh masks from one seeded generator (every row the same
@@ -371,7 +360,7 @@ def pretrain_t5(texts: Sequence[str], out_dir: str | os.PathLike, *, shape: Tiny
     ``out_dir``, a directory ``T5ForConditionalGeneration.from_pretrained`` loads."""
     tokenizer = train_t5_tokenizer(texts, shape.vocab_size, shape.extra_ids)
     model = create_tiny_t5(tokenizer, shape, seed=config.seed)
-    blocks = pack_documents(tokenizer, texts, config.max_length)
+    blocks = pack_corpus(tokenizer, texts, config.max_length)  # documents joined by </s>
     num_noise, num_spans = span_lengths(config.max_length, config.noise_density, config.mean_noise_span_length)
     losses = train_seq2seq(model, _corruption_batches(blocks, tokenizer, config), int(blocks.shape[0]), config,
                            desc="pretrain (span corruption)", progress=progress, device=device)
