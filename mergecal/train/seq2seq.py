@@ -41,6 +41,7 @@ from ..device import resolve_device
 from ..errors import ParameterError, UnknownNameError
 from ..outputs import OutputDir, remove_stale
 from .lm import METADATA_FILE, count_parameters, pack_corpus, read_metadata, text_digest, write_metadata
+from .lm import _summary  # training.json's loss summary, the same as the tiny Llama's
 from .lr_schedule import cosine_lr, set_lr
 
 PAD, EOS = "<pad>", "</s>"
@@ -346,12 +347,6 @@ def train_seq2seq(model, batches: Callable[[torch.Tensor], dict[str, torch.Tenso
             optimizer.step()
             losses.append(loss.item())
     return losses
-
-
-def _summary(losses: list[float]) -> dict:
-    tail = losses[-max(1, len(losses) // 10):]
-    return {"first_loss": losses[0], "final_loss": sum(tail) / len(tail),
-            "losses_every_10": [round(x, 4) for x in losses[::10]]}
 
 
 def pretrain_t5(texts: Sequence[str], out_dir: str | os.PathLike, *, shape: TinyT5Shape = TinyT5Shape(),
