@@ -15,6 +15,16 @@ LLM_MICRO = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidde
                  num_key_value_heads=1, max_position_embeddings=64)
 
 
+def perturb_trainable(model, seed: int, scale: float = 0.05) -> None:
+    """Trained-looking adapter weights: every trainable tensor of a peft model moved by seeded noise (lora_B starts
+    at zero; IA³ vectors stay near 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(scale * torch.randn(param.shape, generator=g).to(param.dtype))
+
+
 class CreatesAFile:
     """Unpickling this creates ``path``: a pickle that must never be loaded."""
 

@@ -23,6 +23,8 @@ from mergecal.merge import iter_weight_space
 from mergecal.recipe import Recipe
 from mergecal.task_vectors import TaskVectorSet
 
+from local_models import perturb_trainable
+
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
@@ -86,18 +88,10 @@ def _load(base: str):
     return cls.from_pretrained(base, dtype="auto").eval()
 
 
-def _perturb(peft_model, seed: int, scale: float = 0.05) -> None:
-    """Trained-looking adapter weights: every trainable tensor moved by seeded noise (IA³ vectors stay near 1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if param.requires_grad:
-                param.add_(scale * torch.randn(param.shape, generator=g).to(param.dtype))
-
 
 def _adapter(base: str, out: Path, config, seed: int = 0) -> str:
     model = peft.get_peft_model(_load(base), config)
-    _perturb(model, seed)
+    perturb_trainable(model, seed)
     model.save_pretrained(str(out))
     return str(out)
 

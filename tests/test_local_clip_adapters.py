@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from local_models import CLIP_ARCH, CLIP_TASKS, write_clip_track
+from local_models import CLIP_ARCH, CLIP_TASKS, perturb_trainable, write_clip_track
 from mergecal.backbones import clip_checkpoints
 from mergecal.errors import ParameterError
 from mergecal.pipeline import cells as cells_mod
@@ -30,18 +30,10 @@ def _clip(pretrained: Path, arch: str = CLIP_ARCH):
     return clip_checkpoints.build_model(arch, clip_checkpoints.open_checkpoint(pretrained))
 
 
-def _perturb(model, seed: int) -> None:
-    """Trained-looking adapter weights: every trainable tensor moved by seeded noise (lora_B starts at zero)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            if param.requires_grad:
-                param.add_(0.05 * torch.randn(param.shape, generator=g).to(param.dtype))
-
 
 def _adapter(model, out: Path, config, seed: int) -> Path:
     peft_model = peft.get_peft_model(model, config)
-    _perturb(peft_model, seed)
+    perturb_trainable(peft_model, seed)
     peft_model.save_pretrained(str(out))
     return out
 
@@ -233,7 +225,7 @@ def test_an_adapter_on_a_hugging_face_clip_is_read_in_open_clip_layout_bit_for_b
     micro_hf_clip().save_pretrained(tmp_path / "pretrained")
     targets = r"vision_model\.encoder\.layers\.\d+\.(mlp\.fc1|self_attn\.q_proj)"
     peft_model = peft.get_peft_model(micro_hf_clip(), peft.LoraConfig(r=2, target_modules=targets))
-    _perturb(peft_model, 5)
+    perturb_trainable(peft_model, 5)
     peft_model.save_pretrained(str(tmp_path / "adapter"))
     expected = OpenClipLayoutSource(DictSource(peft_model.merge_and_unload().state_dict()))
     pre = clip_checkpoints.open_checkpoint(tmp_path / "pretrained")

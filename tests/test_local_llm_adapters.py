@@ -15,6 +15,7 @@ from mergecal.pipeline.config import load_params, parse_params
 from mergecal.pipeline.tracks import lab_files
 from mergecal.pipeline.tracks.causal_lm.files import stages as local_llm
 from test_local_llm import _stages, _track, _write_params, checkpoints, prefect_server  # noqa: F401  (fixtures)
+from local_models import perturb_trainable
 
 peft = pytest.importorskip("peft")
 
@@ -27,19 +28,11 @@ def _load(base: Path):
     return load_causal_lm(base)
 
 
-def _perturb(model, seed: int) -> None:
-    """Trained-looking adapter weights: every trainable tensor moved by seeded noise (lora_B starts at zero)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            if param.requires_grad:
-                param.add_(0.05 * torch.randn(param.shape, generator=g).to(param.dtype))
-
 
 def _adapter(base: Path, out: Path, config, seed: int) -> Path:
     model, _ = _load(base)
     peft_model = peft.get_peft_model(model, config)
-    _perturb(peft_model, seed)
+    perturb_trainable(peft_model, seed)
     peft_model.save_pretrained(str(out))
     return out
 
