@@ -102,8 +102,8 @@ class Experiment(Strict):
     # (the SVC paper's "original" rows beside its SVC at lambda = 1)
     base_scaling: Literal["same", "searched"] = "same"
     merges: list[str] = Field(min_length=1)
-    # the settings of a merge the default matrix does not run (not in params.yaml's benchmark.merges: AdaMerging, a
-    # half-hour a cell), as benchmark.merges writes them; benchmark.merges' own, where it has the merge, come first
+    # the settings of a merge the default matrix does not run (not in params.yaml's benchmark.merges: AdaMerging,
+    # which learns on data in each cell), as benchmark.merges writes them; benchmark.merges' own come first
     merge_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
     base: str = "{merge}"
     variants: dict[str, str] = Field(default_factory=dict)  # name -> chain
