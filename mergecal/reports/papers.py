@@ -110,7 +110,7 @@ def claim_verdicts(experiment, groups: Sequence[Group], claim, variant_names: Se
                 continue
             mine, other = (variant_names[-1], variant_names[0]) if claim.kind == "increase" else (claim.variant,
                                                                                                   claim.than)
-            than_merge = getattr(claim, "than_merge", None) or merge
+            than_merge = claim.than_merge or merge
             interval = change(group, outcomes.get(mine), group.outcomes.get(than_merge, {}).get(other))
             unit = {"regime": group.regime, "seed": group.seed, "merge": merge, "variant": mine, "than": other}
             if than_merge != merge:
