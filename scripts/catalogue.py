@@ -43,6 +43,10 @@ HOW = """## The papers' profile: `make paper`
   with each step's test accuracy, entropy and norm (its trajectory) under
   `models/<backbone>/papers/seeds/<seed>/<regime>/`;
   stage `paper_trajectories` repeats the default run's DisTaC with the same observer (bit for bit its models).
+- **the seq2seq track** (`seq2seq` in params.yaml, [seq2seq.md](seq2seq.md)): a tiny T5 pretrained by span
+  corruption (stage `paper_seq2seq_base`) and, per fine-tuning seed, its experts fully fine-tuned (regime `standard`)
+  and tuned with IA3 (`ia3`) with their references (`paper_seq2seq@<seed>`); its regimes run in this profile only,
+  for the SVC and MAGIC papers' T5 / T0 tables (`svc.tab12`, `svc.tab13`, `magic.tab4`).
 - **experiments** (`experiments:` in `mergecal/experiments/svc.yaml` and `magic.yaml`): a track, its regimes, the
   merges, a base chain and its variants, listed (`variants: {row: "{merge}>svc(space='row')"}`) or swept
   (`sweep:` a parameter's `values` in `{value}`, each task's index in `{index}` with `over: tasks`, or the first N

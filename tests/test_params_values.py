@@ -230,11 +230,13 @@ def test_schema_defaults_are_the_librarys_and_enabled_means_what_it_says():
 
     assert defaults.llm.tasks == list(LLM_TASKS)
     assert LmTrainConfig(**defaults.llm.finetune_config("maximum", 0)) == LmTrainConfig()
-    merges = {"benchmark": {"merges": {"ties": {}}}}
+    # the seq2seq track's regimes run in the papers' profile only: one in the matrix here
+    merges = {"benchmark": {"merges": {"ties": {}}}, "seq2seq": {"regimes": ["standard"], "paper_regimes": ["ia3"]}}
     tracks = set(track_registry.BUILT)
     assert {c.track for c in enumerate_cells(parse_params(merges))} == tracks
+    assert "seq2seq" not in {c.track for c in enumerate_cells(parse_params({}))}
     for track in tracks:
-        disabled = parse_params({**merges, track: {"enabled": False}})
+        disabled = parse_params({**merges, track: {**merges.get(track, {}), "enabled": False}})
         assert {c.track for c in enumerate_cells(disabled)} == tracks - {track}
 
 

@@ -442,7 +442,7 @@ def narrowed_params(params: Params, experiment: Experiment, chains: list[str] | 
     chains = chains or list(dict.fromkeys(v.chain for v in found[1:]))
     profile = [r for r in experiment.regimes if r in getattr(section, "paper_regimes", [])]
     probed = [c for c in [experiment.base, *chains] if uses_sensitivity(c.replace(MERGE_ALONE, "task_arithmetic"))]
-    if profile and probed:
+    if profile and probed and experiment.track == "vision":  # the probe is the vision track's (other tracks: none)
         raise MergecalError(f"{where}: chain {probed[0]!r} reads the probe, which the papers' regime {profile[0]!r} "
                             "does not run")
     update: dict[str, Any] = {"merges": {m: settings[m] for m in experiment.merges}}
