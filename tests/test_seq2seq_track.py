@@ -63,20 +63,39 @@ def test_stages_write_the_layout_and_references(built):
             assert len(entry["test_correct"]) == 12 and entry["norm"] > 0
             assert entry["test_accuracy"] == pytest.approx(sum(entry["test_correct"]) / 12)
         assert set(found["base"]) == {"validation", "test"}
+    # nothing in the built files names the checkout (peft writes the base's path into an adapter's config)
+    for path in [*stages.data_root(root).rglob("*"), *stages.models_root(params, root).rglob("*")]:
+        if path.is_file():
+            assert str(root).encode() not in path.read_bytes(), path
+    config = json.loads((stages.expert_dir(params, root, "ia3", "maximum") / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == f"models/{params.seq2seq.backbone}/base"
 
 
 def test_references_and_a_searched_cell_run(built):
     root, params, references = built
     cells = [c for c in get_track("seq2seq").cells(params) if c.regime == "standard"]
+    tasks = params.seq2seq.tasks
     for cell in [c for c in cells if c.merge in REFERENCES]:
         result = run_cell(cell, params, root)
-        assert set(result.examples) == set(params.seq2seq.tasks)
+        assert set(result.examples) == set(tasks)
         if cell.merge == "finetuned":
             assert result.metrics["avg_norm_acc"] == pytest.approx(1.0)
+        else:  # the base scored at cell time, as its stage scored it
+            assert {t: result.metrics[f"acc.{t}"] for t in tasks} == references["standard"]["base"]["test"]
     searched = next(c for c in cells if c.label == "task_arithmetic")
     result = run_cell(searched, params, root)
-    assert result.metrics["selected_scaling"] in searched.grid
-    assert len(result.diagnostics["scaling_curve"]) == len(searched.grid)
+    curve = result.diagnostics["scaling_curve"]
+    assert [p["scaling"] for p in curve] == list(searched.grid)
+    best = max(curve, key=lambda p: p["avg_norm_acc"])  # the first of equal scores
+    assert result.metrics["selected_scaling"] == best["scaling"]
+    # a point of the curve: the merge at that scaling on the validation examples, normalized by the experts' own
+    point = curve[-1]
+    with get_track("seq2seq").session(searched, Recipe.parse(searched.recipe), searched.grid, params, root) as session:
+        model = session.merged(point["scaling"])
+    val = stages.score(params, root, *model, tasks, "validation", limit=params.seq2seq.evaluation.max_validation)
+    reference = references["standard"]["tasks"]
+    assert point["avg_norm_acc"] == pytest.approx(
+        sum(val[t]["accuracy"] / reference[t]["val_accuracy"] for t in tasks) / len(tasks))
     assert not list(stages.work_dir(root).glob("cell-*"))  # the scratch merges are gone
 
 
@@ -133,10 +152,20 @@ def test_ia3_skips_matrix_chains_and_runs_the_vector_forms(built):
                                                      "{merge}>wsc(key_rule='vectors', granularity='layer')"],
                            fixed_scaling=[])
     cells = {c.label: c for c in get_track("seq2seq").cells(vectors)}
+    track, examples = get_track("seq2seq"), stages.load_split(root, "maximum", "test")
+
+    def scores(cell, scaling):  # the log-likelihood of every choice under the cell's merge at ``scaling``
+        with track.session(cell, Recipe.parse(cell.recipe), (scaling,), vectors, root) as session:
+            model, tokenizer = session.merged(scaling)
+        return torch.as_tensor(rank_classification(model, tokenizer, examples, batch_size=8)["scores"])
+
+    plain = scores(cells["task_arithmetic"], 0.5)
     for label in ("task_arithmetic>svc(calibrate_vectors=true)",
                   "task_arithmetic>wsc(key_rule='vectors', granularity='layer')"):
         result = run_cell(cells[label], vectors, root, scaling=0.5 if cells[label].scaling_from else None)
         assert 0.0 <= result.metrics["avg_acc"] <= 1.0 and set(result.examples) == set(vectors.seq2seq.tasks)
+        assert not torch.allclose(scores(cells[label], 0.5), plain, atol=1e-6), label  # the step changed the merge
+    assert "DisTaC" in why_not(Recipe.parse("rescale>task_arithmetic"), "standard")  # conditions whole models
 
 
 def test_the_default_run_has_no_seq2seq_cells_and_bad_values_fail_in_one_line():

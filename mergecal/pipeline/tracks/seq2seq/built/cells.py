@@ -32,8 +32,8 @@ from .stages import (base_dir, expert_dir, load_model, manifest_path, references
                      validation_limit, work_dir)
 
 NAME = "seq2seq"
-DATA_SKIP = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no seq2seq adapter; the "
-             "seq2seq track runs weight-space chains (merge, svc, wsc)")
+DATA_SKIP = ("needs models and data: DisTaC's steps and MAGIC's feature-space steps (FSC, DSC) have no seq2seq "
+             "adapter; the seq2seq track runs weight-space chains (merge, svc, wsc)")
 VECTOR_SKIP = ("IA³ experts are vectors: {what} is defined on matrices and does not apply (the papers print '—'); "
                "svc(calibrate_vectors=true) and wsc(key_rule=vectors) calibrate vectors")
 #: an IA³ key as the merge reads it (``mergecal.adapters.IA3Vectors``): what a calibration must cover to apply
@@ -46,7 +46,7 @@ def enabled(params: Params) -> bool:
 
 def why_not(recipe: Recipe, regime: str) -> str | None:
     """Why the seq2seq track cannot run ``recipe`` in ``regime`` (None: it can)."""
-    if any(s.needs_data for s in recipe.steps):
+    if any(s.needs_data or s.phase == "pre" for s in recipe.steps):  # DisTaC's rescale conditions whole models
         return DATA_SKIP
     if merge_needs_data(recipe):
         return DATA_MERGE_SKIP
