@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _params(seeds):
-    return parse_params({**smoke_overrides(), "seeds": seeds}, "params")
+    # the seq2seq track's regimes run in the papers' profile only: one in the matrix here, so its cells are checked
+    return parse_params({**smoke_overrides(), "seeds": seeds,
+                         "seq2seq": {"regimes": ["standard"], "paper_regimes": ["ia3"]}}, "params")
 
 
 def test_two_seeds_give_every_cell_twice_each_reading_its_seeds_files(tmp_path):
@@ -80,11 +82,13 @@ def test_a_seeds_paths_lie_under_its_own_directory(track, tmp_path):
     from mergecal.pipeline.tracks.causal_lm.built import stages as llm
     from mergecal.pipeline.tracks.text.built import stages as text
     from mergecal.pipeline.tracks.clip.built import stages as vision
+    from mergecal.pipeline.tracks.seq2seq.built import stages as seq2seq
 
     params = _params([4, 7])
     path = {"vision": lambda s: vision.paths_for(params, tmp_path, s).finetuned("standard", "digits"),
             "text": lambda s: text.finetuned_path(params, tmp_path, "bbc_topics", s),
-            "llm": lambda s: llm.expert_dir(params, tmp_path, "maximum", s)}[track]
+            "llm": lambda s: llm.expert_dir(params, tmp_path, "maximum", s),
+            "seq2seq": lambda s: seq2seq.expert_dir(params, tmp_path, "standard", "maximum", s)}[track]
     assert "/seeds/7/" in str(path(7)) and path(None) == path(4)  # no seed named: the first
 
 
@@ -111,7 +115,8 @@ def test_a_cells_reference_and_session_load_its_own_seeds_models(track_name, mer
         return load
 
     loaders = {"vision": {"VisionModels": 2}, "text": {"TextModels": 2, "references_path": 2},
-               "llm": {"diagnostics_path": 2, "expert_dir": 3}}[track_name]
+               "llm": {"diagnostics_path": 2, "expert_dir": 3},
+               "seq2seq": {"references_path": 3, "expert_dir": 4}}[track_name]
     for name, position in loaders.items():
         monkeypatch.setattr(module, name, recorder(name, position))
     cell = next(c for c in enumerate_cells(params) if c.track == track_name and c.seed == 3 and c.merge == merge

@@ -92,8 +92,10 @@ def skipped(params: Params) -> list[tuple[Cell, str]]:
 
 
 def model_files(models: dict[str, Path]) -> dict[str, Path]:
-    """{role/file name: path} of every file of each model directory."""
-    return {f"{role}/{p.name}": p for role, d in models.items() for p in sorted(d.iterdir()) if p.is_file()}
+    """{role/file name: path} of every file of each model directory (a directory not built yet: itself, which the
+    cell's id then reports missing, naming it)."""
+    return {f"{role}/{p.name}": p for role, d in models.items()
+            for p in (sorted(p for p in d.iterdir() if p.is_file()) if d.is_dir() else [d])}
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
