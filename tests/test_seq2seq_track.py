@@ -11,6 +11,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from mergecal.errors import ParameterError
 from mergecal.evaluation.seq2seq import rank_classification
 from mergecal.pipeline.cells import REFERENCES, run_cell
 from mergecal.pipeline.config import parse_params
@@ -177,5 +178,6 @@ def test_the_default_run_has_no_seq2seq_cells_and_bad_values_fail_in_one_line():
                              ({"finetune": {"ia3": {"steps": 0}}}, "finetune.ia3.steps"),
                              ({"shape": {"d_model": "wide"}}, "shape.d_model")):
         bad = {**data, "seq2seq": {**data["seq2seq"], **section}}
-        with pytest.raises(Exception, match=message):
+        with pytest.raises(ParameterError, match=message) as raised:
             parse_params(bad)
+        assert "\n" not in str(raised.value)
