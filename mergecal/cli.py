@@ -75,7 +75,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
         method = args.method
     from .adapters import expert_kinds, merge_experts
 
-    if expert_kinds(args.finetuned) == "full" and args.as_lora is None and not args.full_model:
+    if (expert_kinds(args.finetuned) == "full" and args.as_lora is None and not args.full_model
+            and args.lora_deltas == "merged"):
         out = merge_checkpoints(args.pretrained, args.finetuned, method, args.out, out_dtype=parse_dtype(args.dtype),
                                 device=args.device, max_shard_bytes=parse_size(args.max_shard_size), progress=True,
                                 overwrite=args.overwrite, hf_directory=False if args.weights_only else None,
@@ -86,7 +87,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.as_lora is not None and args.as_lora < 1:
         raise ParameterError(f"--as-lora {args.as_lora}: expected a rank of at least 1")
     result = merge_experts(args.pretrained, args.finetuned, method, args.out, as_lora=args.as_lora,
-                           full_model=args.full_model, out_dtype=parse_dtype(args.dtype), device=args.device,
+                           full_model=args.full_model, lora_deltas=args.lora_deltas,
+                           out_dtype=parse_dtype(args.dtype), device=args.device,
                            max_shard_bytes=parse_size(args.max_shard_size), progress=True, overwrite=args.overwrite,
                            hf_directory=False if args.weights_only else None, tokenizer_from=args.tokenizer_from,
                            **params)
@@ -309,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when the experts are PEFT LoRA adapter directories (adapter_config.json): write the merge "
                         "as a LoRA adapter of this rank (truncated SVD of each changed key's merged update) instead of "
                         "the full model, and report the energy kept")
+    p.add_argument("--lora-deltas", choices=["merged", "float32"], default="merged",
+                   help="when the experts are PEFT LoRA adapter directories: how each one's task vector is read. "
+                        "merged (default): peft's merged weight minus the base, bit for bit what merge_and_unload "
+                        "adds (on a 16-bit base each expert is rounded to the base's dtype first); float32: the "
+                        "float32 delta B @ A * scaling, unrounded, so the merge is rounded once, when written "
+                        "(full model or --as-lora)")
     p.add_argument("--full-model", action="store_true",
                    help="when the experts are PEFT IA³ adapter directories: write the base scaled by the merged "
                         "vectors (as peft's merge_and_unload) instead of an IA³ adapter")

@@ -47,6 +47,9 @@ HOW = """## The papers' profile: `make paper`
   corruption (stage `paper_seq2seq_base`) and, per fine-tuning seed, its experts fully fine-tuned (regime `standard`)
   and tuned with IA3 (`ia3`) with their references (`paper_seq2seq@<seed>`); its regimes run in this profile only,
   for the SVC and MAGIC papers' T5 / T0 tables (`svc.tab12`, `svc.tab13`, `magic.tab4`).
+- **LoRA experts** (`llm.paper_regimes` in params.yaml, [llm-track.md](llm-track.md)): the LLM track's regime `lora`,
+  a peft LoRA adapter of the tiny Llama per task (stage `paper_llm_lora@<seed>`), merged and calibrated as the
+  papers' tables merge IA3 experts (`svc.lora`, `magic.lora`: no paper prints these rows).
 - **experiments** (`experiments:` in `mergecal/experiments/svc.yaml` and `magic.yaml`): a track, its regimes, the
   merges, a base chain and its variants, listed (`variants: {row: "{merge}>svc(space='row')"}`) or swept
   (`sweep:` a parameter's `values` in `{value}`, each task's index in `{index}` with `over: tasks`, or the first N

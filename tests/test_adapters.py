@@ -500,3 +500,131 @@ def test_full_checkpoints_take_the_unchanged_path(llama, tmp_path):
     names = sorted(p.name for p in (tmp_path / "cli").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "lib").iterdir()) and "model.safetensors" in names
     assert all((tmp_path / "cli" / n).read_bytes() == (tmp_path / "lib" / n).read_bytes() for n in names)
+
+
+# --------------------------------------------------------------------------- lora_deltas: merged (peft's) or float32
+
+@pytest.fixture(scope="module")
+def two_bf16_loras(llama_bf16, tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("bf16_loras")
+    return [_adapter(llama_bf16, root / "a", peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                              target_modules=["q_proj", "v_proj"]), seed=40),
+            _adapter(llama_bf16, root / "b", peft.LoraConfig(r=2, lora_alpha=3, init_lora_weights=False,
+                                                              target_modules=["q_proj", "down_proj"]), seed=41)]
+
+
+def _float32_deltas(adapter: str) -> dict[str, torch.Tensor]:
+    """B @ A * alpha / r in float32 for each target weight, from the adapter's own files (plain LoRA, linear layers,
+    no fan_in_fan_out): computed here, not by mergecal."""
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    saved = load_state_dict(Path(adapter) / "adapter_model.safetensors")
+    deltas = {}
+    for name, A in saved.items():
+        if name.endswith(".lora_A.weight"):
+            B = saved[name.replace(".lora_A.", ".lora_B.")]
+            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            deltas[f"{module}.weight"] = (B.float() @ A.float()) * (config["lora_alpha"] / config["r"])
+    assert deltas
+    return deltas
+
+
+def test_lora_deltas_float32_rounds_a_bfloat16_merge_once(llama_bf16, two_bf16_loras, tmp_path):
+    """float32: base + lambda * sum of the float32 deltas, rounded to bfloat16 once; merged (the default): peft's
+    merged weights minus the base, each already rounded to bfloat16 (K + 1 roundings). They differ on this base."""
+    runs = {}
+    for deltas in ("merged", "float32"):
+        out = tmp_path / deltas
+        assert main(["merge", "--pretrained", llama_bf16, "--finetuned", *two_bf16_loras, "--method",
+                     "task_arithmetic", "--set", "scaling=0.7", "--lora-deltas", deltas, "--out", str(out)]) == 0
+        runs[deltas] = load_state_dict(out)
+    pre = load_state_dict(llama_bf16)
+    f1, f2 = (_float32_deltas(a) for a in two_bf16_loras)
+    p1, p2 = _peft_deltas(llama_bf16, two_bf16_loras)
+    zero = torch.zeros(())
+    differ = 0
+    for key, theta in pre.items():
+        assert runs["float32"][key].dtype == runs["merged"][key].dtype == theta.dtype == torch.bfloat16
+        exact = (theta.float() + (f1.get(key, zero) + f2.get(key, zero)) * 0.7).to(theta.dtype)
+        assert torch.equal(runs["float32"][key], exact), key
+        assert torch.equal(runs["merged"][key], ((p1[key] + p2[key]) * 0.7 + theta).to(theta.dtype)), key
+        differ += not torch.equal(runs["float32"][key], runs["merged"][key])
+    assert set(f1) | set(f2) == {k for k in pre if not torch.equal(runs["float32"][k], pre[k])}
+    assert differ >= 2  # the double rounding shows on a bfloat16 base
+
+
+def test_lora_deltas_float32_in_row_blocks_is_the_whole_key_merge(llama_bf16, two_bf16_loras):
+    """A blockwise merge reads the float32 deltas row block by row block (``get_rows``, the key's delta computed
+    once): the same model, bit for bit, as the merge of whole keys."""
+    from mergecal.adapters.experts import SharedBase
+    from mergecal.adapters.merge import _TaskVectorsOverBase
+    from mergecal.merge import _iter_model, iter_merge, iter_model_in_blocks
+    from mergecal.methods import get_merge_method
+
+    base = SharedBase(SafetensorsSource(llama_bf16))
+    experts = [LoraExpert(base, read_adapter(a)) for a in two_bf16_loras]
+    tvs = _TaskVectorsOverBase([e.task_vectors("float32") for e in experts], base)
+    method = get_merge_method("task_arithmetic", scaling=0.7)
+    blocks = dict(iter_model_in_blocks(tvs, method, block=100))
+    whole = dict(_iter_model(tvs, iter_merge(tvs, method), None))
+    assert blocks.keys() == whole.keys() and all(torch.equal(blocks[k], whole[k]) for k in whole)
+
+
+def test_lora_deltas_agree_on_a_float32_base(llama, two_loras, tmp_path):
+    """On a float32 base the merged weight is the float32 delta rounded once, at the base's magnitude: the two readings
+    agree to float32 rounding (embedding, rslora and a module saved whole included)."""
+    merged = merge_experts(llama, two_loras, "ties", tmp_path / "merged", top_k=0.5)
+    exact = merge_experts(llama, two_loras, "ties", tmp_path / "float32", top_k=0.5, lora_deltas="float32")
+    a, b, pre = load_state_dict(merged.path), load_state_dict(exact.path), load_state_dict(llama)
+    assert a.keys() == b.keys() == pre.keys()
+    assert all(a[k].dtype == b[k].dtype for k in a)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    assert torch.equal(a["lm_head.weight"], b["lm_head.weight"])  # saved whole: its difference either way
+    source = SafetensorsSource(llama)
+    expert = LoraExpert(source, read_adapter(two_loras[0]))
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(expert.task_vectors("float32").get(key), expert.delta(key, torch.float32))
+    assert not expert.task_vectors("float32").get("model.norm.weight").any()
+
+
+def test_lora_deltas_float32_as_lora_factorises_the_float32_merge(llama_bf16, two_bf16_loras, tmp_path):
+    """--as-lora with float32 deltas: each key's saved B @ A (scaling 1) is the float32 merged update
+    lambda * sum of the deltas, up to the energy the truncation discards (Eckart-Young)."""
+    result = merge_experts(llama_bf16, two_bf16_loras, "task_arithmetic", tmp_path / "r2", as_lora=2, scaling=0.7,
+                           lora_deltas="float32")
+    full = merge_experts(llama_bf16, two_bf16_loras, "task_arithmetic", tmp_path / "r64", as_lora=64, scaling=0.7,
+                         lora_deltas="float32")
+    f1, f2 = (_float32_deltas(a) for a in two_bf16_loras)
+    zero = torch.zeros(())
+    for out, rank in ((result, 2), (full, 64)):
+        saved = load_state_dict(out.path / "adapter_model.safetensors")
+        assert set(out.energy["keys"]) == set(f1) | set(f2)
+        for key, info in out.energy["keys"].items():
+            module = key.removesuffix(".weight")
+            B, A = (saved[f"base_model.model.{module}.lora_{m}.weight"].double() for m in "BA")
+            update = ((f1.get(key, zero) + f2.get(key, zero)) * 0.7).double()
+            S = torch.linalg.svdvals(update)
+            discarded, total = float(S[info["rank"]:].square().sum()), float(S.square().sum())
+            error = float((B @ A - update).square().sum())
+            assert info["rank"] == min(rank, *update.shape)
+            assert abs(error - discarded) <= 1e-5 * total, key  # float32 factors of a float64 SVD
+    assert result.energy["overall"] < 1 and full.energy["overall"] == pytest.approx(1.0)
+
+
+def test_lora_deltas_refuses_an_unknown_value_and_other_experts(llama, two_loras, tmp_path, capsys):
+    for call in (lambda: merge_experts(llama, two_loras, "task_arithmetic", tmp_path / "o", lora_deltas="fp32"),
+                 lambda: merge_experts(llama, two_loras, "task_arithmetic", tmp_path / "o", as_lora=4,
+                                       lora_deltas="bf16"),
+                 lambda: LoraExpert(SafetensorsSource(llama), read_adapter(two_loras[0])).task_vectors("exact")):
+        with pytest.raises(ParameterError) as err:
+            call()
+        _one_line(err, "lora_deltas", "merged", "float32")
+    ia3 = _adapter(llama, tmp_path / "ia3", peft.IA3Config(**IA3_CONFIGS["llama"]))
+    for experts in ([ia3], [llama]):
+        with pytest.raises(ParameterError) as err:
+            merge_experts(llama, experts, "task_arithmetic", tmp_path / "o", lora_deltas="float32")
+        _one_line(err, "lora_deltas", "LoRA", experts[0])
+        assert main(["merge", "--pretrained", llama, "--finetuned", *experts, "--method", "task_arithmetic",
+                     "--lora-deltas", "float32", "--out", str(tmp_path / "o")]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and "lora_deltas" in error, error
+    assert not (tmp_path / "o").exists()

@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Literal
 
 import torch
 
@@ -16,6 +17,18 @@ from .read import KIND_NAMES, PEFT_PREFIX, Adapter, IA3Module, LoraModule
 
 
 # ------------------------------------------------------------------------------------------------------ the experts
+
+LoraDeltas = Literal["merged", "float32"]
+LORA_DELTAS: tuple[str, ...] = ("merged", "float32")
+
+
+def check_lora_deltas(value: object) -> str:
+    """``value`` when it is one of ``LORA_DELTAS`` (how a LoRA expert's task vector is read: ``merged``, peft's
+    merged weight minus the base; ``float32``, the float32 delta), else a one-line error."""
+    if not isinstance(value, str) or value not in LORA_DELTAS:
+        raise ParameterError(f"lora_deltas: expected one of {', '.join(LORA_DELTAS)}, got {value!r}")
+    return value
+
 
 def adapter_dtype(base_dtype: torch.dtype) -> torch.dtype:
     """The dtype peft holds an adapter's weights in on a base layer of ``base_dtype``: the base's, upcast to float32
@@ -246,11 +259,11 @@ class LoraExpert(_AppliedAdapter):
         _check_replacements(self.base, base_keys, adapter)
         self._last: tuple[str, torch.Tensor] | None = None
 
-    def delta(self, key: str) -> torch.Tensor:
+    def delta(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """peft's ``get_delta_weight`` for the module of ``key``: ``transpose(B @ A, fan_in_fan_out) * scaling`` in the
-        adapter's dtype on this base (``adapter_dtype``)."""
+        adapter's dtype on this base (``adapter_dtype``), or computed in ``dtype`` when given."""
         module = self.modules[key]
-        dtype = adapter_dtype(self.base.dtype(key))
+        dtype = dtype or adapter_dtype(self.base.dtype(key))
         product = self.adapter.tensors.get(module.b_key).to(dtype) @ self.adapter.tensors.get(module.a_key).to(dtype)
         return (product.T if module.transposed else product) * module.scaling
 
@@ -273,18 +286,28 @@ class LoraExpert(_AppliedAdapter):
             return torch.add(weight, added).to(weight.dtype)
         return weight
 
-    def task_vectors(self) -> "LoraTaskVectors":
-        return LoraTaskVectors(self)
+    def task_vectors(self, deltas: LoraDeltas = "merged") -> "LoraTaskVectors":
+        """The expert's task vector as a ``TensorSource`` (``LoraTaskVectors``), its target keys read as ``deltas``
+        says (``merged`` or ``float32``)."""
+        return LoraTaskVectors(self, deltas)
 
 
 class LoraTaskVectors:
-    """A LoRA expert's task vector as a ``TensorSource`` (float32): ``theta - theta_0`` as ``TaskVectorSet`` computes
-    it on a target key, and zero on every other key without reading the base (a zero expanded from one element, so
-    a merge that only needs the task vectors, ``--as-lora``, reads the base at the keys the adapters change alone)."""
+    """A LoRA expert's task vector as a ``TensorSource`` (float32), zero on every key the adapter leaves without
+    reading the base (a zero expanded from one element, so a merge that only needs the task vectors, ``--as-lora``,
+    reads the base at the keys the adapters change alone). A target key is read as ``deltas`` says: ``merged``,
+    ``theta - theta_0`` as ``TaskVectorSet`` computes it (peft's merged weight, rounded to the base's dtype, minus
+    the base: bit for bit what peft's ``merge_and_unload`` adds); ``float32``, the delta itself,
+    ``transpose(B @ A, fan_in_fan_out) * scaling`` computed in float32, unrounded. A key with no low-rank delta (a
+    tensor saved whole, ``modules_to_save``; a ``lora_bias`` target; a target also saved whole) is the difference
+    either way. ``get_rows`` keeps the last key's task vector (one key-sized float32 buffer), which a merge read in
+    row blocks asks for block by block."""
 
-    def __init__(self, expert: LoraExpert):
+    def __init__(self, expert: LoraExpert, deltas: LoraDeltas = "merged"):
         self.expert = expert
+        self.deltas = check_lora_deltas(deltas)
         self.name = expert.name
+        self._last: tuple[str, torch.Tensor] | None = None
 
     def keys(self) -> list[str]:
         return self.expert.keys()
@@ -298,8 +321,22 @@ class LoraTaskVectors:
     def get(self, key: str) -> torch.Tensor:
         if not self.expert.touches(key):
             return torch.zeros((), dtype=torch.float32).expand(tuple(self.shape(key)))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        self._last = None
+        expert = self.expert
+        if self.deltas == "float32" and key in expert.modules and key not in expert.adapter.replacements:
+            return expert.delta(key, torch.float32)
         # TaskVectorSet._differences: both in float32, then the difference
-        return self.expert.get(key).to(torch.float32) - self.expert.base.get(key).to(torch.float32)
+        return expert.get(key).to(torch.float32) - expert.base.get(key).to(torch.float32)
+
+    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        if not self.expert.touches(key):
+            return self.get(key)[start:stop]
+        if self._last is None or self._last[0] != key:
+            self._last = None  # the previous key is released before the next is computed
+            self._last = (key, self.get(key))
+        return self._last[1][start:stop]
 
 
 class IA3Vectors:

@@ -16,8 +16,9 @@ import torch
 from ..checkpoint import DictSource, TensorSource
 from ..errors import CheckpointError, IncompatibleModelsError, ParameterError
 from ..outputs import check_target
-from .experts import (IA3Expert, IA3Identity, IA3Vectors, LoraExpert, SharedBase, _square_targets, hf_layers,
-                      linear_layouts)
+from ..task_vectors import COMPUTE_DTYPE, TaskVectorSet
+from .experts import (IA3Expert, IA3Identity, IA3Vectors, LoraDeltas, LoraExpert, SharedBase, _square_targets,
+                      check_lora_deltas, hf_layers, linear_layouts)
 from .read import KIND_NAMES, PEFT_PREFIX, LoraModule, adapter_from_tensors, expert_kind, is_adapter_dir, read_adapter
 from .write import _inputs, _located, write_adapter, write_full_model
 
@@ -100,6 +101,51 @@ def _offset(stored: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
 
 
 
+class _TaskVectorsOverBase(TaskVectorSet):
+    """Task vectors read as given (as ``TaskVectorSet.from_task_vectors`` reads them, not differenced against the
+    base) over the base they are added to (``add_pretrained``, its integer keys): LoRA experts' float32 deltas
+    (``lora_deltas="float32"``), merged into a full model by ``merge_checkpoints(task_vectors=...)``."""
+
+    def _differences(self, key: str, read) -> list[torch.Tensor]:
+        if key not in self._dtypes or not self._dtypes[key].is_floating_point:
+            raise CheckpointError(f"key {key!r} is not a floating-point key of these models")
+        return [read(s).to(device=self.device, dtype=COMPUTE_DTYPE) for s in self.sources]
+
+
+class _Stream:
+    """A merged model streamed key by key (``(key, tensor)`` in ``keys`` order) as the ``TensorSource`` that
+    ``write_full_model`` reads: each key once, in order."""
+
+    def __init__(self, keys: Sequence[str], stream: Iterator[tuple[str, torch.Tensor]]):
+        self._keys, self._stream = list(keys), stream
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def get(self, key: str) -> torch.Tensor:
+        found, tensor = next(self._stream)
+        if found != key:
+            raise CheckpointError(f"key {key!r}: the merged stream gave {found!r}")
+        return tensor
+
+
+def _write_merged(tvs: TaskVectorSet, pretrained, finetuned, method, out_dir, params: Mapping[str, Any], *,
+                  out_dtype: torch.dtype | None, max_shard_bytes: int, progress: bool, overwrite: bool,
+                  hf_directory: bool | None, tokenizer_from) -> Path:
+    """``tvs`` merged and added to its base, written as ``merge_checkpoints`` writes a merge (the same stream:
+    row blocks for a blockwise method, else key by key; the same metadata, model card and Hugging Face files)."""
+    from ..merge import _iter_merged_model, _iter_model, iter_weight_space  # merge_checkpoints' own stream
+
+    recipe, merge = _resolve_method(method, params)
+    stream = (_iter_merged_model(tvs, merge, out_dtype, progress) if recipe is None else
+              _iter_model(tvs, iter_weight_space(recipe, tvs, progress=progress), out_dtype))
+    metadata = {k: v for k, v in _metadata(recipe, merge, tvs.K).items() if k != "format"}
+    return write_full_model(pretrained, finetuned, _Stream(tvs.all_keys, stream), out_dir, metadata=metadata,
+                            label=recipe.id if recipe is not None else merge.id, out_dtype=out_dtype,
+                            max_shard_bytes=max_shard_bytes, overwrite=overwrite, hf_directory=hf_directory,
+                            tokenizer_from=tokenizer_from)
+
+
 def _bound(pretrained: str | os.PathLike | TensorSource, finetuned: Sequence[str | os.PathLike]):
     from ..checkpoint import as_source
 
@@ -111,14 +157,21 @@ def merge_lora(pretrained: str | os.PathLike, finetuned: Sequence[str | os.PathL
                as_lora: int | None = None, out_dtype: torch.dtype | None = None, device: str | None = None,
                max_shard_bytes: int = 2 * 1024**3, progress: bool = False, overwrite: bool = False,
                hf_directory: bool | None = None, tokenizer_from: str | os.PathLike | None = None,
-               **params: Any) -> MergeOutput:
+               lora_deltas: LoraDeltas = "merged", **params: Any) -> MergeOutput:
     """Merge LoRA adapters of one base. Without ``as_lora``: the merged full model, written by
     ``merge_checkpoints`` (each expert a ``LoraExpert``; what it writes for full checkpoints, it writes here). With
     ``as_lora=RANK``: each changed key's merged update re-factorised by truncated SVD into a LoRA adapter (lora_alpha =
-    r, so peft's scaling is 1), the energy kept per key and overall in ``lora_energy.json``."""
-    from ..merge import merge_checkpoints
-    from ..task_vectors import TaskVectorSet
+    r, so peft's scaling is 1), the energy kept per key and overall in ``lora_energy.json``.
 
+    ``lora_deltas``: how each expert's task vector is read on a target key (``LoraTaskVectors``). ``merged`` (the
+    default): peft's merged weight minus the base, bit for bit what peft's ``merge_and_unload`` adds, so on a 16-bit
+    base each expert is rounded to the base's dtype before the merge and the merge again when written (K + 1
+    roundings). ``float32``: the float32 delta ``transpose(B @ A, fan_in_fan_out) * scaling``, unrounded, so the
+    merge is rounded once, when written. A key with no low-rank delta (a tensor saved whole, ``modules_to_save``;
+    a ``lora_bias`` target) is the difference either way. On a float32 base the two agree to float32 rounding."""
+    from ..merge import merge_checkpoints
+
+    check_lora_deltas(lora_deltas)
     base, adapters = _bound(pretrained, finetuned)
     for adapter, path in zip(adapters, finetuned):
         if adapter.kind != "lora":
@@ -127,6 +180,12 @@ def merge_lora(pretrained: str | os.PathLike, finetuned: Sequence[str | os.PathL
     experts = [LoraExpert(base, adapter, layouts=layouts) for adapter in adapters]
     if as_lora is None:
         check_target(_located(out_dir), list(finetuned))  # merge_checkpoints checks the paths it is given
+        if lora_deltas == "float32":  # the deltas as they are, over the base the merge is added to
+            tvs = _TaskVectorsOverBase([e.task_vectors(lora_deltas) for e in experts], base,
+                                       names=[e.name for e in experts], device=device)
+            return MergeOutput(_write_merged(tvs, pretrained, finetuned, method, out_dir, params, out_dtype=out_dtype,
+                                             max_shard_bytes=max_shard_bytes, progress=progress, overwrite=overwrite,
+                                             hf_directory=hf_directory, tokenizer_from=tokenizer_from), "full")
         path = merge_checkpoints(pretrained, experts, method, out_dir, out_dtype=out_dtype, device=device,
                                  max_shard_bytes=max_shard_bytes, progress=progress, overwrite=overwrite,
                                  hf_directory=hf_directory, tokenizer_from=tokenizer_from, **params)
@@ -147,7 +206,8 @@ def merge_lora(pretrained: str | os.PathLike, finetuned: Sequence[str | os.PathL
         modules_to_save=sorted({m for e in experts for m in e.adapter.config.get("modules_to_save") or []}),
         bias="all" if any(e.adapter.config.get("bias", "none") != "none" for e in experts) else "none",
         extra={"task_type": first.get("task_type"), "base_model_name_or_path": first.get("base_model_name_or_path")})
-    tvs = TaskVectorSet([e.task_vectors() for e in experts], None, names=[e.name for e in experts], device=device)
+    tvs = TaskVectorSet([e.task_vectors(lora_deltas) for e in experts], None, names=[e.name for e in experts],
+                        device=device)
     return _write_as_lora(tvs, base, plan, method, out_dir, rank=as_lora, out_dtype=out_dtype, progress=progress,
                           overwrite=overwrite, inputs=_inputs(pretrained, finetuned), params=params)
 
@@ -269,8 +329,6 @@ def merge_full_as_lora(pretrained: str | os.PathLike, finetuned: Sequence[str | 
     """The merge of full checkpoints as a LoRA adapter of their Hugging Face base: each linear, Conv1D or embedding
     weight the merge changes factorised at ``as_lora`` (``factorize``), every other changed key (norms, biases)
     written whole, its layer a module to save; the energy kept as for LoRA experts."""
-    from ..task_vectors import TaskVectorSet
-
     _check_rank(as_lora, tokenizer_from)
     layers, state_keys = hf_layers(pretrained)
     tvs = TaskVectorSet.from_models(pretrained, finetuned, device=device)
@@ -307,7 +365,7 @@ def merge_ia3(pretrained: str | os.PathLike, finetuned: Sequence[str | os.PathLi
     """Merge IA³ adapters of one base in vector form (task vector = vector - 1). Written as an IA³ adapter with the
     first expert's config and the merged vectors, or with ``full_model`` as the base scaled by the merged vectors
     (``IA3Expert``; a Hugging Face model directory when the base is one, as ``merge_checkpoints`` writes it)."""
-    from ..task_vectors import TaskVectorSet, check_finite
+    from ..task_vectors import check_finite
 
     base, adapters = _bound(pretrained, finetuned)
     for adapter, path in zip(adapters, finetuned):
@@ -352,9 +410,12 @@ def merge_ia3(pretrained: str | os.PathLike, finetuned: Sequence[str | os.PathLi
 
 
 def merge_experts(pretrained: str | os.PathLike, finetuned: Sequence[str | os.PathLike], method, out_dir, *,
-                  as_lora: int | None = None, full_model: bool = False, **kwargs: Any) -> MergeOutput:
+                  as_lora: int | None = None, full_model: bool = False, lora_deltas: LoraDeltas = "merged",
+                  **kwargs: Any) -> MergeOutput:
     """Merge experts of one kind: full checkpoints (``merge_checkpoints``), LoRA adapters (``merge_lora``) or IA³
-    adapters (``merge_ia3``). ``as_lora`` applies to LoRA experts, ``full_model`` to IA³ ones."""
+    adapters (``merge_ia3``). ``as_lora`` applies to LoRA experts and full checkpoints, ``full_model`` to IA³
+    experts, ``lora_deltas`` (``merged``, the default, or ``float32``: how a LoRA expert's task vector is read,
+    ``merge_lora``) to LoRA experts."""
     from ..merge import merge_checkpoints
 
     if isinstance(finetuned, (str, os.PathLike)):
@@ -362,7 +423,11 @@ def merge_experts(pretrained: str | os.PathLike, finetuned: Sequence[str | os.Pa
     if is_adapter_dir(pretrained):
         raise ParameterError(f"pretrained {pretrained}: is a PEFT adapter; give the base model its adapters were "
                              "trained on")
+    check_lora_deltas(lora_deltas)
     kind = expert_kinds(finetuned)
+    if lora_deltas != "merged" and kind != "lora":
+        raise ParameterError(f"lora_deltas {lora_deltas!r}: applies to LoRA experts (how their task vectors are read); "
+                             f"{finetuned[0]} is {KIND_NAMES[kind]}")
     if as_lora is not None and kind == "ia3":
         raise ParameterError("as_lora: re-factorises a merge of LoRA adapters or full checkpoints; IA³ experts merge "
                              "into an IA³ adapter (or --full-model)")
@@ -370,7 +435,7 @@ def merge_experts(pretrained: str | os.PathLike, finetuned: Sequence[str | os.Pa
         raise ParameterError(f"full_model: applies to IA³ experts (LoRA merges are full models unless as_lora); the "
                              f"experts are {KIND_NAMES[kind]}s")
     if kind == "lora":
-        return merge_lora(pretrained, finetuned, method, out_dir, as_lora=as_lora, **kwargs)
+        return merge_lora(pretrained, finetuned, method, out_dir, as_lora=as_lora, lora_deltas=lora_deltas, **kwargs)
     if kind == "ia3":
         return merge_ia3(pretrained, finetuned, method, out_dir, full_model=full_model, **kwargs)
     if as_lora is not None:

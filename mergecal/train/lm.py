@@ -28,10 +28,12 @@ from ..config_types import ConfigValueError, Count, Flag, NonNegativeInt, NonNeg
 from ..device import resolve_device
 from ..checkpoint import atomic_write_text
 from ..errors import ParameterError
+from .adapter_out import METADATA_FILE, save_adapter
 from .lr_schedule import cosine_lr, set_lr
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
-METADATA_FILE = "training.json"
+#: peft's LoRA targets of a Llama block: every linear map (attention and MLP), as QLoRA and most lab adapters
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,22 @@ class LmTrainConfig:
     grad_clip: PositiveReal = 1.0
     freeze_embeddings: Flag = False  # keep the (tied) token embeddings: task vectors then live in the blocks
     seed: NonNegativeInt = 0
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A LoRA fine-tune (peft's ``LoraConfig``): rank, alpha (peft's scaling alpha / rank), the target modules;
+    no dropout, A drawn from the fine-tune's seed, B zero (peft's default initialisation)."""
+
+    rank: Count = 8
+    alpha: PositiveReal = 16.0
+    targets: tuple[str, ...] = LLAMA_LINEARS
+
+    def __post_init__(self):
+        targets = tuple(self.targets)
+        if not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ConfigValueError("targets", f"expected module names, got {self.targets!r}")
+        object.__setattr__(self, "targets", targets)
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int = 1024):
@@ -233,17 +251,33 @@ def pretrain_lm(texts: Sequence[str], out_dir: str | os.PathLike, *, shape: Tiny
 
 
 def finetune_lm(model_dir: str | os.PathLike, records: Sequence[dict], out_dir: str | os.PathLike, *,
-                task: str, config: LmTrainConfig = LmTrainConfig(), progress: bool = True,
-                device: str = "cpu") -> Path:
-    """Fine-tune the model in ``model_dir`` on ``records`` (``prompt``/``completion``); save to ``out_dir``."""
+                task: str, config: LmTrainConfig = LmTrainConfig(), lora: LoraSettings | None = None,
+                base_name: str | None = None, progress: bool = True, device: str = "cpu") -> Path:
+    """Fine-tune the model in ``model_dir`` on ``records`` (``prompt``/``completion``); save to ``out_dir``: the
+    whole model (a directory like the base's), or with ``lora`` a peft LoRA adapter (``adapter_config.json`` +
+    ``adapter_model.safetensors``, which ``mergecal.adapters`` merges; its config names the base ``base_name``, or
+    ``model_dir`` as given). Both carry ``training.json``."""
     model, tokenizer = load_causal_lm(model_dir)
     prompts, completions = [r["prompt"] for r in records], [r["completion"] for r in records]
     data = encode_examples(tokenizer, prompts, completions, config.max_length)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        with torch.random.fork_rng(devices=[]):  # A's initialisation from the fine-tune's seed
+            torch.manual_seed(config.seed)
+            model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
+                                                     target_modules=list(lora.targets), lora_dropout=0.0,
+                                                     bias="none", task_type="CAUSAL_LM"))
     losses = train_causal_lm(model, data, config, desc=f"fine-tune {task}", progress=progress, device=device)
     model.to("cpu").eval()
-    save_causal_lm(model, tokenizer, out_dir)
-    write_metadata(out_dir, {"task": task, "base_weights_sha256": weights_digest(model_dir),
-                             "config": asdict(config),
-                             "data_sha256": text_digest([p + c for p, c in zip(prompts, completions)]),
-                             "n_examples": len(records), **_summary(losses)})
+    metadata = {"task": task, "base_weights_sha256": weights_digest(model_dir), "config": asdict(config),
+                "data_sha256": text_digest([p + c for p, c in zip(prompts, completions)]),
+                "n_examples": len(records), **_summary(losses)}
+    if lora is None:
+        save_causal_lm(model, tokenizer, out_dir)
+        write_metadata(out_dir, metadata)
+    else:
+        metadata.update(lora={**asdict(lora), "targets": list(lora.targets)},
+                        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad))
+        save_adapter(model, out_dir, base=model_dir, base_name=base_name, metadata=metadata)
     return Path(out_dir)

@@ -5,7 +5,8 @@ seq2seq family makes its own base, as ``mergecal.train.lm`` does for the causal 
 trained on the corpus (digits one per token), with T5's special tokens (``<pad>`` = 0, the decoder's start token;
 ``</s>`` = 1, appended to every encoded text as T5's tokenizer does; sentinels ``<extra_id_0..N-1>`` at the top of
 the vocabulary, ``<extra_id_0>`` the last id), and a small ``T5Config`` model, by default in T0's layout (T5 v1.1:
-gated-gelu feed-forward, untied ``lm_head``, no dropout in pretraining).
+gated-gelu feed-forward, no rescaling of the decoder's output, no dropout in pretraining; ``lm_head`` stays tied to
+the shared embedding: transformers >= 5 ties it whatever ``tie_word_embeddings`` says).
 
 Pretraining is T5's span corruption (Raffel et al. 2020, arXiv:1910.10683, section 3.1.4 and 3.3): the corpus is
 packed into blocks (documents separated by ``</s>``); in each block 15 % of the tokens, in spans of mean length 3,
@@ -22,7 +23,6 @@ measured at run time, so the same inputs write the same bytes.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -39,7 +39,7 @@ from ..config_types import (MAX_COUNT, MAX_INDEX, MAX_STEPS, ConfigValueError, C
                             NonNegativeReal, PositiveReal, Probability, Steps)
 from ..device import resolve_device
 from ..errors import ParameterError, UnknownNameError
-from ..outputs import OutputDir, remove_stale
+from .adapter_out import save_adapter
 from .lm import METADATA_FILE, count_parameters, pack_corpus, read_metadata, text_digest, write_metadata
 from .lm import _summary  # training.json's loss summary, the same as the tiny Llama's
 from .lr_schedule import cosine_lr, set_lr
@@ -373,11 +373,12 @@ def pretrain_t5(texts: Sequence[str], out_dir: str | os.PathLike, *, shape: Tiny
 
 def finetune_t5(model_dir: str | os.PathLike, examples: Sequence[dict], out_dir: str | os.PathLike, *, task: str,
                 method: Literal["full", "ia3"] = "full", config: Seq2SeqTrainConfig = Seq2SeqTrainConfig(),
-                progress: bool = True, device: str = "cpu") -> Path:
+                base_name: str | None = None, progress: bool = True, device: str = "cpu") -> Path:
     """Fine-tune the T5 in ``model_dir`` on ``examples`` (``input``/``target``; ``mergecal.data.seq2seq``) and save
     to ``out_dir``: "full" a model directory like the base's, "ia3" a peft adapter directory (IA³ with peft's T5
     defaults, ``adapter_config.json`` + ``adapter_model.safetensors``, which ``mergecal.adapters.read_adapter``
-    reads). Both carry ``training.json``."""
+    reads; its config names the base ``base_name``, or ``model_dir`` as given: ``train.adapter_out``). Both carry
+    ``training.json``."""
     if method not in METHODS:
         raise UnknownNameError(f"finetune_t5: method {method!r}: choose one of: {', '.join(METHODS)}")
     if not examples:
@@ -401,8 +402,5 @@ def finetune_t5(model_dir: str | os.PathLike, examples: Sequence[dict], out_dir:
         save_causal_lm(model, tokenizer, out_dir)
         write_metadata(out_dir, metadata)
     else:
-        remove_stale(out_dir)
-        with OutputDir(out_dir, inputs=[model_dir]) as staging:
-            model.save_pretrained(str(staging), safe_serialization=True)
-            (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2))
+        save_adapter(model, out_dir, base=model_dir, base_name=base_name, metadata=metadata)
     return Path(out_dir)

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ....adapters import merge_experts
 from ....merge_causal_lm import merge_causal_lms
 from ....recipe import Recipe
 from ...cells import (COMMON_REFERENCES, Cell, CellResult, base_params, jsonable_diagnostics, matrix_chains,
@@ -37,28 +38,30 @@ class Models:
     scorer: LmEval
     scratch: Path
     align_vocabulary: bool = False  # experts may add tokens (merge_causal_lms's option)
+    adapters: bool = False  # the experts are peft adapters of the base, merged by ``mergecal.adapters``
 
 
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no causal-LM "
                "adapter yet; the LLM track runs weight-space chains (merge, svc, wsc)")
 
 
-def cells(params: Params, track: str, backbone: str, task_set: str, tasks, protocols=()) -> list[Cell]:
+def cells(params: Params, track: str, backbone: str, task_set: str, tasks, protocols=(),
+          regime: str = "standard") -> list[Cell]:
     """The cells of an LLM family (a base and one expert per task): references, then every weight-space
     chain of the matrix (and of the track's own fixed-scaling ``protocols``)."""
-    out = [Cell(track, backbone, task_set, tuple(tasks), "standard", ref, "") for ref in COMMON_REFERENCES]
+    out = [Cell(track, backbone, task_set, tuple(tasks), regime, ref, "") for ref in COMMON_REFERENCES]
     for merge, chain, values, grid, recipe in matrix_chains(params, protocols):
         if any(s.needs_data for s in recipe.steps) or merge_needs_data(recipe):
             continue
         steps = [(s.name, values if s.phase == "merge" else s.params.model_dump()) for s in recipe.steps]
-        out.append(recipe_cell(params, track, backbone, task_set, tasks, "standard", merge, chain, steps, grid))
+        out.append(recipe_cell(params, track, backbone, task_set, tasks, regime, merge, chain, steps, grid))
     return out
 
 
 def skipped(params: Params, track: str, backbone: str, task_set: str, tasks,
-            reason: str = SKIP_REASON) -> list[tuple[Cell, str]]:
+            reason: str = SKIP_REASON, regime: str = "standard") -> list[tuple[Cell, str]]:
     """The chains an LLM family cannot run, as cells with the reason (the leaderboard lists them)."""
-    return [(Cell(track, backbone, task_set, tuple(tasks), "standard", merge, chain, recipe.label),
+    return [(Cell(track, backbone, task_set, tuple(tasks), regime, merge, chain, recipe.label),
              DATA_MERGE_SKIP if merge_needs_data(recipe) else reason)
             for merge, chain, _, _, recipe in matrix_chains(params)
             if any(s.needs_data for s in recipe.steps) or merge_needs_data(recipe)]
@@ -108,9 +111,10 @@ def reference(cell: Cell, models: Models, *, device: str = "cpu") -> CellResult:
 
 @contextmanager
 def session(cell: Cell, recipe: Recipe, models: Models, *, device: str = "cpu") -> Iterator[Session]:
-    """A recipe cell: the experts merged checkpoint to checkpoint (weight-space chain) into a scratch directory
-    for each scaling, scored on validation with lm-eval; only the best merge so far stays on disk, and the
-    scratch directory goes when the cell ends."""
+    """A recipe cell: the experts merged checkpoint to checkpoint (weight-space chain; adapters: each one's delta
+    on the base, ``mergecal.adapters.merge_experts``) into a scratch directory for each scaling, scored on
+    validation with lm-eval; only the best merge so far stays on disk, and the scratch directory goes when the cell
+    ends."""
     reference, base, experts, scorer, scratch_root = (models.reference, models.base, models.experts, models.scorer,
                                                       models.scratch)
     tasks = list(cell.tasks)
@@ -119,6 +123,9 @@ def session(cell: Cell, recipe: Recipe, models: Models, *, device: str = "cpu") 
 
     def merged(value: float):
         diagnostics: dict = {}
+        if models.adapters:  # the calibrations' diagnostics are merge_causal_lms's only
+            return merge_experts(base, experts, recipe.with_scaling(value), scratch / f"scaling-{value:g}",
+                                 device=device).path, diagnostics
         out = merge_causal_lms(base, experts, recipe.with_scaling(value), scratch / f"scaling-{value:g}",
                                device=device, diagnostics=diagnostics, align_vocabulary=models.align_vocabulary)
         return out, diagnostics

@@ -1,7 +1,8 @@
 """The causal-LM family's ``built`` source, the LLM track (``llm`` in params.yaml): a tiny Llama pretrained by the
 pipeline on its synthetic corpus and one expert per task (Hugging Face directories, per fine-tuning seed), scored
-with lm-eval on the suite's local task YAMLs. Its cells and their computation are the family's (``..family``);
-what its DVC stages build: ``.stages``."""
+with lm-eval on the suite's local task YAMLs; in the papers' profile also the regime ``lora`` (each expert a peft
+LoRA adapter of the base). Its cells and their computation are the family's (``..family``); what its DVC stages
+build: ``.stages``."""
 
 from __future__ import annotations
 
@@ -23,13 +24,16 @@ def enabled(params: Params) -> bool:
 
 def cells(params: Params) -> list[Cell]:
     track = params.llm
-    return per_seed(family.cells(params, NAME, track.backbone, track.task_set, track.tasks), params.seeds)
+    return per_seed([c for regime in track.regimes
+                     for c in family.cells(params, NAME, track.backbone, track.task_set, track.tasks, regime=regime)],
+                    params.seeds)
 
 
 def skipped(params: Params) -> list[tuple[Cell, str]]:
     track = params.llm
-    return per_seed_skipped(family.skipped(params, NAME, track.backbone, track.task_set, track.tasks),
-                            params.seeds)
+    return per_seed_skipped([c for regime in track.regimes
+                             for c in family.skipped(params, NAME, track.backbone, track.task_set, track.tasks,
+                                                     regime=regime)], params.seeds)
 
 
 def model_files(models: dict[str, Path]) -> dict[str, Path]:
@@ -43,10 +47,10 @@ def model_files(models: dict[str, Path]) -> dict[str, Path]:
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:
     files = {"data_manifest": data_root(root) / "manifest.json",
-             "reference": diagnostics_path(params, root, cell.seed)}
+             "reference": diagnostics_path(params, root, cell.seed, cell.regime)}
     models = {"base": base_dir(params, root)}
     if cell.merge != "zeroshot":
-        models.update({f"expert.{t}": expert_dir(params, root, t, cell.seed) for t in cell.tasks})
+        models.update({f"expert.{t}": expert_dir(params, root, t, cell.seed, cell.regime) for t in cell.tasks})
     return {**files, **model_files(models)}
 
 
@@ -59,10 +63,12 @@ def cell_fingerprint(cell: Cell, params: Params):
 
 
 def models(cell: Cell, params: Params, root: Path) -> family.Models:
-    """The cell's models: the base, the experts of its fine-tuning seed, the suite's scorer, its references."""
-    return family.Models(json.loads(diagnostics_path(params, root, cell.seed).read_text()), base_dir(params, root),
-                         [expert_dir(params, root, t, cell.seed) for t in cell.tasks], lm_eval_setup(params, root),
-                         work_dir(root) / "merged")
+    """The cell's models: the base, the experts of its fine-tuning seed and regime, the suite's scorer, its
+    references."""
+    return family.Models(json.loads(diagnostics_path(params, root, cell.seed, cell.regime).read_text()),
+                         base_dir(params, root), [expert_dir(params, root, t, cell.seed, cell.regime)
+                                                  for t in cell.tasks],
+                         lm_eval_setup(params, root), work_dir(root) / "merged", adapters=cell.regime == "lora")
 
 
 def reference(cell: Cell, params: Params, root: str | Path, *, device: str = "cpu") -> CellResult:

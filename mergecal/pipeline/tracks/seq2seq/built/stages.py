@@ -110,21 +110,9 @@ def finetune(params: Params, regime: str, task: str, root: str | Path = ".", *, 
     config = Seq2SeqTrainConfig(**params.seq2seq.finetune_config(regime, seed))
     out = finetune_t5(base_dir(params, root), load_split(root, task, "train"),
                       expert_dir(params, root, regime, task, seed), task=task, method=METHOD[regime],
-                      config=config, progress=progress, device=device)
-    if METHOD[regime] == "ia3":
-        _base_named_in_the_checkout(out, base_dir(params, root), Path(root))
+                      config=config, base_name=base_dir(params, root).relative_to(root).as_posix(), progress=progress,
+                      device=device)
     return json.loads((out / "training.json").read_text())
-
-
-def _base_named_in_the_checkout(adapter: Path, base: Path, root: Path) -> None:
-    """peft writes the base's path as given (absolute in a stage) into ``adapter_config.json`` and a model card: the
-    expert's bytes, and so the ids of the cells that hash them, would depend on where the checkout lies. The config
-    names the base relative to the checkout instead, and the card (peft's template, read by nothing) is dropped."""
-    config_path = adapter / "adapter_config.json"
-    config = json.loads(config_path.read_text())
-    config["base_model_name_or_path"] = base.relative_to(root).as_posix()
-    atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True))
-    (adapter / "README.md").unlink(missing_ok=True)
 
 
 def load_model(params: Params, root: str | Path, regime: str, model: Path, *, device: str = "cpu"):
