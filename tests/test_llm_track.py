@@ -365,3 +365,23 @@ def test_lm_eval_scoring_does_not_import_open_clip():
             "assert 'open_clip' in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_flow_imports_lm_eval_before_the_llm_cells_fan_out():
+    """``flow.preload``: lm-eval's Hugging Face model (and transformers) imported in the flow's thread, so that two
+    cell threads never import it for the first time at once (which once left HFLM holding a half-built transformers
+    module and failed every LLM cell of a run: 'module transformers has no attribute AutoConfig')."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from mergecal.pipeline.cells import enumerate_cells\n"
+            "from mergecal.pipeline.config import parse_params\n"
+            "from mergecal.pipeline.flow import preload\n"
+            "cells = [c for c in enumerate_cells(parse_params({})) if c.track == 'llm']\n"
+            "assert cells and 'lm_eval.models.huggingface' not in sys.modules\n"
+            "preload(cells[:1])\n"
+            "hf = sys.modules['lm_eval.models.huggingface']\n"
+            "assert hf.transformers is sys.modules['transformers'] and hf.transformers.AutoConfig\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -53,7 +53,7 @@ from mergecal.pipeline.quiet import quietly
 from mergecal.pipeline.results import one_line, skipped_id, summary_row, write_results
 from mergecal.pipeline.threads import pin_threads, worker_threads
 from mergecal.pipeline.tracking import Tracker, cell_tags, provenance, tag
-from mergecal.pipeline.track_registry import skipped_cells
+from mergecal.pipeline.track_registry import get_track, skipped_cells
 from mergecal.pipeline.workers import (WorkerSetupError, cell_tracker, check_cell, preflight, worker_name,
                                       worker_root)
 
@@ -183,6 +183,19 @@ def task_runner(params: Params):
 
 
 @flow(name="mergecal-benchmark", log_prints=True)
+def preload(cells: list[Cell]) -> None:
+    """Import, in the flow's own thread, the libraries each track's cells import on first use (``PRELOAD`` of the
+    track's module). Two worker threads importing a library for the first time at once can leave one with a
+    half-built module: lm-eval's HFLM then held a ``transformers`` that was not ``sys.modules``' and every LLM
+    cell of a run whose other cells were all cached failed ("module 'transformers' has no attribute
+    'AutoConfig'", 2026-12-04)."""
+    import importlib
+
+    for track in dict.fromkeys(c.track for c in cells):
+        for name in getattr(get_track(track), "PRELOAD", ()):
+            importlib.import_module(name)
+
+
 def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "results/benchmark.json",
               cells: list[dict] | None = None, profile: str = "default") -> dict:
     """Run every cell of the matrix in ``params_path`` (or the given ``cells``, as ``Cell.to_dict`` writes them:
@@ -204,6 +217,7 @@ def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "
                                                                    "grid": tuple(c["grid"])}) for c in given]
     keys = matrix_ids(cells, params, root_path)
     sources = source_index(cells)
+    preload(cells)
     invocation_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     parent = tracker.start_invocation(
         invocation_id, tags={tag("cells"): str(len(cells))},

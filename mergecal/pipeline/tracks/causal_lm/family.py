@@ -41,6 +41,10 @@ class Models:
     adapters: bool = False  # the experts are peft adapters of the base, merged by ``mergecal.adapters``
 
 
+#: what a source's module gives the flow to import before its cells fan out into threads (``flow.preload``): lm-eval's
+#: Hugging Face model, and with it transformers, imported once in one thread
+PRELOAD = ("lm_eval.models.huggingface",)
+
 SKIP_REASON = ("needs models and data: DisTaC and MAGIC's feature-space steps (FSC, DSC) have no causal-LM "
                "adapter yet; the LLM track runs weight-space chains (merge, svc, wsc)")
 

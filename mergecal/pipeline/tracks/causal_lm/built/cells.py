@@ -16,6 +16,7 @@ from .. import family
 from .stages import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
 
 NAME = "llm"
+PRELOAD = family.PRELOAD  # imported by the flow before the cells fan out
 
 
 def enabled(params: Params) -> bool:

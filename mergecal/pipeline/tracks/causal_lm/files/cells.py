@@ -26,6 +26,7 @@ from ....track_registry import cell_track, configured_track, configured_tracks
 from .. import family
 
 NAME = "local_llm"
+PRELOAD = family.PRELOAD  # imported by the flow before the cells fan out
 
 
 def enabled(params: Params) -> bool:

@@ -32,6 +32,9 @@ from .stages import (base_dir, expert_dir, load_model, manifest_path, references
                      validation_limit, work_dir)
 
 NAME = "seq2seq"
+#: imported by the flow before the cells fan out (``flow.preload``): transformers, whose first import replaces its
+#: module in ``sys.modules``, once in one thread
+PRELOAD = ("transformers",)
 DATA_SKIP = ("needs models and data: DisTaC's steps and MAGIC's feature-space steps (FSC, DSC) have no seq2seq "
              "adapter; the seq2seq track runs weight-space chains (merge, svc, wsc)")
 VECTOR_SKIP = ("IA³ experts are vectors: {what} is defined on matrices and does not apply (the papers print '—'); "
