@@ -182,7 +182,6 @@ def task_runner(params: Params):
                                           "processes": True, "dashboard_address": None})
 
 
-@flow(name="mergecal-benchmark", log_prints=True)
 def preload(cells: list[Cell]) -> None:
     """Import, in the flow's own thread, the libraries each track's cells import on first use (``PRELOAD`` of the
     track's module). Two worker threads importing a library for the first time at once can leave one with a
@@ -196,6 +195,7 @@ def preload(cells: list[Cell]) -> None:
             importlib.import_module(name)
 
 
+@flow(name="mergecal-benchmark", log_prints=True)
 def benchmark(params_path: str = "params.yaml", root: str = ".", output: str = "results/benchmark.json",
               cells: list[dict] | None = None, profile: str = "default") -> dict:
     """Run every cell of the matrix in ``params_path`` (or the given ``cells``, as ``Cell.to_dict`` writes them:
