@@ -385,3 +385,22 @@ def test_the_flow_imports_lm_eval_before_the_llm_cells_fan_out():
             "assert hf.transformers is sys.modules['transformers'] and hf.transformers.AutoConfig\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_tracks_preload_names_third_party_libraries_only():
+    """What ``flow.preload`` imports by name is outside the project, so the import graph (stage deps, cell code
+    digests) misses nothing; a project module named there is refused in one line."""
+    from mergecal.errors import MergecalError
+    from mergecal.pipeline import flow, track_registry
+    from mergecal.pipeline.cells import Cell
+
+    named = {name: getattr(track_registry.get_track(name), "PRELOAD", ()) for name in track_registry.MODULES}
+    assert named["llm"] == ("lm_eval.models.huggingface",) and named["seq2seq"] == ("transformers",)
+    assert not [n for names in named.values() for n in names if n.split(".")[0] == "mergecal"]
+    module = track_registry.get_track("llm")
+    module.PRELOAD, kept = ("mergecal.pipeline.flow",), module.PRELOAD
+    try:
+        with pytest.raises(MergecalError, match="PRELOAD names the project's module 'mergecal.pipeline.flow'"):
+            flow.preload([Cell("llm", "tiny-llama", "llm3", ("maximum", "sentiment"), "standard", "zeroshot", "")])
+    finally:
+        module.PRELOAD = kept

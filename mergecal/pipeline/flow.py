@@ -187,12 +187,16 @@ def preload(cells: list[Cell]) -> None:
     track's module). Two worker threads importing a library for the first time at once can leave one with a
     half-built module: lm-eval's HFLM then held a ``transformers`` that was not ``sys.modules``' and every LLM
     cell of a run whose other cells were all cached failed ("module 'transformers' has no attribute
-    'AutoConfig'", 2026-12-04)."""
-    import importlib
+    'AutoConfig'", 2026-12-04). Third-party libraries only: a project module named here would be a dep that the
+    import graph (``mergecal.pipeline.imports``) does not see."""
+    from pkgutil import resolve_name
 
     for track in dict.fromkeys(c.track for c in cells):
         for name in getattr(get_track(track), "PRELOAD", ()):
-            importlib.import_module(name)
+            if name.split(".")[0] == __name__.split(".")[0]:
+                raise MergecalError(f"track {track!r}: PRELOAD names the project's module {name!r}; import it "
+                                    "statically")
+            resolve_name(name)
 
 
 @flow(name="mergecal-benchmark", log_prints=True)
