@@ -100,6 +100,15 @@ LLAMA = ArchitectureSpec(
     key_roles={"embedding": r"(^|\.)(embed_tokens\.weight|lm_head\.weight)$"},
 )
 
+T5 = ArchitectureSpec(
+    name="t5",
+    description="T5-style encoder-decoder (Hugging Face layout: T5ForConditionalGeneration, T0); weight space only",
+    # shared is the token embedding both stacks read (stored again as {encoder,decoder}.embed_tokens and, tied,
+    # lm_head: Llama's pattern matches those names); relative_attention_bias is the position embedding (buckets x
+    # heads), T5's counterpart of CLIP's positional_embedding
+    key_roles={"embedding": r"(^|\.)(shared\.weight|relative_attention_bias\.weight)$"},
+)
+
 #: every spec defined above, by name, in the order written: a new architecture is one more ``ArchitectureSpec`` here
 ARCHITECTURE_SPECS: dict[str, ArchitectureSpec] = {spec.name: spec for spec in list(globals().values())
                                                    if isinstance(spec, ArchitectureSpec)}

@@ -1,10 +1,12 @@
-"""Key rules by role, whatever the naming layout: open_clip, HF CLIP, BERT family and Llama (issue #13, item 8).
+"""Key rules by role, whatever the naming layout: open_clip, HF CLIP, BERT family, Llama (issue #13, item 8) and T5
+(issue #60).
 
 Every state dict is a real tiny model's (nothing downloaded), cut to its first layer, and each test lists the
 exact keys a rule covers. The decisions per role (docs/references.md, "Which parameters each method touches"):
 - patch embedding (4-D conv): WSC only;
 - position / class / token embeddings (Llama's ``lm_head`` too: the output embedding, one tensor with
-  ``embed_tokens`` when tied): TSV-M/Iso only; never SVC (authors: no 'embedding') nor WSC (authors: left alone);
+  ``embed_tokens`` when tied; T5's ``shared`` and its ``relative_attention_bias``, a position embedding):
+  TSV-M/Iso only; never SVC (authors: no 'embedding') nor WSC (authors: left alone);
 - final projection (open_clip ``visual.proj``, HF ``visual_projection.weight``, BERT ``pooler.dense``): SVC and
   TSV-M/Iso, not WSC; ``text_projection`` in either spelling: none of the three;
 - attention and MLP matrices: all three; LayerNorm/RMSNorm weights and biases (1-D): none.
@@ -117,3 +119,30 @@ def test_llama(rule):
         "matrices_except_text_projection": blocks | {"model.embed_tokens.weight", "lm_head.weight"},
     }
     assert covered(model.state_dict(), rule) == expected[rule]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_t5(rule):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=WIDTH, d_kv=8, d_ff=64, num_layers=1,
+                                                num_decoder_layers=1, num_heads=2, feed_forward_proj="gated-gelu",
+                                                tie_word_embeddings=False))
+    state = dict(model.state_dict())
+    attention = ("q", "k", "v", "o")
+    blocks = ({f"encoder.block.0.layer.0.SelfAttention.{m}.weight" for m in attention}
+              | {f"decoder.block.0.layer.0.SelfAttention.{m}.weight" for m in attention}
+              | {f"decoder.block.0.layer.1.EncDecAttention.{m}.weight" for m in attention}
+              | {f"{stack}.block.0.layer.{i}.DenseReluDense.{m}.weight" for stack, i in (("encoder", 1), ("decoder", 2))
+                 for m in ("wi_0", "wi_1", "wo")})
+    embeddings = ({"shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"}
+                  | {f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+                     for stack in ("encoder", "decoder")}) & set(state)
+    assert "shared.weight" in embeddings and len(embeddings) >= 3
+    expected = {
+        "svc_authors": blocks,
+        "wsc_weights": blocks,
+        "matrices_except_text_projection": blocks | embeddings,
+    }
+    assert covered(state, rule) == expected[rule]

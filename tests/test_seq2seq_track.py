@@ -93,7 +93,7 @@ def test_references_and_a_searched_cell_run(built):
     point = curve[-1]
     with get_track("seq2seq").session(searched, Recipe.parse(searched.recipe), searched.grid, params, root) as session:
         model = session.merged(point["scaling"])
-    val = stages.score(params, root, *model, tasks, "validation", limit=params.seq2seq.evaluation.max_validation)
+    val = stages.scorer(params, root).score(*model, tasks, "validation")  # its first max_validation examples
     reference = references["standard"]["tasks"]
     assert point["avg_norm_acc"] == pytest.approx(
         sum(val[t]["accuracy"] / reference[t]["val_accuracy"] for t in tasks) / len(tasks))

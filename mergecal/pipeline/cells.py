@@ -217,6 +217,14 @@ class CellResult:
     examples: dict[str, list] = field(default_factory=dict)
 
 
+def model_files(models: dict[str, Path]) -> dict[str, Path]:
+    """A cell's inputs of model directories the pipeline built: {role/file name: path} of every file of each (config,
+    tokenizer, weights, an adapter's files); a directory not built yet is itself, which the cell's id then reports
+    missing, naming it."""
+    return {f"{role}/{p.name}": p for role, d in models.items()
+            for p in (sorted(p for p in d.iterdir() if p.is_file()) if d.is_dir() else [d])}
+
+
 def per_example_results(tasks, test: dict[str, dict[str, Any]], key: str = "correct") -> dict[str, list]:
     """The per-example test outcomes of an evaluation run with ``per_example`` (``{}`` where it was not), or, with
     ``key="test_correct"``, those a references file kept for the ``finetuned`` row (``{}`` for a file written

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from .....recipe import Recipe
-from ....cells import Cell, CellResult, per_seed, per_seed_skipped
+from ....cells import Cell, CellResult, model_files, per_seed, per_seed_skipped
 from ....config import Params
 from .. import family
 from .stages import base_dir, data_root, diagnostics_path, expert_dir, lm_eval_setup, work_dir
@@ -35,15 +35,6 @@ def skipped(params: Params) -> list[tuple[Cell, str]]:
     return per_seed_skipped([c for regime in track.regimes
                              for c in family.skipped(params, NAME, track.backbone, track.task_set, track.tasks,
                                                      regime=regime)], params.seeds)
-
-
-def model_files(models: dict[str, Path]) -> dict[str, Path]:
-    """{role/file name: path} of every file of each model directory (config, tokenizer, weights)."""
-    files = {}
-    for role, directory in models.items():
-        for path in sorted(p for p in directory.iterdir() if p.is_file()) if directory.is_dir() else [directory]:
-            files[f"{role}/{path.name}"] = path
-    return files
 
 
 def inputs(cell: Cell, params: Params, root: str | Path) -> dict[str, Path]:

@@ -19,14 +19,12 @@ import hashlib
 import json
 from pathlib import Path
 
-import torch
-
-from .....checkpoint import atomic_write_text, load_state_dict
+from .....checkpoint import atomic_write_text
 from .....data.llm import LlmSuiteConfig
 from .....data.seq2seq import SPLITS, pretraining_documents, seq2seq_splits
-from .....evaluation.seq2seq import rank_classification
-from .....train.seq2seq import Seq2SeqTrainConfig, TinyT5Shape, finetune_t5, load_t5, pretrain_t5
+from .....train.seq2seq import Seq2SeqTrainConfig, TinyT5Shape, finetune_t5, pretrain_t5
 from ....config import Params, fine_tuning_seed, seed_dir
+from .. import scoring
 
 WORK = Path(".mergecal") / "seq2seq"
 #: the fine-tuning method of each regime's experts (``mergecal.train.seq2seq.finetune_t5``)
@@ -115,64 +113,18 @@ def finetune(params: Params, regime: str, task: str, root: str | Path = ".", *, 
     return json.loads((out / "training.json").read_text())
 
 
-def load_model(params: Params, root: str | Path, regime: str, model: Path, *, device: str = "cpu"):
-    """A model directory (the base, a full expert, a merge) or, in the ``ia3`` regime, an expert's adapter on the
-    base, ready to score; with the base's tokenizer."""
-    if regime == "ia3" and model != base_dir(params, root) and (model / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        base, tokenizer = load_t5(base_dir(params, root), device=device)
-        return PeftModel.from_pretrained(base, str(model)).eval(), tokenizer
-    return load_t5(model, device=device)
-
-
-def score(params: Params, root: str | Path, model, tokenizer, tasks, split: str, *, device: str = "cpu",
-          limit: int | None = None) -> dict[str, dict]:
-    """{task: rank classification's ``accuracy`` and per-example ``correct``} of one model on one split (the
-    first ``limit`` examples of each task)."""
-    out = {}
-    for task in tasks:
-        examples = load_split(root, task, split)[:limit]
-        found = rank_classification(model, tokenizer, examples, batch_size=params.seq2seq.evaluation.batch_size,
-                                    device=device)
-        out[task] = {"accuracy": float(found["accuracy"]), "correct": [float(c) for c in found["correct"]]}
-    return out
-
-
-def validation_limit(params: Params) -> int:
-    return params.seq2seq.evaluation.max_validation
-
-
-def task_vector_norm(params: Params, root: str | Path, regime: str, expert: Path) -> float:
-    """‖τ‖ of an expert: its weights minus the base's (standard), or its IA³ vectors minus one (ia3)."""
-    if regime == "ia3":
-        tensors = load_state_dict(expert / "adapter_model.safetensors")
-        return float(sum((t.double() - 1).square().sum() for t in tensors.values()) ** 0.5)
-    base = load_state_dict(base_dir(params, root) / "model.safetensors")
-    fine = load_state_dict(expert / "model.safetensors")
-    return float(sum((fine[k].double() - v.double()).square().sum() for k, v in base.items()
-                     if torch.is_floating_point(v)) ** 0.5)
+def scorer(params: Params, root: str | Path) -> scoring.Scorer:
+    """Rank classification of the suite's tasks (``data/seq2seq``), as the track's evaluation settings say."""
+    evaluation = params.seq2seq.evaluation
+    return scoring.Scorer(lambda task, split: load_split(root, task, split), evaluation.batch_size,
+                         evaluation.max_validation)
 
 
 def references(params: Params, root: str | Path = ".", *, regime: str, seed: int | None = None,
                device: str = "cpu") -> dict:
-    """A regime's references: the base's scores (validation, test), each expert's on its own task (validation
-    and test, the normalized score's denominators; per-example on test: the finetuned row's interval), on every
-    task's test split, and its task vector's norm."""
-    tasks, limit = params.seq2seq.tasks, validation_limit(params)
-    model, tokenizer = load_model(params, root, regime, base_dir(params, root), device=device)
-    report = {"base": {split: {t: s["accuracy"] for t, s in score(params, root, model, tokenizer, tasks, split,
-                                                                   device=device, limit=lim).items()}
-                       for split, lim in (("validation", limit), ("test", None))}, "tasks": {}}
-    for task in tasks:
-        expert = expert_dir(params, root, regime, task, seed)
-        model, tokenizer = load_model(params, root, regime, expert, device=device)
-        val = score(params, root, model, tokenizer, [task], "validation", device=device, limit=limit)[task]
-        test = score(params, root, model, tokenizer, tasks, "test", device=device)
-        report["tasks"][task] = {"val_accuracy": val["accuracy"], "test_accuracy": test[task]["accuracy"],
-                                 "test_all_tasks": {t: s["accuracy"] for t, s in test.items()},
-                                 "test_correct": test[task]["correct"],
-                                 "norm": task_vector_norm(params, root, regime, expert)}
+    """A regime's references (``scoring.references``), written to its references.json."""
+    experts = {task: expert_dir(params, root, regime, task, seed) for task in params.seq2seq.tasks}
+    report = scoring.references(scorer(params, root), base_dir(params, root), experts, regime, device=device)
     atomic_write_text(references_path(params, root, regime, seed), json.dumps(report, indent=2, sort_keys=True))
     return report
 
