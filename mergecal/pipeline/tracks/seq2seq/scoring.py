@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ....checkpoint import load_state_dict
+from ....adapters import LoraExpert, linear_layouts, read_adapter
+from ....checkpoint import SafetensorsSource, load_state_dict
 from ....evaluation.seq2seq import rank_classification
 from ....train.seq2seq import load_t5
 
@@ -59,9 +60,6 @@ def task_vector_norm(base: Path, expert: Path, regime: str) -> float:
         tensors = load_state_dict(expert / "adapter_model.safetensors")
         return float(sum((t.double() - 1).square().sum() for t in tensors.values()) ** 0.5)
     if regime == "lora":
-        from ....adapters import LoraExpert, linear_layouts, read_adapter
-        from ....checkpoint import SafetensorsSource
-
         source = SafetensorsSource(base)
         applied = LoraExpert(source, read_adapter(expert), layouts=linear_layouts(base))
         return float(sum((applied.get(k).double() - source.get(k).double()).square().sum()
