@@ -150,3 +150,49 @@ def test_bad_tracks_fail_in_one_line(lab, tmp_path):
     report = stages.references(LocalSeq2SeqTrack(**{**track("p", "standard", params), "base": str(pickled)}),
                                root)
     assert "pickled weights" in report["error"] and "\n" not in report["error"]
+
+
+def test_lora_experts_merge_as_peft_applies_them(lab, tmp_path):
+    """LoRA adapters of the T5 made by peft (B drawn, not zero): the references' norm is that of peft's
+    merge_and_unload minus the base, and a task-arithmetic cell's merge is the base plus lambda times the sum of
+    those differences, within float32 rounding, on every key."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from mergecal.recipe import Recipe
+    from mergecal.train.seq2seq import load_t5
+
+    root, params, *_ = lab
+    base_dir = root / built_stages.base_dir(params, ".")
+    experts, deltas = {}, {}
+    for seed, task in enumerate(TASKS):
+        torch.manual_seed(seed)
+        model, _ = load_t5(base_dir)
+        peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q", "v", "wo"],
+                                                      init_lora_weights=False))
+        experts[task] = tmp_path / f"lora-{task}"
+        peft_model.save_pretrained(str(experts[task]))
+        merged = peft_model.merge_and_unload().state_dict()
+        plain = load_t5(base_dir)[0].state_dict()
+        deltas[task] = {k: merged[k] - plain[k] for k in plain}
+    lora = {**track("lab-lora", "lora", params), "experts": {t: str(p) for t, p in experts.items()}}
+    local = lab_params([lora], fixed_scaling=[{"scaling": 0.5, "merges": ["task_arithmetic"], "chains": ["{merge}"]}])
+    lab_files.record_inputs(local, root)
+    report = lab_files.all_references(local, root)["lab-lora"]
+    assert "error" not in report, report
+    for task in TASKS:
+        expected = float(sum(d.double().square().sum() for d in deltas[task].values()) ** 0.5)
+        assert expected > 0 and report["tasks"][task]["norm"] == pytest.approx(expected, rel=1e-5)
+    track_module = get_track("local_seq2seq")
+    cell = next(c for c in track_module.cells(local) if c.label == "task_arithmetic(scaling=0.5)")
+    assert any(c.merge == "tsv_m" for c in track_module.cells(local))  # LoRA deltas are matrices
+    result = run_cell(cell, local, root)
+    assert 0 <= result.metrics["avg_acc"] <= 1
+    with track_module.session(cell, Recipe.parse(cell.recipe), (), local, root) as session:
+        ours = session.merged(0.5)[0].state_dict()
+    plain = load_t5(base_dir)[0].state_dict()
+    moved = [k for k in plain if not torch.allclose(ours[k], plain[k], atol=1e-4)]
+    assert moved and all(k.endswith((".q.weight", ".v.weight", ".wo.weight")) for k in moved)
+    for key, value in plain.items():
+        expected = value + 0.5 * sum(deltas[t][key] for t in TASKS)
+        assert torch.allclose(ours[key], expected, atol=1e-6), key

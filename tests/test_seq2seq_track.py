@@ -181,3 +181,16 @@ def test_the_default_run_has_no_seq2seq_cells_and_bad_values_fail_in_one_line():
         with pytest.raises(ParameterError, match=message) as raised:
             parse_params(bad)
         assert "\n" not in str(raised.value)
+
+
+def test_a_cell_whose_models_the_papers_profile_has_not_built_says_so(tmp_path):
+    """``seq2seq.regimes`` puts the track in the default run's matrix, whose stages build no seq2seq model: its cells
+    name the missing references and the command that builds them, in one line."""
+    from mergecal.errors import CheckpointError
+    from mergecal.pipeline.cells import cell_id
+
+    params = micro_params(regimes=("standard",))
+    cell = get_track("seq2seq").cells(params)[0]
+    with pytest.raises(CheckpointError, match=r"references\.json: not built; .* run `make paper`") as raised:
+        cell_id(cell, params, tmp_path)
+    assert "\n" not in str(raised.value)
