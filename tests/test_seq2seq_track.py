@@ -183,14 +183,17 @@ def test_the_default_run_has_no_seq2seq_cells_and_bad_values_fail_in_one_line():
         assert "\n" not in str(raised.value)
 
 
-def test_a_cell_whose_models_the_papers_profile_has_not_built_says_so(tmp_path):
-    """``seq2seq.regimes`` puts the track in the default run's matrix, whose stages build no seq2seq model: its cells
-    name the missing references and the command that builds them, in one line."""
-    from mergecal.errors import CheckpointError
-    from mergecal.pipeline.cells import cell_id
+def test_the_default_run_refuses_seq2seq_regimes_whose_models_make_paper_has_not_built(tmp_path, capsys):
+    """``seq2seq.regimes`` puts the track in the default run's matrix, whose stages build no seq2seq model: the stage
+    ``benchmark`` names the missing references and the command that builds them, in one line, before any cell."""
+    from stages.benchmark import stage
+    from stages._common import run
 
     params = micro_params(regimes=("standard",))
-    cell = get_track("seq2seq").cells(params)[0]
-    with pytest.raises(CheckpointError, match=r"references\.json: not built; .* run `make paper`") as raised:
-        cell_id(cell, params, tmp_path)
-    assert "\n" not in str(raised.value)
+    assert "run `make paper`" in get_track("seq2seq").unbuilt(params, tmp_path)
+    assert get_track("seq2seq").unbuilt(micro_params(regimes=()), tmp_path) is None
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+    assert run(stage, ["--root", str(tmp_path)]) != 0
+    error = capsys.readouterr().err.strip()
+    assert "references.json: not built; seq2seq.regimes ['standard']" in error and "\n" not in error
+    assert not (tmp_path / "results").exists()  # no cell ran
