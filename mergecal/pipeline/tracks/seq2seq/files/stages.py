@@ -141,6 +141,18 @@ def scorer(track: LocalSeq2SeqTrack, root: str | Path) -> Scorer:
 
 # ----------------------------------------------------------------------------------------------- checks
 
+_KIND = {"full": "a full model directory", "lora": "a LoRA adapter", "ia3": "an IA³ adapter"}
+_KINDS = {"full": "full model directories", "lora": "LoRA adapters", "ia3": "IA³ adapters"}
+
+
+def kind_mismatch(directory: Path, kind: str, regime: str) -> str | None:
+    """Why an expert of ``kind`` (``mergecal.adapters.expert_kind``) does not fit the track's ``regime`` (None: it
+    does)."""
+    if kind == EXPERT_KIND[regime]:
+        return None
+    return (f"{directory} is {_KIND[kind]}, but regime {regime!r} merges {_KINDS[EXPERT_KIND[regime]]} (set regime "
+            "to the experts' kind: standard, ia3 or lora)")
+
 def check_base(base: Path) -> None:
     """A usable base: a model directory (config.json, safetensors weights), not a PEFT adapter."""
     if (base / ADAPTER_CONFIG).is_file():
@@ -154,9 +166,8 @@ def check_expert(base: Path, expert: Path, regime: str) -> None:
     """An expert of the track's regime that fits the base: a model directory of its config and tokenizer files
     (``standard``), or an adapter of the regime's kind whose targets are the base's keys, shapes fitting."""
     kind = expert_kind(expert)
-    if kind != EXPERT_KIND[regime]:
-        raise CheckpointError(f"{expert}: {_kinds[kind]}, but the track's regime {regime!r} merges "
-                              f"{_kinds[EXPERT_KIND[regime]]}s (set regime to its kind: standard, ia3 or lora)")
+    if (reason := kind_mismatch(expert, kind, regime)) is not None:
+        raise CheckpointError(reason)
     if kind == "full":
         check_base(expert)
         check_same_config(base, expert)
@@ -168,9 +179,6 @@ def check_expert(base: Path, expert: Path, regime: str) -> None:
         return
     adapter = read_adapter(expert)
     (LoraExpert if kind == "lora" else IA3Expert)(SafetensorsSource(base), adapter, layouts=linear_layouts(base))
-
-
-_kinds = {"full": "a full model directory", "lora": "a LoRA adapter", "ia3": "an IA³ adapter"}
 
 
 # ----------------------------------------------------------------------------------------------- stages
@@ -195,9 +203,8 @@ def model_inputs(track: LocalSeq2SeqTrack, root: str | Path, where: str) -> dict
                 kind = expert_kind(directory)
             except CheckpointError as err:
                 raise ParameterError(f"{key}: {one_line(err)}") from None
-            if kind != EXPERT_KIND[track.regime]:
-                raise ParameterError(f"{key}: {directory} is {_kinds[kind]}, but regime {track.regime!r} merges "
-                                     f"{_kinds[EXPERT_KIND[track.regime]]}s")
+            if (reason := kind_mismatch(directory, kind, track.regime)) is not None:
+                raise ParameterError(f"{key}: {reason}")
         expected = MODEL_FILES if track.regime == "standard" else ADAPTER_FILES
         files.update(loaded_files(f"expert.{task}", directory, key, expert_files, expected))
     return files
